@@ -1,0 +1,1 @@
+"""flowkube API: the Flow resource models and the names shared by operator and runner."""

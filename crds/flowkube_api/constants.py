@@ -1,0 +1,130 @@
+"""Names shared by the operator and the runner: one place, imported by both sides."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+GROUP = "flowkube.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "Flow"
+PLURAL = "flows"
+SINGULAR = "flow"
+SHORT_NAMES = ("fl",)
+CATEGORIES = ("flowkube", "all")
+
+PREFIX = GROUP  # label / annotation key prefix
+
+# Labels put on every object the operator creates for a Flow.
+LABEL_FLOW = f"{PREFIX}/flow"
+LABEL_RUN = f"{PREFIX}/run"
+LABEL_TRIGGER = f"{PREFIX}/trigger"
+LABEL_COMPONENT = f"{PREFIX}/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGED_BY = "flowkube"
+COMPONENT_RUNNER = "runner"
+COMPONENT_STATE = "state"
+
+FINALIZER = f"{PREFIX}/cleanup"
+
+
+class Phase(StrEnum):
+    PENDING = "Pending"
+    RUNNING = "Running"
+    AWAITING_FEEDBACK = "AwaitingFeedback"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    SUSPENDED = "Suspended"
+
+
+TERMINAL_PHASES = frozenset({Phase.SUCCEEDED, Phase.FAILED})
+
+
+class ConditionType(StrEnum):
+    ACCEPTED = "Accepted"
+    RUNNING = "Running"
+    AWAITING_FEEDBACK = "AwaitingFeedback"
+    SUCCEEDED = "Succeeded"
+
+
+class Trigger(StrEnum):
+    KICKOFF = "kickoff"
+    RESUME = "resume"
+    RETRY = "retry"
+
+
+class RunResult(StrEnum):
+    SUCCEEDED = "Succeeded"
+    PAUSED = "Paused"
+    FAILED = "Failed"
+
+
+class Reason(StrEnum):
+    """CamelCase reasons used in conditions, runs[] and Events."""
+
+    ACCEPTED = "Accepted"
+    INVALID_DEFINITION = "InvalidDefinition"
+    INVALID_FLOW_REF = "InvalidFlowRef"
+    INVALID_INPUTS = "InvalidInputs"
+    STATE_CORRUPT = "StateCorrupt"
+    STATE_TOO_LARGE = "StateTooLarge"
+    RUN_PENDING = "RunPending"
+    RUN_STARTED = "RunStarted"
+    RUN_FAILED = "RunFailed"
+    RUN_SUCCEEDED = "RunSucceeded"
+    RUN_PAUSED = "RunPaused"
+    POD_DELETED = "PodDeleted"
+    RETRY_BACKOFF = "RetryBackoff"
+    RETRIES_EXHAUSTED = "RetriesExhausted"
+    DEADLINE_EXCEEDED = "DeadlineExceeded"
+    BUDGET_EXCEEDED = "BudgetExceeded"
+    FEEDBACK_REQUESTED = "FeedbackRequested"
+    FEEDBACK_RECEIVED = "FeedbackReceived"
+    FEEDBACK_REFUSED = "FeedbackRefused"
+    FEEDBACK_TIMED_OUT = "FeedbackTimedOut"
+    SUSPENDED = "Suspended"
+    MODEL_UNREACHABLE = "ModelUnreachable"
+    FLOW_ERROR = "FlowError"
+    INTERNAL_ERROR = "InternalError"
+
+
+# Runner process exit codes: the operator retries only what is worth retrying.
+EXIT_OK = 0  # the run ended Succeeded or Paused; the report says which
+EXIT_PERMANENT = 2  # invalid definition, import error, bad inputs, corrupt state, budget: never retried
+EXIT_RETRYABLE = 3  # lost model connection, API errors: a retry may succeed
+# Anything else (137 = SIGKILL, 143 = SIGTERM, ...) is treated as retryable: the pod was lost.
+
+# Environment the operator gives a runner pod.
+ENV_FLOW_NAME = "FLOWKUBE_FLOW"
+ENV_NAMESPACE = "FLOWKUBE_NAMESPACE"
+ENV_POD_NAME = "FLOWKUBE_POD"
+ENV_TRIGGER = "FLOWKUBE_TRIGGER"
+ENV_SPEC = "FLOWKUBE_SPEC"  # JSON: {"definition"|"flowRef", "inputs", "budget"}
+ENV_STATE_CONFIGMAP = "FLOWKUBE_STATE_CONFIGMAP"
+ENV_FEEDBACK = "FLOWKUBE_FEEDBACK"  # JSON: {"requestId", "text", "timedOut", "outcome"}
+ENV_PRIOR_TOTAL_TOKENS = "FLOWKUBE_PRIOR_TOTAL_TOKENS"
+
+# Keys inside the per-Flow state ConfigMap (binaryData, gzip-compressed JSON).
+STATE_KEY = "state.json.gz"
+REPORT_KEY_PREFIX = "report."  # + pod name + ".json.gz": one key per run, written once by that run
+
+EXCERPT_LIMIT = 4096  # bytes kept of outputs in status (result.output, feedback.request.output)
+STATE_LIMIT = 900 * 1024  # compressed bytes per state object; beyond it the run fails StateTooLarge
+
+
+def state_configmap_name(flow: str) -> str:
+    return f"{flow}-state"
+
+
+def runner_name(flow: str) -> str:
+    """ServiceAccount, Role and RoleBinding of a Flow's runner pods."""
+    return f"{flow}-runner"
+
+
+def run_pod_name(flow: str, index: int) -> str:
+    """Deterministic per attempt: a restarted operator finds the pod instead of making another."""
+    return f"{flow}-{index}"
+
+
+def report_key(pod: str) -> str:
+    return f"{REPORT_KEY_PREFIX}{pod}.json.gz"

@@ -1,0 +1,236 @@
+"""The Flow resource (flowkube.io/v1alpha1) as pydantic models: the single source of the CRD schema.
+
+Field names follow ../shared/API.md. Pod-shaped fields (env, envFrom, tolerations, affinity, ...)
+keep Kubernetes' own shapes and are validated by the API server again when the runner pod is created.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from flowkube_api.constants import ConditionType, Phase, RunResult, Trigger
+
+FLOW_REF_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
+
+# Marker for "any JSON object, kept as is" (x-kubernetes-preserve-unknown-fields in the CRD).
+FreeObject = Annotated[dict[str, Any], Field(json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})]
+FreeObjectList = list[FreeObject]
+IntOrString = Annotated[int | str, Field(json_schema_extra={"x-kubernetes-int-or-string": True})]
+
+
+def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
+    r = {"rule": rule, "message": message}
+    if field_path:
+        r["fieldPath"] = field_path
+    return r
+
+
+class Model(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+    def dump(self) -> dict[str, Any]:
+        """JSON-ready dict with the API's camelCase names, unset fields left out."""
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+# ---------------------------------------------------------------------------------------------- spec
+
+
+class ResourceRequirements(Model):
+    limits: dict[str, IntOrString] | None = None
+    requests: dict[str, IntOrString] | None = None
+
+
+class PodTemplateMetadata(Model):
+    labels: dict[str, str] | None = None
+    annotations: dict[str, str] | None = None
+
+
+class LocalObjectReference(Model):
+    name: str
+
+
+class PodTemplate(Model):
+    """The parts of runner pods a user may shape; the operator owns the rest (security, volumes)."""
+
+    metadata: PodTemplateMetadata | None = None
+    node_selector: dict[str, str] | None = None
+    tolerations: FreeObjectList | None = None
+    affinity: FreeObject | None = None
+    priority_class_name: str | None = Field(default=None, max_length=253)
+    image_pull_secrets: list[LocalObjectReference] | None = None
+
+
+class Retries(Model):
+    limit: int = Field(default=0, ge=0, le=100, description="Failed runner pods replaced at most this often.")
+    backoff_seconds: int = Field(
+        default=10, ge=0, le=86400,
+        description="Delay before the first replacement; doubles with each further failure (capped at 1h).",
+    )
+
+
+class FeedbackSpec(Model):
+    timeout_seconds: int | None = Field(
+        default=None, ge=1,
+        description="How long a feedback request may wait; then the step's default outcome is used, "
+        "or the flow fails with FeedbackTimedOut.",
+    )
+
+
+class Budget(Model):
+    max_total_tokens: int = Field(ge=1, description="Hard cap on total tokens across all runs.")
+
+
+class FlowDefinitionSpec(Model):
+    """The inline definition: `name` is checked here; the rest by crewAI's own FlowDefinition model."""
+
+    model_config = ConfigDict(
+        extra="allow", json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}
+    )
+
+    name: str = Field(min_length=1, max_length=253, description="The flow's own name.")
+
+
+class FlowSpec(Model):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("has(self.definition) != has(self.flowRef)",
+                    "exactly one of spec.definition or spec.flowRef must be set"),
+            ]
+        }
+    )
+
+    definition: FlowDefinitionSpec | None = Field(
+        default=None,
+        description="Inline crewAI flow definition (crewai.flow/v1: name, state, methods, ...).",
+    )
+    flow_ref: str | None = Field(
+        default=None, pattern=FLOW_REF_PATTERN, max_length=512,
+        description='"package.module:ClassName" of a crewAI Flow subclass importable in the runner image.',
+    )
+    inputs: FreeObject | None = Field(default=None, description="Passed to kickoff(inputs=...).")
+    image: str | None = Field(default=None, max_length=1024,
+                              description="Runner image; defaults to the operator's runner image.")
+    env: FreeObjectList | None = Field(default=None, description="As in a Pod container.")
+    env_from: FreeObjectList | None = Field(default=None, description="As in a Pod container.")
+    resources: ResourceRequirements | None = None
+    pod_template: PodTemplate | None = None
+    retries: Retries | None = None
+    active_deadline_seconds: int | None = Field(
+        default=None, ge=1,
+        description="Bound on running time; time awaiting feedback does not count.",
+    )
+    feedback: FeedbackSpec | None = None
+    budget: Budget | None = None
+    ttl_seconds_after_finished: int | None = Field(default=None, ge=0)
+    suspend: bool | None = Field(default=None, description="true stops creating runner pods.")
+
+
+# -------------------------------------------------------------------------------------------- status
+
+
+class Condition(Model):
+    type: ConditionType
+    status: str = Field(pattern="^(True|False|Unknown)$")
+    reason: str
+    message: str = ""
+    last_transition_time: str
+    observed_generation: int | None = None
+
+
+class Usage(Model):
+    total_tokens: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    reasoning_tokens: int = 0
+    cache_creation_tokens: int = 0
+    successful_requests: int = 0
+
+
+class FlowUsage(Usage):
+    by_model: dict[str, Usage] | None = None
+
+
+class Run(Model):
+    pod: str
+    trigger: Trigger
+    started_at: str | None = None
+    finished_at: str | None = None
+    result: RunResult | None = None
+    exit_code: int | None = None
+    reason: str | None = None
+    message: str | None = None
+    usage: FlowUsage | None = None
+
+
+class FeedbackRequest(Model):
+    id: str
+    method: str
+    message: str = ""
+    emit: list[str] | None = None
+    default_outcome: str | None = None
+    output: str | None = None
+    requested_at: str | None = None
+    deadline: str | None = None
+
+
+class FeedbackResponse(Model):
+    """The inbox: the only status field humans write."""
+
+    text: str | None = None
+    request_id: str | None = None
+
+
+class FeedbackRecord(Model):
+    request_id: str
+    method: str
+    response: str | None = None
+    outcome: str | None = None
+    responded_at: str | None = None
+    responded_by: str | None = None
+    timed_out: bool = False
+
+
+class FeedbackStatus(Model):
+    request: FeedbackRequest | None = None
+    response: FeedbackResponse | None = None
+    history: list[FeedbackRecord] | None = None
+
+
+class Result(Model):
+    output: str | None = None
+
+
+class FlowStatus(Model):
+    phase: Phase | None = None
+    conditions: list[Condition] | None = None
+    observed_generation: int | None = None
+    started_at: str | None = None
+    finished_at: str | None = None
+    message: str | None = None
+    definition: str | None = Field(default=None, description="The flow's own name (printer column).")
+    flow_id: str | None = None
+    runs: list[Run] | None = None
+    feedback: FeedbackStatus | None = None
+    usage: FlowUsage | None = None
+    result: Result | None = None
+
+
+class Flow(Model):
+    api_version: str = "flowkube.io/v1alpha1"
+    kind: str = "Flow"
+    metadata: FreeObject = Field(default_factory=dict)
+    spec: FlowSpec
+    status: FlowStatus | None = None
+
+
+__all__ = [
+    "Budget", "Condition", "FeedbackRecord", "FeedbackRequest", "FeedbackResponse", "FeedbackSpec",
+    "FeedbackStatus", "Flow", "FlowSpec", "FlowStatus", "FlowUsage", "Model", "PodTemplate",
+    "ResourceRequirements", "Result", "Retries", "Run", "Usage",
+]

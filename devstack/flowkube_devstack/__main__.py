@@ -1,0 +1,178 @@
+"""`flowkube-dev`: the local stack and the project's checks.
+
+    flowkube-dev up        start the local stack in the background and print how to use it
+    flowkube-dev down      stop it
+    flowkube-dev status    is it running, and where
+    flowkube-dev test      the whole test suite (lint, types, import contracts, unit + integration)
+    flowkube-dev build     build (or verify) the control-plane binaries
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from flowkube_devstack import build, procs
+from flowkube_devstack.cluster import ClusterError, LocalCluster
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def stack_dir() -> Path:
+    return Path(os.environ.get("FLOWKUBE_DEV_DIR") or build.cache_root() / "dev-stack")
+
+
+def _supervise(root: Path) -> int:
+    """Runs in the background: holds the stack's processes and stops them all on SIGTERM."""
+    stop = False
+
+    def on_term(signum: int, frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    cluster = LocalCluster(root / "cluster")
+    try:
+        cluster.start()
+        (root / "ready.json").write_text(json.dumps(cluster.describe(), indent=2))
+        while not stop:
+            time.sleep(0.5)
+    except ClusterError as e:
+        (root / "failed").write_text(str(e))
+        return 1
+    finally:
+        cluster.stop()
+        (root / "ready.json").unlink(missing_ok=True)
+    return 0
+
+
+def _supervisor_pid(root: Path) -> int | None:
+    f = root / "supervisor.pid"
+    try:
+        pid = int(f.read_text())
+    except (OSError, ValueError):
+        return None
+    return pid if procs.alive(pid) else None
+
+
+def up(root: Path, timeout: float = 600.0) -> int:
+    if (pid := _supervisor_pid(root)) is not None and (root / "ready.json").exists():
+        print(f"flowkube: the local stack is already running (pid {pid})", file=sys.stderr)
+        _print_usage(root)
+        return 0
+    build.control_plane()  # build in the foreground, so the user sees progress and errors
+    root.mkdir(parents=True, exist_ok=True)
+    for f in ("ready.json", "failed"):
+        (root / f).unlink(missing_ok=True)
+    log = (root / "supervisor.log").open("ab")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flowkube_devstack", "_supervise", "--dir", str(root)],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+    )
+    (root / "supervisor.pid").write_text(str(proc.pid))
+    deadline = time.monotonic() + timeout
+    while not (root / "ready.json").exists():
+        if proc.poll() is not None or (root / "failed").exists():
+            reason = (root / "failed").read_text() if (root / "failed").exists() else ""
+            print(f"flowkube: the local stack failed to start: {reason}\n"
+                  f"logs: {root / 'supervisor.log'}, {root / 'cluster' / 'logs'}", file=sys.stderr)
+            return 1
+        if time.monotonic() > deadline:
+            print("flowkube: the local stack did not become ready in time", file=sys.stderr)
+            down(root)
+            return 1
+        time.sleep(0.2)
+    _print_usage(root)
+    return 0
+
+
+def _print_usage(root: Path) -> None:
+    info = json.loads((root / "ready.json").read_text())
+    print(f"The local stack is up: kube-apiserver {info['server']} (Kubernetes built from source).\n"
+          f"Point kubectl at it:\n\n"
+          f"  export KUBECONFIG={info['kubeconfig']}\n"
+          f"  export PATH={Path(info['bins']['kubectl']).parent}:$PATH\n\n"
+          f"Stop it with: ./dev down")
+
+
+def down(root: Path) -> int:
+    pid = _supervisor_pid(root)
+    if pid is None:
+        stale = procs.kill_stale(root / "cluster")
+        print("flowkube: the local stack is not running" + (f" (stopped leftovers: {stale})" if stale else ""))
+        return 0
+    procs.terminate(pid, grace=30.0)
+    (root / "supervisor.pid").unlink(missing_ok=True)
+    print("flowkube: the local stack is stopped")
+    return 0
+
+
+def status(root: Path) -> int:
+    pid = _supervisor_pid(root)
+    if pid is None or not (root / "ready.json").exists():
+        print("flowkube: the local stack is not running")
+        return 1
+    _print_usage(root)
+    return 0
+
+
+def run_tests(pytest_args: list[str]) -> int:
+    """Static checks first (seconds), then unit and integration tests in one pytest run."""
+    py = sys.executable
+    steps = [
+        ["ruff", [py, "-m", "ruff", "check", "."]],
+        ["mypy", [py, "-m", "mypy"]],
+        ["import contracts", [str(Path(py).parent / "lint-imports")]],
+    ]
+    for name, cmd in steps:
+        print(f"== {name}: {' '.join(cmd)}", flush=True)
+        if subprocess.run(cmd, cwd=REPO).returncode != 0:
+            print(f"flowkube: {name} failed", file=sys.stderr)
+            return 1
+    print("== pytest", flush=True)
+    rc = subprocess.run([py, "-m", "pytest", *pytest_args], cwd=REPO).returncode
+    if rc == 5:
+        print("flowkube: pytest collected no tests", file=sys.stderr)
+    return rc
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="flowkube-dev", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    for name in ("up", "down", "status", "build"):
+        sub.add_parser(name)
+    t = sub.add_parser("test")
+    t.add_argument("pytest_args", nargs=argparse.REMAINDER)
+    s = sub.add_parser("_supervise")
+    s.add_argument("--dir", type=Path, required=True)
+    args = parser.parse_args(argv)
+    root = stack_dir()
+    try:
+        if args.cmd == "up":
+            return up(root)
+        if args.cmd == "down":
+            return down(root)
+        if args.cmd == "status":
+            return status(root)
+        if args.cmd == "build":
+            return build.main([])
+        if args.cmd == "test":
+            return run_tests(args.pytest_args)
+        if args.cmd == "_supervise":
+            return _supervise(args.dir)
+    except build.BuildError as e:
+        print(f"flowkube: {e}", file=sys.stderr)
+        return 1
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,322 @@
+"""A real Kubernetes control plane on 127.0.0.1: etcd, kube-apiserver, controller-manager, scheduler.
+
+Binaries come from `build.control_plane()` (built from the Kubernetes Go modules). Authentication
+is by client certificates from a throwaway CA; authorization is Node,RBAC; PodSecurity, ServiceAccount
+and NodeRestriction admission are on. The optional local node agent (`flowkube_devstack.node`) stands
+in for kubelet + container runtime, which cannot run on this machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from flowkube_devstack import build, pki, procs
+
+NODE_NAME = "flowkube-local-node"
+SERVICE_CIDR = "10.96.0.0/16"
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str, interval: float = 0.1) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return
+        if time.monotonic() > deadline:
+            raise ClusterError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+def write_kubeconfig(path: Path, server: str, ca: Path, client: pki.KeyPair, user: str) -> Path:
+    cfg = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "flowkube-local", "cluster": {"server": server,
+                                                             "certificate-authority": str(ca)}}],
+        "users": [{"name": user, "user": {"client-certificate": str(client.cert),
+                                          "client-key": str(client.key)}}],
+        "contexts": [{"name": "flowkube-local", "context": {"cluster": "flowkube-local", "user": user}}],
+        "current-context": "flowkube-local",
+    }
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    path.chmod(0o600)
+    return path
+
+
+class LocalCluster:
+    """Start with `start()`, stop with `stop()`; state, certificates and logs live under root."""
+
+    def __init__(self, root: Path, *, with_node: bool = True, fsync: bool = False) -> None:
+        self.root = root.resolve()
+        self.with_node = with_node
+        self.fsync = fsync
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.bins: dict[str, Path] = {}
+        self.apiserver_port = 0
+        self.pki_dir = self.root / "pki"
+        self.kubeconfig = self.root / "admin.kubeconfig"
+        self._apiserver_argv: list[str] = []
+
+    # -- public -----------------------------------------------------------------------------------
+
+    @property
+    def server(self) -> str:
+        return f"https://127.0.0.1:{self.apiserver_port}"
+
+    def start(self, timeout: float = 180.0) -> LocalCluster:
+        self.bins = build.control_plane()
+        self.root.mkdir(parents=True, exist_ok=True)
+        procs.kill_stale(self.root)
+        try:
+            self._prepare_pki()
+            self._start_etcd(timeout)
+            self._start_apiserver(timeout)
+            self._start_controllers()
+            if self.with_node:
+                self._start_node(timeout)
+            self._wait_default_namespace(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        (self.root / "cluster.json").write_text(json.dumps(self.describe(), indent=2))
+        return self
+
+    def stop(self) -> None:
+        # Reverse start order: the node first (it stops its pods), etcd last.
+        for name in reversed(list(self.procs)):
+            procs.terminate(self.procs[name], grace=15.0 if name == "node" else 5.0)
+            procs.pid_file(self.root, name).unlink(missing_ok=True)
+        self.procs.clear()
+
+    def restart_apiserver(self, timeout: float = 60.0) -> None:
+        """Stop and start kube-apiserver alone (same port, same etcd): clients see a real outage."""
+        procs.terminate(self.procs.pop("kube-apiserver"), grace=5.0)
+        self._launch_apiserver()
+        wait_for(self._apiserver_ready, timeout, "kube-apiserver /readyz after restart")
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "server": self.server,
+            "kubeconfig": str(self.kubeconfig),
+            "root": str(self.root),
+            "pids": {n: p.pid for n, p in self.procs.items()},
+            "bins": {n: str(p) for n, p in self.bins.items()},
+        }
+
+    def kubectl(self, *args: str, check: bool = True, input: str | None = None,
+                timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            [str(self.bins["kubectl"]), "--kubeconfig", str(self.kubeconfig), *args],
+            capture_output=True, text=True, input=input, timeout=timeout,
+        )
+        if check and proc.returncode != 0:
+            raise ClusterError(f"kubectl {' '.join(args)} failed: {proc.stderr.strip()}")
+        return proc
+
+    def api(self, method: str, path: str, body: Any = None,
+            content_type: str = "application/json") -> Any:
+        """A minimal admin client for the launcher's own checks (tests use kubectl or their own)."""
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.server + path, data=data, method=method,
+                                     headers={"Content-Type": content_type})
+        with urllib.request.urlopen(req, context=self._admin_ssl, timeout=10) as resp:
+            return json.loads(resp.read() or b"null")
+
+    # -- steps ------------------------------------------------------------------------------------
+
+    def _prepare_pki(self) -> None:
+        shutil.rmtree(self.pki_dir, ignore_errors=True)
+        ca = pki.CertificateAuthority(self.pki_dir)
+        self.ca = ca.cert_path
+        self.serving = ca.issue("apiserver", "kube-apiserver", server=True,
+                                dns=("localhost", "kubernetes", "kubernetes.default",
+                                     "kubernetes.default.svc", "kubernetes.default.svc.cluster.local"),
+                                ips=("127.0.0.1", "10.96.0.1"))
+        self.sa_keys = pki.service_account_keys(self.pki_dir)
+        self.admin = ca.issue("admin", "flowkube-admin", orgs=("system:masters",), client=True)
+        self.apiserver_kubelet_client = ca.issue(
+            "apiserver-kubelet-client", "kube-apiserver-kubelet-client",
+            orgs=("kubeadm:cluster-admins",), client=True)
+        self.controller_manager = ca.issue("controller-manager", "system:kube-controller-manager",
+                                           client=True)
+        self.scheduler = ca.issue("scheduler", "system:kube-scheduler", client=True)
+        self.node_client = ca.issue("node", f"system:node:{NODE_NAME}", orgs=("system:nodes",),
+                                    client=True)
+        self.node_serving = ca.issue("node-serving", NODE_NAME, server=True,
+                                     dns=("localhost", NODE_NAME), ips=("127.0.0.1",))
+        self._admin_ssl = ssl.create_default_context(cafile=str(self.ca))
+        self._admin_ssl.load_cert_chain(str(self.admin.cert), str(self.admin.key))
+
+    def _start_etcd(self, timeout: float) -> None:
+        client, peer = free_port(), free_port()
+        self.etcd_url = f"http://127.0.0.1:{client}"
+        data = self.root / "etcd"
+        argv = [
+            str(self.bins["etcd"]), "--name", "default", "--data-dir", str(data),
+            "--listen-client-urls", self.etcd_url, "--advertise-client-urls", self.etcd_url,
+            "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+            "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+            "--initial-cluster", f"default=http://127.0.0.1:{peer}",
+            "--log-level", "warn",
+        ]
+        if not self.fsync:
+            argv.append("--unsafe-no-fsync")  # throwaway test data; fsync dominates write latency
+        self.procs["etcd"] = procs.spawn("etcd", argv, root=self.root)
+        wait_for(lambda: self._http_ok(self.etcd_url + "/health"), timeout,
+                 f"etcd on {self.etcd_url} (log: {procs.log_path(self.root, 'etcd')})",
+                 )
+
+    def _start_apiserver(self, timeout: float) -> None:
+        self.apiserver_port = free_port()
+        p = self.pki_dir
+        self._apiserver_argv = [
+            str(self.bins["kube-apiserver"]),
+            "--bind-address=127.0.0.1", f"--secure-port={self.apiserver_port}",
+            "--advertise-address=127.0.0.1",
+            f"--etcd-servers={self.etcd_url}",
+            f"--cert-dir={self.root / 'apiserver-certs'}",
+            f"--tls-cert-file={self.serving.cert}", f"--tls-private-key-file={self.serving.key}",
+            f"--client-ca-file={self.ca}",
+            f"--kubelet-client-certificate={self.apiserver_kubelet_client.cert}",
+            f"--kubelet-client-key={self.apiserver_kubelet_client.key}",
+            f"--kubelet-certificate-authority={self.ca}",
+            "--kubelet-preferred-address-types=InternalIP",
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+            f"--service-account-key-file={self.sa_keys.cert}",
+            f"--service-account-signing-key-file={self.sa_keys.key}",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            "--authorization-mode=Node,RBAC",
+            "--enable-admission-plugins=NodeRestriction",
+            "--allow-privileged=false",
+            "--profiling=false",
+            "--v=1",
+        ]
+        del p
+        self._launch_apiserver()
+        wait_for(self._apiserver_ready, timeout,
+                 f"kube-apiserver /readyz (log: {procs.log_path(self.root, 'kube-apiserver')})")
+        write_kubeconfig(self.kubeconfig, self.server, self.ca, self.admin, "flowkube-admin")
+
+    def _launch_apiserver(self) -> None:
+        self.procs["kube-apiserver"] = procs.spawn("kube-apiserver", self._apiserver_argv, root=self.root)
+
+    def _start_controllers(self) -> None:
+        cm_cfg = write_kubeconfig(self.root / "controller-manager.kubeconfig", self.server, self.ca,
+                                  self.controller_manager, "system:kube-controller-manager")
+        sched_cfg = write_kubeconfig(self.root / "scheduler.kubeconfig", self.server, self.ca,
+                                     self.scheduler, "system:kube-scheduler")
+        self.procs["kube-controller-manager"] = procs.spawn("kube-controller-manager", [
+            str(self.bins["kube-controller-manager"]),
+            f"--kubeconfig={cm_cfg}", f"--authentication-kubeconfig={cm_cfg}",
+            f"--authorization-kubeconfig={cm_cfg}",
+            "--leader-elect=false", "--bind-address=127.0.0.1", f"--secure-port={free_port()}",
+            f"--root-ca-file={self.ca}", f"--service-account-private-key-file={self.sa_keys.key}",
+            "--use-service-account-credentials=true",
+            f"--cluster-signing-cert-file={self.ca}", f"--cluster-signing-key-file={self.pki_dir / 'ca.key'}",
+            "--concurrent-gc-syncs=10",
+            "--v=1",
+        ], root=self.root)
+        self.procs["kube-scheduler"] = procs.spawn("kube-scheduler", [
+            str(self.bins["kube-scheduler"]),
+            f"--kubeconfig={sched_cfg}", f"--authentication-kubeconfig={sched_cfg}",
+            f"--authorization-kubeconfig={sched_cfg}",
+            "--leader-elect=false", "--bind-address=127.0.0.1", f"--secure-port={free_port()}",
+            "--v=1",
+        ], root=self.root)
+
+    def _start_node(self, timeout: float) -> None:
+        node_cfg = write_kubeconfig(self.root / "node.kubeconfig", self.server, self.ca,
+                                    self.node_client, f"system:node:{NODE_NAME}")
+        argv: Sequence[str] = [
+            sys.executable, "-m", "flowkube_devstack.node",
+            "--kubeconfig", str(node_cfg), "--name", NODE_NAME,
+            "--state-dir", str(self.root / "node"),
+            "--api-host", "127.0.0.1", "--api-port", str(self.apiserver_port),
+            "--serving-cert", str(self.node_serving.cert), "--serving-key", str(self.node_serving.key),
+            "--client-ca", str(self.ca),
+        ]
+        self.procs["node"] = procs.spawn("node", argv, root=self.root, env=os.environ)
+        wait_for(self._node_ready, timeout,
+                 f"node {NODE_NAME} Ready (log: {procs.log_path(self.root, 'node')})", interval=0.2)
+
+    def _wait_default_namespace(self, timeout: float) -> None:
+        # Pods need the namespace's ServiceAccount and kube-root-ca.crt, made by the controller-manager.
+        def ready() -> bool:
+            try:
+                self.api("GET", "/api/v1/namespaces/default/serviceaccounts/default")
+                self.api("GET", "/api/v1/namespaces/default/configmaps/kube-root-ca.crt")
+            except (urllib.error.URLError, OSError):
+                return False
+            return True
+
+        wait_for(ready, timeout, "the default ServiceAccount and kube-root-ca.crt (controller-manager)")
+
+    # -- probes -----------------------------------------------------------------------------------
+
+    def _check_alive(self) -> None:
+        for name, p in self.procs.items():
+            if p.poll() is not None:
+                log = procs.log_path(self.root, name)
+                tail = log.read_text(errors="replace")[-2500:] if log.exists() else ""
+                raise ClusterError(f"{name} exited with code {p.returncode}; last log lines:\n{tail}")
+
+    def _http_ok(self, url: str) -> bool:
+        self._check_alive()
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                return bool(r.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def _apiserver_ready(self) -> bool:
+        self._check_alive()
+        try:
+            req = urllib.request.Request(self.server + "/readyz")
+            with urllib.request.urlopen(req, context=self._admin_ssl, timeout=2) as r:
+                return bool(r.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def _node_ready(self) -> bool:
+        self._check_alive()
+        try:
+            node = self.api("GET", f"/api/v1/nodes/{NODE_NAME}")
+        except (urllib.error.URLError, OSError):
+            return False
+        conds = node.get("status", {}).get("conditions", [])
+        return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
+
+
+@contextlib.contextmanager
+def running(root: Path, **kwargs: Any) -> Any:
+    cluster = LocalCluster(root, **kwargs)
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

@@ -1,0 +1,10 @@
+"""Pinned versions of everything the local stack builds from source.
+
+Kubernetes 1.36.x is the newest minor that builds with the machine's Go 1.26 and that the
+kopf/kubernetes clients we pin talk to; etcd 3.6.x is the series Kubernetes 1.36 is tested with.
+Bumping a version here changes the cache key, so the next run rebuilds exactly once.
+"""
+
+KUBERNETES_VERSION = "v1.36.3"
+ETCD_VERSION = "v3.6.16"
+HELM_VERSION = "v3.19.0"

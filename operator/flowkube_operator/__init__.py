@@ -1,0 +1,1 @@
+"""The flowkube operator (kopf)."""

@@ -1,0 +1,1 @@
+"""The in-pod runner: executes one crewAI Flow run."""

@@ -1,0 +1,53 @@
+"""Shared fixtures: a real local control plane per test session, a fresh namespace per test."""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from flowkube_devstack.cluster import ClusterError, LocalCluster, wait_for
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # A test that takes the cluster needs the control plane, whether or not its author said so.
+    for item in items:
+        if "cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.controlplane)
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    root = Path(os.environ.get("FLOWKUBE_TEST_CLUSTER_DIR") or tmp_path_factory.mktemp("cluster"))
+    c = LocalCluster(root).start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture
+def namespace(cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    slug = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
+    name = f"{slug}-{secrets.token_hex(3)}"
+    cluster.api("POST", "/api/v1/namespaces",
+                {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+
+    def has_default_sa() -> bool:
+        try:
+            cluster.api("GET", f"/api/v1/namespaces/{name}/serviceaccounts/default")
+            cluster.api("GET", f"/api/v1/namespaces/{name}/configmaps/kube-root-ca.crt")
+        except OSError:
+            return False
+        return True
+
+    wait_for(has_default_sa, 30, f"ServiceAccount default in {name}")
+    yield name
+    try:
+        cluster.api("DELETE", f"/api/v1/namespaces/{name}")
+    except (OSError, ClusterError):
+        pass
