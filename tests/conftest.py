@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -23,7 +24,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     root = Path(os.environ.get("FLOWKUBE_TEST_CLUSTER_DIR") or tmp_path_factory.mktemp("cluster"))
-    c = LocalCluster(root).start()
+    c = LocalCluster(root, with_node=os.environ.get("FLOWKUBE_TEST_NO_NODE") != "1").start()
     try:
         yield c
     finally:
@@ -47,7 +48,5 @@ def namespace(cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator
 
     wait_for(has_default_sa, 30, f"ServiceAccount default in {name}")
     yield name
-    try:
+    with contextlib.suppress(OSError, ClusterError):
         cluster.api("DELETE", f"/api/v1/namespaces/{name}")
-    except (OSError, ClusterError):
-        pass

@@ -8,21 +8,24 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
 from pydantic.alias_generators import to_camel
 
 from flowkube_api.constants import ConditionType, Phase, RunResult, Trigger
 
-FLOW_REF_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
+_DOTTED = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
+FLOW_REF_PATTERN = f"^{_DOTTED}:{_DOTTED}$"
 
 # Marker for "any JSON object, kept as is" (x-kubernetes-preserve-unknown-fields in the CRD).
-FreeObject = Annotated[dict[str, Any], Field(json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})]
+FreeObject = Annotated[
+    dict[str, Any], Field(json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
+]
 FreeObjectList = list[FreeObject]
 IntOrString = Annotated[int | str, Field(json_schema_extra={"x-kubernetes-int-or-string": True})]
 
 
-def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
-    r = {"rule": rule, "message": message}
+def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, JsonValue]:
+    r: dict[str, JsonValue] = {"rule": rule, "message": message}
     if field_path:
         r["fieldPath"] = field_path
     return r

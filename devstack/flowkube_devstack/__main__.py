@@ -106,7 +106,8 @@ def down(root: Path) -> int:
     pid = _supervisor_pid(root)
     if pid is None:
         stale = procs.kill_stale(root / "cluster")
-        print("flowkube: the local stack is not running" + (f" (stopped leftovers: {stale})" if stale else ""))
+        leftovers = f" (stopped leftovers: {', '.join(stale)})" if stale else ""
+        print(f"flowkube: the local stack is not running{leftovers}")
         return 0
     procs.terminate(pid, grace=30.0)
     (root / "supervisor.pid").unlink(missing_ok=True)

@@ -38,7 +38,7 @@ def spawn(
         stdin=subprocess.DEVNULL,
         env=dict(env) if env is not None else None,
         cwd=cwd,
-        preexec_fn=_die_with_parent if tied else None,  # noqa: PLW1509 - single-threaded at spawn time
+        preexec_fn=_die_with_parent if tied else None,
         start_new_session=True,
     )
     log.close()
@@ -93,7 +93,7 @@ def terminate(proc: subprocess.Popen[bytes] | int, grace: float = 10.0) -> None:
 
 def kill_stale(root: Path) -> list[str]:
     """Stop processes a previous run under root left behind (their pid files survive a crash)."""
-    stopped = []
+    stopped: list[str] = []
     d = root / "pids"
     if not d.is_dir():
         return stopped

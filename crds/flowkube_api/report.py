@@ -1,0 +1,158 @@
+"""The run report: what one runner pod tells the operator about its run.
+
+The runner writes exactly one report per run into the Flow's state ConfigMap (binaryData key
+``report_key(pod)``, gzip-compressed JSON), and a shortened copy to the pod's termination message.
+The operator is the only writer of Flow status; it folds reports into ``status.runs[]``,
+``status.usage``, ``status.feedback`` and ``status.result``. Field names match API.md.
+
+Pydantic only: this module is imported by both sides and must not pull in crewAI.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from flowkube_api.constants import EXCERPT_LIMIT, Reason, RunResult, Trigger
+
+TERMINATION_MESSAGE_LIMIT = 4096  # kubelet truncates the termination message beyond this
+_SUMMARY_MESSAGE_LIMIT = 1024
+
+
+def excerpt(text: str, limit: int = EXCERPT_LIMIT) -> str:
+    """At most ``limit`` UTF-8 bytes of ``text``, never splitting a character."""
+    raw = text.encode("utf-8")
+    if len(raw) <= limit:
+        return text
+    return raw[:limit].decode("utf-8", errors="ignore")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+
+class TokenUsage(_Model):
+    """Token counters of one model, or the totals of a run/flow (``status.usage`` fields)."""
+
+    total_tokens: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    reasoning_tokens: int = 0
+    cache_creation_tokens: int = 0
+    successful_requests: int = 0
+
+    def _summed(self, other: TokenUsage) -> dict[str, int]:
+        return {name: getattr(self, name) + getattr(other, name) for name in TokenUsage.model_fields}
+
+    def plus_tokens(self, other: TokenUsage) -> TokenUsage:
+        return TokenUsage(**self._summed(other))
+
+
+class Usage(TokenUsage):
+    """Totals plus ``byModel``; runs add up to the flow's usage with ``+``."""
+
+    by_model: dict[str, TokenUsage] = Field(default_factory=dict)
+
+    def plus(self, other: Usage) -> Usage:
+        by_model = dict(self.by_model)
+        for model, tokens in other.by_model.items():
+            mine = by_model.get(model)
+            by_model[model] = tokens.model_copy() if mine is None else mine.plus_tokens(tokens)
+        return Usage(**self._summed(other), by_model=by_model)
+
+    def __add__(self, other: Usage) -> Usage:
+        return self.plus(other)
+
+    def totals(self) -> TokenUsage:
+        return TokenUsage(**{name: getattr(self, name) for name in TokenUsage.model_fields})
+
+
+class FeedbackRequest(_Model):
+    """A pending human-feedback request (``status.feedback.request`` minus operator-owned times)."""
+
+    id: str
+    method: str
+    message: str = ""
+    emit: list[str] | None = None
+    default_outcome: str | None = None
+    output: str = Field(default="", description=f"excerpt, at most {EXCERPT_LIMIT} bytes")
+    requested_at: datetime | None = None
+
+
+class FeedbackApplied(_Model):
+    """The feedback a resumed run consumed, for ``status.feedback.history[]``."""
+
+    request_id: str
+    method: str
+    response: str = ""
+    outcome: str | None = None
+    timed_out: bool = False
+
+
+class RunReport(_Model):
+    pod: str
+    flow: str = ""
+    trigger: Trigger
+    result: RunResult
+    reason: Reason
+    message: str = ""
+    exit_code: int
+    flow_id: str | None = None
+    usage: Usage = Field(default_factory=Usage)
+    output: str | None = Field(default=None, description=f"excerpt, at most {EXCERPT_LIMIT} bytes")
+    feedback_request: FeedbackRequest | None = None
+    feedback_applied: FeedbackApplied | None = None
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+
+    def to_json(self) -> str:
+        return self.model_dump_json(by_alias=True, exclude_none=True)
+
+    def encode(self) -> bytes:
+        """The binaryData value: gzip JSON (mtime 0 so identical reports are identical bytes)."""
+        return gzip.compress(self.to_json().encode("utf-8"), mtime=0)
+
+    @classmethod
+    def decode(cls, data: bytes) -> RunReport:
+        return cls.model_validate_json(gzip.decompress(data))
+
+    def termination_summary(self) -> str:
+        """A copy small enough for the termination message (``RunReport``-parseable).
+
+        It backs up the ConfigMap report when that write failed; outputs and the per-model
+        breakdown are dropped to stay under the kubelet's limit.
+        """
+        summary = self.model_copy(
+            update={
+                "message": excerpt(self.message, _SUMMARY_MESSAGE_LIMIT),
+                "output": None,
+                "usage": Usage(**self.usage.totals().model_dump()),
+                "feedback_request": (
+                    self.feedback_request.model_copy(
+                        update={"output": "", "message": excerpt(self.feedback_request.message, 512)}
+                    )
+                    if self.feedback_request
+                    else None
+                ),
+                "feedback_applied": (
+                    self.feedback_applied.model_copy(
+                        update={"response": excerpt(self.feedback_applied.response, 512)}
+                    )
+                    if self.feedback_applied
+                    else None
+                ),
+            }
+        )
+        text = summary.to_json()
+        if len(text.encode("utf-8")) > TERMINATION_MESSAGE_LIMIT:
+            minimal: dict[str, Any] = json.loads(text)
+            for key in ("feedbackRequest", "feedbackApplied", "message"):
+                minimal.pop(key, None)
+            text = json.dumps(minimal, separators=(",", ":"))
+        return text

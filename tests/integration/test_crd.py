@@ -1,0 +1,67 @@
+"""The Flow CRD on the real API server: accepted shapes, and refusals that name the field."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from flowkube_api import crd
+from flowkube_devstack.cluster import LocalCluster, wait_for
+
+
+@pytest.fixture(scope="module")
+def flow_crd(cluster: LocalCluster) -> Iterator[None]:
+    cluster.kubectl("apply", "--server-side", "-f", str(crd.CRD_FILE))
+    cluster.kubectl("wait", "--for=condition=Established", "crd/flows.flowkube.io", "--timeout=60s")
+    yield
+
+
+def _apply(cluster: LocalCluster, ns: str, name: str, spec: dict[str, Any]) -> tuple[int, str]:
+    obj = {"apiVersion": "flowkube.io/v1alpha1", "kind": "Flow", "metadata": {"name": name}, "spec": spec}
+    out = cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(obj), check=False)
+    return out.returncode, out.stderr
+
+
+@pytest.mark.usefixtures("flow_crd")
+def test_valid_flow_is_accepted_and_listed_with_printer_columns(cluster: LocalCluster, namespace: str) -> None:
+    rc, err = _apply(cluster, namespace, "ok", {"flowRef": "pkg.flows:Research", "retries": {"limit": 2}})
+    assert rc == 0, err
+    out = cluster.kubectl("get", "fl", "-n", namespace).stdout
+    assert out.split("\n")[0].split() == ["NAME", "PHASE", "DEFINITION", "TOKENS", "AGE", "MESSAGE"]
+
+    def listed() -> bool:
+        return "ok" in cluster.kubectl("get", "flowkube", "-n", namespace, "-o", "name").stdout
+
+    wait_for(listed, 10, "the flow listed under its category")
+
+
+@pytest.mark.usefixtures("flow_crd")
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ({}, "exactly one of spec.definition or spec.flowRef must be set"),
+        ({"flowRef": "a:B", "definition": {"name": "x"}}, "exactly one of spec.definition or spec.flowRef"),
+        ({"flowRef": "not a ref"}, "spec.flowRef"),
+        ({"definition": {"methods": []}}, "spec.definition.name: Required value"),
+        ({"flowRef": "a:B", "retries": {"limit": -1}}, "spec.retries.limit"),
+        ({"flowRef": "a:B", "activeDeadlineSeconds": 0}, "spec.activeDeadlineSeconds"),
+        ({"flowRef": "a:B", "budget": {"maxTotalTokens": 0}}, "spec.budget.maxTotalTokens"),
+        ({"flowRef": "a:B", "suspend": "yes"}, "spec.suspend"),
+    ],
+)
+def test_invalid_flow_is_refused_naming_the_field(
+    cluster: LocalCluster, namespace: str, spec: dict[str, Any], expected: str
+) -> None:
+    rc, err = _apply(cluster, namespace, "bad", spec)
+    assert rc != 0
+    assert expected in err
+
+
+@pytest.mark.usefixtures("flow_crd")
+def test_overlong_name_is_refused(cluster: LocalCluster, namespace: str) -> None:
+    rc, err = _apply(cluster, namespace, "x" * 64, {"flowRef": "a:B"})
+    assert rc != 0
+    assert "metadata.name must be at most 63 characters" in err
