@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue
 from pydantic.alias_generators import to_camel
 
 from flowkube_api.constants import ConditionType, Phase, RunResult, Trigger
+from flowkube_api.report import TokenUsage, Usage
 
 _DOTTED = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
 FLOW_REF_PATTERN = f"^{_DOTTED}:{_DOTTED}$"
@@ -145,20 +146,6 @@ class Condition(Model):
     observed_generation: int | None = None
 
 
-class Usage(Model):
-    total_tokens: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    reasoning_tokens: int = 0
-    cache_creation_tokens: int = 0
-    successful_requests: int = 0
-
-
-class FlowUsage(Usage):
-    by_model: dict[str, Usage] | None = None
-
-
 class Run(Model):
     pod: str
     trigger: Trigger
@@ -168,7 +155,7 @@ class Run(Model):
     exit_code: int | None = None
     reason: str | None = None
     message: str | None = None
-    usage: FlowUsage | None = None
+    usage: Usage | None = None
 
 
 class FeedbackRequest(Model):
@@ -187,6 +174,9 @@ class FeedbackResponse(Model):
 
     text: str | None = None
     request_id: str | None = None
+    responded_by: str | None = Field(
+        default=None, description="Set by the admission webhook to the user who patched; not user-settable."
+    )
 
 
 class FeedbackRecord(Model):
@@ -194,6 +184,7 @@ class FeedbackRecord(Model):
     method: str
     response: str | None = None
     outcome: str | None = None
+    requested_at: str | None = None
     responded_at: str | None = None
     responded_by: str | None = None
     timed_out: bool = False
@@ -220,7 +211,7 @@ class FlowStatus(Model):
     flow_id: str | None = None
     runs: list[Run] | None = None
     feedback: FeedbackStatus | None = None
-    usage: FlowUsage | None = None
+    usage: Usage | None = None
     result: Result | None = None
 
 
@@ -233,7 +224,22 @@ class Flow(Model):
 
 
 __all__ = [
-    "Budget", "Condition", "FeedbackRecord", "FeedbackRequest", "FeedbackResponse", "FeedbackSpec",
-    "FeedbackStatus", "Flow", "FlowSpec", "FlowStatus", "FlowUsage", "Model", "PodTemplate",
-    "ResourceRequirements", "Result", "Retries", "Run", "Usage",
+    "Budget",
+    "Condition",
+    "FeedbackRecord",
+    "FeedbackRequest",
+    "FeedbackResponse",
+    "FeedbackSpec",
+    "FeedbackStatus",
+    "Flow",
+    "FlowSpec",
+    "FlowStatus",
+    "Model",
+    "PodTemplate",
+    "ResourceRequirements",
+    "Result",
+    "Retries",
+    "Run",
+    "TokenUsage",
+    "Usage",
 ]

@@ -141,9 +141,7 @@ class RunReport(_Model):
                     else None
                 ),
                 "feedback_applied": (
-                    self.feedback_applied.model_copy(
-                        update={"response": excerpt(self.feedback_applied.response, 512)}
-                    )
+                    self.feedback_applied.model_copy(update={"response": excerpt(self.feedback_applied.response, 512)})
                     if self.feedback_applied
                     else None
                 ),

@@ -1,0 +1,37 @@
+"""`flowkube-operator`: run the operator (configuration from FLOWKUBE_* environment variables)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+
+import kopf
+
+
+def main(argv: list[str] | None = None) -> int:
+    from flowkube_operator import handlers  # registers the kopf handlers
+
+    settings = handlers.SETTINGS
+    kopf.configure(
+        log_format=kopf.LogFormat.JSON if settings.log_format == "json" else kopf.LogFormat.PLAIN,
+        verbose=settings.log_level == "DEBUG",
+        quiet=settings.log_level in ("WARNING", "ERROR"),
+    )
+    logging.getLogger().setLevel(settings.log_level)
+    namespaces = settings.watch_namespaces
+    liveness = f"http://{settings.bind_address}:{settings.health_port}/healthz" if settings.health_port else None
+    with contextlib.suppress(KeyboardInterrupt):
+        kopf.run(
+            standalone=True,  # one replica (Deployment strategy Recreate): no peering objects needed
+            clusterwide=not namespaces,
+            namespaces=namespaces,
+            liveness_endpoint=liveness,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    asyncio.set_event_loop_policy(None)
+    sys.exit(main(sys.argv[1:]))

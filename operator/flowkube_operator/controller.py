@@ -1,0 +1,276 @@
+"""The I/O edge around `reconcile.plan`: caches fed by kopf's watches, a work queue, and apply.
+
+Like controller-runtime: watch events only put a Flow's key on a de-duplicating queue; workers
+take keys, read the latest cached Flow and its pods, plan, and apply. A key is never processed by
+two workers at once, and a key that changes while being processed is processed again afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import gzip
+import heapq
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, cast
+
+import kopf
+from pydantic import ValidationError
+
+from flowkube_api import constants as c
+from flowkube_api.report import RunReport
+from flowkube_operator import resources, selfmetrics
+from flowkube_operator.kube import ApiError, Kube, collection_path, ns_path
+from flowkube_operator.reconcile import Plan, PodView, plan
+from flowkube_operator.settings import Settings
+
+Body = dict[str, Any]
+Key = tuple[str, str]  # (namespace, flow name)
+log = logging.getLogger("flowkube.controller")
+
+
+def merge_patch(old: Any, new: Any) -> Any:
+    """RFC 7386 merge patch turning old into new (lists are replaced whole)."""
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return new
+    patch: Body = {}
+    for k in old.keys() - new.keys():
+        patch[k] = None
+    for k, v in new.items():
+        if k not in old:
+            patch[k] = v
+        elif old[k] != v:
+            patch[k] = merge_patch(old[k], v)
+    return patch
+
+
+def _rv(body: Body) -> int:
+    try:
+        return int(body.get("metadata", {}).get("resourceVersion", 0))
+    except (TypeError, ValueError):
+        return 0
+
+
+class WorkQueue:
+    """De-duplicating queue with delayed adds; a key is handed to one worker at a time."""
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[Key] = asyncio.Queue()
+        self._queued: set[Key] = set()
+        self._active: set[Key] = set()
+        self._dirty: set[Key] = set()
+        self._delayed: list[tuple[float, Key]] = []
+        self._wake = asyncio.Event()
+
+    def add(self, key: Key) -> None:
+        if key in self._active:
+            self._dirty.add(key)
+        elif key not in self._queued:
+            self._queued.add(key)
+            self._queue.put_nowait(key)
+        selfmetrics.QUEUE_DEPTH.set(len(self._queued))
+
+    def add_after(self, key: Key, seconds: float) -> None:
+        heapq.heappush(self._delayed, (time.monotonic() + seconds, key))
+        selfmetrics.DELAYED.set(len(self._delayed))
+        self._wake.set()
+
+    async def get(self) -> Key:
+        key = await self._queue.get()
+        self._queued.discard(key)
+        self._active.add(key)
+        selfmetrics.QUEUE_DEPTH.set(len(self._queued))
+        return key
+
+    def done(self, key: Key) -> None:
+        self._active.discard(key)
+        if key in self._dirty:
+            self._dirty.discard(key)
+            self.add(key)
+
+    async def run_timers(self) -> None:
+        while True:
+            now = time.monotonic()
+            while self._delayed and self._delayed[0][0] <= now:
+                _, key = heapq.heappop(self._delayed)
+                self.add(key)
+            selfmetrics.DELAYED.set(len(self._delayed))
+            timeout = self._delayed[0][0] - now if self._delayed else None
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+
+
+class Controller:
+    def __init__(self, settings: Settings, on_flow_change: Callable[[Key, Body | None], None]) -> None:
+        self.settings = settings
+        self.kube: Kube | None = None
+        self.flows: dict[Key, Body] = {}
+        self.pods: dict[Key, dict[str, PodView]] = {}
+        self.queue = WorkQueue()
+        self._ensured: set[str] = set()  # Flow uids whose runner access objects exist
+        self._on_flow_change = on_flow_change
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- watch side (called by kopf handlers; must stay cheap) ---------------------------------------
+
+    def flow_event(self, event_type: str, body: Body) -> None:
+        meta = body.get("metadata") or {}
+        key = (meta.get("namespace", ""), meta.get("name", ""))
+        if event_type == "DELETED":
+            self.flows.pop(key, None)
+            self.pods.pop(key, None)
+            self._ensured.discard(meta.get("uid", ""))
+            self._on_flow_change(key, None)
+        else:
+            old = self.flows.get(key)
+            if old is not None and _rv(old) > _rv(body) and old["metadata"].get("uid") == meta.get("uid"):
+                return  # an event older than what our own write already told us
+            self.flows[key] = body
+            self._on_flow_change(key, body)
+            self.queue.add(key)
+        selfmetrics.FLOWS_CACHED.set(len(self.flows))
+
+    def pod_event(self, event_type: str, body: Body) -> None:
+        meta = body.get("metadata") or {}
+        flow = (meta.get("labels") or {}).get(c.LABEL_FLOW)
+        if not flow:
+            return
+        key = (meta.get("namespace", ""), flow)
+        pods = self.pods.setdefault(key, {})
+        if event_type == "DELETED":
+            pods.pop(meta.get("name", ""), None)
+            if not pods:
+                self.pods.pop(key, None)
+        else:
+            view = PodView.from_pod(body)
+            if pods.get(view.name) == view:
+                return
+            pods[view.name] = view
+        if key in self.flows:
+            self.queue.add(key)
+
+    # -- workers -------------------------------------------------------------------------------------
+
+    def start(self, kube: Kube) -> None:
+        self.kube = kube
+        self._tasks.append(asyncio.create_task(self.queue.run_timers()))
+        for _ in range(self.settings.workers):
+            self._tasks.append(asyncio.create_task(self._worker()))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+
+    async def _worker(self) -> None:
+        while True:
+            key = await self.queue.get()
+            selfmetrics.IN_FLIGHT.inc()
+            started = time.perf_counter()
+            result = "ok"
+            try:
+                await self.reconcile(key)
+            except ApiError as e:
+                result = "error"
+                reason = "Conflict" if e.status == 409 else f"Api{e.status}"
+                selfmetrics.RECONCILE_ERRORS.labels(reason).inc()
+                if e.status == 409:
+                    self.queue.add_after(key, 0.05)  # our view was stale; the watch brings the new one
+                else:
+                    log.warning("reconcile %s/%s failed: %s", *key, e)
+                    self.queue.add_after(key, 1.0)
+            except Exception as e:
+                result = "error"
+                selfmetrics.RECONCILE_ERRORS.labels(type(e).__name__).inc()
+                log.exception("reconcile %s/%s failed", *key)
+                self.queue.add_after(key, 2.0)
+            finally:
+                selfmetrics.IN_FLIGHT.dec()
+                selfmetrics.RECONCILE_SECONDS.labels(result).observe(time.perf_counter() - started)
+                self.queue.done(key)
+
+    # -- one reconcile -------------------------------------------------------------------------------
+
+    async def reconcile(self, key: Key) -> None:
+        assert self.kube is not None
+        body = self.flows.get(key)
+        if body is None or body.get("metadata", {}).get("deletionTimestamp"):
+            return
+        ns, name = key
+        pods = dict(self.pods.get(key, {}))
+        status = body.get("status") or {}
+        runs = status.get("runs") or []
+        report = None
+        if runs and not runs[-1].get("finishedAt"):
+            active = runs[-1]["pod"]
+            if active not in pods and runs[-1].get("startedAt"):
+                # The cache says the pod is gone; make sure before counting the run as lost.
+                live = await self.kube.get(ns_path(ns, "pods", active))
+                if live is not None:
+                    pods[active] = PodView.from_pod(live)
+            if active in pods and pods[active].terminated:
+                report = await self._load_report(ns, name, pods[active])
+        p = plan(body, pods, report, backoff_cap=self.settings.retry_backoff_cap_seconds)
+        await self._apply(key, body, p)
+
+    async def _load_report(self, ns: str, name: str, pod: PodView) -> RunReport | None:
+        assert self.kube is not None
+        cm = await self.kube.get(ns_path(ns, "configmaps", c.state_configmap_name(name)))
+        raw = ((cm or {}).get("binaryData") or {}).get(c.report_key(pod.name))
+        try:
+            if raw:
+                return RunReport.model_validate_json(gzip.decompress(base64.b64decode(raw)))
+            if pod.message and pod.message.lstrip().startswith("{"):
+                # The termination message carries a summary when the ConfigMap write failed.
+                return RunReport.model_validate_json(pod.message)
+        except (ValidationError, OSError, ValueError, binascii.Error) as e:
+            log.warning("unreadable report of %s/%s: %s", ns, pod.name, e)
+        return None
+
+    async def _apply(self, key: Key, body: Body, p: Plan) -> None:
+        assert self.kube is not None
+        ns, name = key
+        new_status = p.status.dump()
+        old_status = body.get("status") or {}
+        intent = p.create_pod
+        if intent is not None and body["metadata"]["uid"] not in self._ensured:
+            await self._ensure_access(body)
+        if new_status != old_status:
+            patch = {"metadata": {"resourceVersion": body["metadata"]["resourceVersion"]},
+                     "status": merge_patch(old_status, new_status)}
+            updated = await self.kube.merge_patch(
+                ns_path(ns, c.PLURAL, name, group=c.GROUP, version=c.VERSION, sub="status"), patch)
+            self.flow_event("MODIFIED", updated)
+            body = updated
+        if intent is not None:
+            pod = resources.runner_pod(
+                body, index=intent.index, trigger=intent.trigger, settings=self.settings,
+                feedback=intent.feedback, prior_total_tokens=intent.prior_total_tokens,
+                active_deadline_seconds=intent.active_deadline_seconds,
+            )
+            created = await self.kube.create(collection_path(pod), pod)
+            if created is not None:
+                selfmetrics.RUN_PODS_CREATED.labels(intent.trigger.value).inc()
+                self.pod_event("ADDED", created)
+        for pod_name in p.delete_pods:
+            await self.kube.delete(ns_path(ns, "pods", pod_name))
+        for etype, reason, message in p.events:
+            kopf.event(kopf.Body(cast(kopf.RawBody, body)), type=etype, reason=reason, message=message)
+        if p.delete_flow:
+            await self.kube.delete(ns_path(ns, c.PLURAL, name, group=c.GROUP, version=c.VERSION),
+                                   {"propagationPolicy": "Background"})
+        elif p.requeue_after is not None:
+            self.queue.add_after(key, p.requeue_after)
+
+    async def _ensure_access(self, flow: Body) -> None:
+        assert self.kube is not None
+        kube = self.kube
+        objs = [*resources.runner_access(flow), resources.state_configmap(flow)]
+        await asyncio.gather(*(kube.create(collection_path(o), o) for o in objs))
+        self._ensured.add(flow["metadata"]["uid"])

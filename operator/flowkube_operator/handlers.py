@@ -1,0 +1,92 @@
+"""kopf registration: every handler is a thin shim over the Controller (registration apart from logic)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import kopf
+from aiohttp import web
+from prometheus_client import generate_latest
+
+from flowkube_api import constants as c
+from flowkube_operator import selfmetrics
+from flowkube_operator.controller import Controller
+from flowkube_operator.kube import Kube
+from flowkube_operator.metrics import FlowMetrics
+from flowkube_operator.settings import Settings
+
+log = logging.getLogger("flowkube.operator")
+
+SETTINGS = Settings()
+FLOW_METRICS = FlowMetrics(per_flow=SETTINGS.metrics_per_flow)
+CONTROLLER = Controller(SETTINGS, on_flow_change=FLOW_METRICS.update)
+_state: dict[str, Any] = {}
+
+
+@kopf.on.startup()
+async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    # Progress and diff-base (used only by kopf's own change handlers) live under our prefix.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=c.PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=c.PREFIX, key="last-handled-configuration")
+    settings.persistence.finalizer = c.FINALIZER
+    # Only the Events we post on purpose; operator logs stay logs.
+    settings.posting.level = logging.CRITICAL + 1
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.networking.request_timeout = 30
+    if SETTINGS.metrics_port:
+        await _serve_metrics()
+
+
+async def _serve_metrics() -> None:
+    async def metrics(_: web.Request) -> web.Response:
+        body = FLOW_METRICS.render().encode() + generate_latest(selfmetrics.REGISTRY)
+        return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, SETTINGS.bind_address, SETTINGS.metrics_port)
+    await site.start()
+    _state["metrics_runner"] = runner
+    log.info("serving /metrics on %s:%s", SETTINGS.bind_address, SETTINGS.metrics_port)
+
+
+@kopf.on.login()
+async def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+    if info is None:
+        return None
+    old: Kube | None = _state.get("kube")
+    kube = Kube(info)
+    _state["kube"] = kube
+    if old is None:
+        CONTROLLER.start(kube)
+    else:
+        CONTROLLER.kube = kube
+        await old.close()
+    return info
+
+
+@kopf.on.event(c.GROUP, c.VERSION, c.PLURAL)
+def flow_event(event: kopf.RawEvent, **_: Any) -> None:
+    CONTROLLER.flow_event(event.get("type") or "ADDED", dict(event["object"]))
+
+
+@kopf.on.event("", "v1", "pods", labels={c.LABEL_MANAGED_BY: c.MANAGED_BY, c.LABEL_COMPONENT: c.COMPONENT_RUNNER})
+def pod_event(event: kopf.RawEvent, **_: Any) -> None:
+    CONTROLLER.pod_event(event.get("type") or "ADDED", dict(event["object"]))
+
+
+@kopf.on.cleanup()
+async def cleanup(**_: Any) -> None:
+    await CONTROLLER.stop()
+    kube: Kube | None = _state.pop("kube", None)
+    if kube is not None:
+        await kube.close()
+    runner: web.AppRunner | None = _state.pop("metrics_runner", None)
+    if runner is not None:
+        await runner.cleanup()

@@ -1,0 +1,164 @@
+"""The operator's one door to the API server: a small JSON client over aiohttp.
+
+kopf watches; this client writes. Credentials come from kopf's login (kubeconfig or the
+in-cluster service account), so both sides authenticate the same way.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import ssl
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+import kopf
+
+from flowkube_operator import selfmetrics
+
+Body = dict[str, Any]
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, body: Body | str, method: str, path: str) -> None:
+        self.status = status
+        self.body = body
+        msg = body.get("message") if isinstance(body, dict) else body
+        super().__init__(f"{method} {path}: {status} {msg}")
+
+    @property
+    def reason(self) -> str:
+        return str(self.body.get("reason", "")) if isinstance(self.body, dict) else ""
+
+
+def _materialise(data: str | bytes | None, directory: Path, name: str) -> str | None:
+    if data is None:
+        return None
+    raw = data.encode() if isinstance(data, str) else data
+    if not raw.lstrip().startswith(b"-----"):
+        raw = base64.b64decode(raw)
+    path = directory / name
+    path.write_bytes(raw)
+    path.chmod(0o600)
+    return str(path)
+
+
+def ssl_context(info: kopf.ConnectionInfo) -> ssl.SSLContext | bool:
+    if info.insecure:
+        return False
+    tmp = Path(tempfile.mkdtemp(prefix="flowkube-creds-"))
+    ca = str(info.ca_path) if info.ca_path else _materialise(info.ca_data, tmp, "ca.crt")
+    ctx = ssl.create_default_context(cafile=ca)
+    cert = str(info.certificate_path) if info.certificate_path else _materialise(
+        info.certificate_data, tmp, "client.crt")
+    key = str(info.private_key_path) if info.private_key_path else _materialise(
+        info.private_key_data, tmp, "client.key")
+    if cert and key:
+        ctx.load_cert_chain(cert, key)
+    return ctx
+
+
+def _resource_of(path: str) -> str:
+    """`/api/v1/namespaces/ns/pods/x/status` -> `pods/status`, for metric labels."""
+    parts = [p for p in path.split("?")[0].split("/") if p]
+    if "namespaces" in parts:
+        parts = parts[parts.index("namespaces") + 2:]
+    elif parts[:1] == ["apis"]:
+        parts = parts[3:]
+    elif parts[:1] == ["api"]:
+        parts = parts[2:]
+    return parts[0] + ("/" + parts[2] if len(parts) > 2 else "") if parts else "?"
+
+
+class Kube:
+    def __init__(self, info: kopf.ConnectionInfo, *, limit: int = 64) -> None:
+        self.server = info.server.rstrip("/")
+        headers = {"User-Agent": "flowkube-operator"}
+        if info.token:
+            headers["Authorization"] = f"{info.scheme or 'Bearer'} {info.token}"
+        self._session = aiohttp.ClientSession(
+            headers=headers,
+            connector=aiohttp.TCPConnector(ssl=ssl_context(info), limit=limit),
+            timeout=aiohttp.ClientTimeout(total=30),
+            json_serialize=lambda o: json.dumps(o, separators=(",", ":")),
+        )
+
+    async def close(self) -> None:
+        await self._session.close()
+
+    async def request(self, method: str, path: str, body: Any = None, *,
+                      content_type: str = "application/json", params: dict[str, str] | None = None) -> Any:
+        started = time.perf_counter()
+        code = "error"
+        try:
+            data = json.dumps(body, separators=(",", ":")) if body is not None else None
+            async with self._session.request(method, self.server + path, data=data, params=params,
+                                             headers={"Content-Type": content_type}) as resp:
+                code = str(resp.status)
+                text = await resp.text()
+                payload: Any = json.loads(text) if text and text[0] in "{[" else text
+                if resp.status >= 400:
+                    raise ApiError(resp.status, payload, method, path)
+                return payload
+        finally:
+            selfmetrics.API_LATENCY.labels(method, _resource_of(path), code).observe(
+                time.perf_counter() - started)
+
+    async def get(self, path: str) -> Body | None:
+        try:
+            result: Body = await self.request("GET", path)
+            return result
+        except ApiError as e:
+            if e.status == 404:
+                return None
+            raise
+
+    async def create(self, path: str, body: Body) -> Body | None:
+        """POST; None when the object already exists (deterministic names make that success)."""
+        try:
+            result: Body = await self.request("POST", path, body)
+            return result
+        except ApiError as e:
+            if e.status == 409 and e.reason == "AlreadyExists":
+                return None
+            raise
+
+    async def merge_patch(self, path: str, patch: Body) -> Body:
+        result: Body = await self.request("PATCH", path, patch, content_type="application/merge-patch+json")
+        return result
+
+    async def delete(self, path: str, body: Body | None = None) -> None:
+        try:
+            await self.request("DELETE", path, body)
+        except ApiError as e:
+            if e.status != 404:
+                raise
+
+
+def ns_path(namespace: str, plural: str, name: str | None = None, *, group: str = "",
+            version: str = "v1", sub: str | None = None) -> str:
+    base = f"/apis/{group}/{version}" if group else f"/api/{version}"
+    path = f"{base}/namespaces/{quote(namespace)}/{plural}"
+    if name is not None:
+        path += f"/{quote(name)}"
+    if sub:
+        path += f"/{sub}"
+    return path
+
+
+_KIND_PATHS = {
+    "Pod": ("", "v1", "pods"),
+    "ConfigMap": ("", "v1", "configmaps"),
+    "ServiceAccount": ("", "v1", "serviceaccounts"),
+    "Role": ("rbac.authorization.k8s.io", "v1", "roles"),
+    "RoleBinding": ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+}
+
+
+def collection_path(obj: Body) -> str:
+    group, version, plural = _KIND_PATHS[obj["kind"]]
+    return ns_path(obj["metadata"]["namespace"], plural, group=group, version=version)

@@ -1,0 +1,167 @@
+"""Per-flow Prometheus metrics, derived from Flow status alone.
+
+Every number here is a function of the Flow objects the operator caches, so a restarted operator
+exports exactly the same values (no reset, no double count) and a deleted Flow's series vanish.
+Each Flow's series are rendered to text when its status changes; a scrape only concatenates,
+so `/metrics` stays fast with tens of thousands of Flows.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections import defaultdict
+from typing import Any
+
+from flowkube_api.constants import Phase, Trigger
+
+Body = dict[str, Any]
+Key = tuple[str, str]
+Labels = tuple[tuple[str, str], ...]
+
+TOKEN_TYPES = {
+    "prompt": "promptTokens",
+    "completion": "completionTokens",
+    "cached_prompt": "cachedPromptTokens",
+    "reasoning": "reasoningTokens",
+    "cache_creation": "cacheCreationTokens",
+}
+WAIT_BUCKETS = (1.0, 5.0, 15.0, 30.0, 60.0, 300.0, 900.0, 1800.0, 3600.0, 7200.0, 21600.0, 86400.0)
+
+FAMILIES: dict[str, tuple[str, str]] = {
+    "flowkube_flow_tokens_total": ("counter", "LLM tokens used by a flow over all its runs, by model and type."),
+    "flowkube_flow_llm_requests_total": ("counter", "Successful LLM requests of a flow over all its runs."),
+    "flowkube_flow_runs_total": ("counter", "Runner pods started for a flow, by trigger."),
+    "flowkube_flow_phase": ("gauge", "1 for the flow's current phase, 0 for the others."),
+    "flowkube_flows": ("gauge", "Flows by namespace and phase."),
+    "flowkube_feedback_wait_seconds": ("histogram", "Time feedback requests waited for an answer or timeout."),
+}
+PER_FLOW = ("flowkube_flow_tokens_total", "flowkube_flow_llm_requests_total", "flowkube_flow_runs_total",
+            "flowkube_flow_phase")
+
+
+def _escape(v: str) -> str:
+    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _fmt_labels(labels: Labels) -> str:
+    return ",".join(f'{k}="{_escape(v)}"' for k, v in labels)
+
+
+def _num(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else repr(float(v))
+
+
+def _ts(s: str | None) -> dt.datetime | None:
+    return dt.datetime.fromisoformat(s.replace("Z", "+00:00")) if s else None
+
+
+def _definition(body: Body) -> str:
+    st = body.get("status") or {}
+    if st.get("definition"):
+        return str(st["definition"])
+    spec = body.get("spec") or {}
+    if isinstance(spec.get("definition"), dict):
+        return str(spec["definition"].get("name", ""))
+    return str(spec.get("flowRef") or "").rsplit(":", 1)[-1].rsplit(".", 1)[-1]
+
+
+def contributions(body: Body) -> dict[tuple[str, Labels], float]:
+    """Every sample one Flow adds, with the full label set (flow included)."""
+    meta, st = body.get("metadata") or {}, body.get("status") or {}
+    ns, name, definition = meta.get("namespace", ""), meta.get("name", ""), _definition(body)
+    base = (("namespace", ns), ("flow", name), ("definition", definition))
+    out: dict[tuple[str, Labels], float] = {}
+    usage = st.get("usage") or {}
+    for model, u in sorted((usage.get("byModel") or {}).items()):
+        for tname, field in TOKEN_TYPES.items():
+            out[("flowkube_flow_tokens_total", (*base, ("model", model), ("type", tname)))] = u.get(field, 0)
+        out[("flowkube_flow_llm_requests_total", (*base, ("model", model)))] = u.get("successfulRequests", 0)
+    counts = dict.fromkeys((t.value for t in Trigger), 0)
+    for r in st.get("runs") or []:
+        counts[r.get("trigger", "kickoff")] = counts.get(r.get("trigger", "kickoff"), 0) + 1
+    for trig, n in counts.items():
+        out[("flowkube_flow_runs_total", (*base, ("trigger", trig)))] = n
+    phase = st.get("phase") or Phase.PENDING.value
+    for p in Phase:
+        out[("flowkube_flow_phase", (*base, ("phase", p.value)))] = 1 if p.value == phase else 0
+    out[("flowkube_flows", (("namespace", ns), ("phase", phase)))] = 1
+    hist = (("namespace", ns), ("definition", definition))
+    for h in (st.get("feedback") or {}).get("history") or []:
+        asked, answered = _ts(h.get("requestedAt")), _ts(h.get("respondedAt"))
+        if asked is None or answered is None:
+            continue
+        wait = max((answered - asked).total_seconds(), 0.0)
+        for le in WAIT_BUCKETS:
+            if wait <= le:
+                out[("flowkube_feedback_wait_seconds_bucket", (*hist, ("le", _num(le))))] = \
+                    out.get(("flowkube_feedback_wait_seconds_bucket", (*hist, ("le", _num(le)))), 0) + 1
+        inf = ("flowkube_feedback_wait_seconds_bucket", (*hist, ("le", "+Inf")))
+        out[inf] = out.get(inf, 0) + 1
+        out[("flowkube_feedback_wait_seconds_sum", hist)] = \
+            out.get(("flowkube_feedback_wait_seconds_sum", hist), 0) + wait
+        out[("flowkube_feedback_wait_seconds_count", hist)] = \
+            out.get(("flowkube_feedback_wait_seconds_count", hist), 0) + 1
+    return out
+
+
+def _family_of(sample: str) -> str:
+    for suffix in ("_bucket", "_sum", "_count"):
+        if sample.startswith("flowkube_feedback_wait_seconds") and sample.endswith(suffix):
+            return "flowkube_feedback_wait_seconds"
+    return sample
+
+
+class FlowMetrics:
+    def __init__(self, per_flow: bool = True) -> None:
+        self.per_flow = per_flow
+        self._contrib: dict[Key, dict[tuple[str, Labels], float]] = {}
+        self._chunks: dict[Key, dict[str, str]] = {}
+        self._agg: dict[tuple[str, Labels], float] = defaultdict(float)
+
+    def __len__(self) -> int:
+        return len(self._contrib)
+
+    def update(self, key: Key, body: Body | None) -> None:
+        new = contributions(body) if body is not None else {}
+        old = self._contrib.pop(key, {})
+        if new == old:
+            if new:
+                self._contrib[key] = new
+            return
+        for sample, v in old.items():
+            if self._aggregated(sample[0]):
+                self._agg[self._rollup(sample)] -= v
+        for sample, v in new.items():
+            if self._aggregated(sample[0]):
+                self._agg[self._rollup(sample)] += v
+        if body is None:
+            self._chunks.pop(key, None)
+            return
+        self._contrib[key] = new
+        if self.per_flow:
+            chunks: dict[str, list[str]] = defaultdict(list)
+            for (name, labels), v in new.items():
+                if name in PER_FLOW:
+                    chunks[name].append(f"{name}{{{_fmt_labels(labels)}}} {_num(v)}\n")
+            self._chunks[key] = {fam: "".join(lines) for fam, lines in chunks.items()}
+
+    def _aggregated(self, sample: str) -> bool:
+        return not self.per_flow or sample not in PER_FLOW
+
+    def _rollup(self, sample: tuple[str, Labels]) -> tuple[str, Labels]:
+        name, labels = sample
+        if name in PER_FLOW:
+            labels = tuple(kv for kv in labels if kv[0] != "flow")
+        return name, labels
+
+    def render(self) -> str:
+        by_family: dict[str, list[str]] = defaultdict(list)
+        for (sample, labels), v in sorted(self._agg.items()):
+            by_family[_family_of(sample)].append(f"{sample}{{{_fmt_labels(labels)}}} {_num(v)}\n")
+        parts: list[str] = []
+        for fam, (mtype, help_text) in FAMILIES.items():
+            parts.append(f"# HELP {fam} {help_text}\n# TYPE {fam} {mtype}\n")
+            if self.per_flow and fam in PER_FLOW:
+                parts.extend(ch.get(fam, "") for ch in self._chunks.values())
+            parts.extend(by_family.get(fam, ()))
+        return "".join(parts)

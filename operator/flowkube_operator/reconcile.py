@@ -1,0 +1,530 @@
+"""The level-based reconcile of one Flow, as a pure function.
+
+`plan()` looks at the Flow (spec and the status it wrote before), the runner pods that exist, and
+the report of a run that just ended; it returns the status the Flow should have and the few
+actions that bring the world there. It never assumes it saw every event: after an operator
+restart, a missed watch event or a conflict it is simply called again and reaches the same plan.
+
+Durable intent comes first: a run is recorded in `status.runs[]` before its pod is created, under
+a deterministic pod name, so a crash between the two steps is repaired by creating that pod again
+(an "AlreadyExists" answer means it is already there).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from typing import Any
+
+from flowkube_api import constants as c
+from flowkube_api.constants import ConditionType, Phase, Reason, RunResult, Trigger
+from flowkube_api.models import (
+    Condition,
+    FeedbackRecord,
+    FeedbackRequest,
+    FeedbackStatus,
+    FlowSpec,
+    FlowStatus,
+    Result,
+    Run,
+)
+from flowkube_api.report import RunReport, Usage, excerpt
+from flowkube_operator.resources import definition_name
+
+Body = dict[str, Any]
+
+# A run that failed for one of these reasons is not retried: running it again cannot help.
+PERMANENT_REASONS = frozenset({
+    Reason.INVALID_DEFINITION, Reason.INVALID_FLOW_REF, Reason.INVALID_INPUTS, Reason.STATE_CORRUPT,
+    Reason.STATE_TOO_LARGE, Reason.BUDGET_EXCEEDED, Reason.DEADLINE_EXCEEDED,
+})
+
+
+def now_utc() -> dt.datetime:
+    return dt.datetime.now(dt.UTC).replace(microsecond=0)
+
+
+def fmt(t: dt.datetime) -> str:
+    return t.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse(t: str | None) -> dt.datetime | None:
+    return dt.datetime.fromisoformat(t.replace("Z", "+00:00")) if t else None
+
+
+@dataclass(frozen=True)
+class PodView:
+    """What the reconcile needs to know of a runner pod."""
+
+    name: str
+    phase: str
+    created_at: str
+    deleting: bool = False
+    exit_code: int | None = None
+    reason: str | None = None
+    message: str | None = None
+    finished_at: str | None = None
+
+    @property
+    def terminated(self) -> bool:
+        return self.phase in ("Succeeded", "Failed")
+
+    @classmethod
+    def from_pod(cls, pod: Body) -> PodView:
+        meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+        exit_code = reason = message = finished = None
+        for cs in status.get("containerStatuses") or []:
+            term = (cs.get("state") or {}).get("terminated")
+            if term:
+                exit_code, reason = term.get("exitCode"), term.get("reason")
+                message, finished = term.get("message"), term.get("finishedAt")
+        return cls(
+            name=meta.get("name", ""),
+            phase=status.get("phase") or "Pending",
+            created_at=meta.get("creationTimestamp") or "",
+            deleting=bool(meta.get("deletionTimestamp")),
+            exit_code=exit_code,
+            reason=status.get("reason") or reason,
+            message=message or status.get("message"),
+            finished_at=finished,
+        )
+
+
+@dataclass(frozen=True)
+class RunIntent:
+    """A runner pod that should exist (the edge creates it; AlreadyExists is success)."""
+
+    index: int
+    trigger: Trigger
+    feedback: Body | None
+    prior_total_tokens: int
+    active_deadline_seconds: int | None
+
+
+@dataclass
+class Plan:
+    status: FlowStatus
+    create_pod: RunIntent | None = None
+    delete_pods: list[str] = field(default_factory=list)
+    delete_flow: bool = False
+    events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
+    requeue_after: float | None = None
+
+    def later(self, seconds: float) -> None:
+        seconds = max(seconds, 0.05)
+        self.requeue_after = seconds if self.requeue_after is None else min(self.requeue_after, seconds)
+
+    def event(self, reason: str, message: str, warning: bool = False) -> None:
+        self.events.append(("Warning" if warning else "Normal", reason, message))
+
+
+def total_usage(runs: list[Run]) -> Usage:
+    total = Usage()
+    for r in runs:
+        if r.usage is not None:
+            total = total + r.usage
+    return total
+
+
+def running_seconds(runs: list[Run], now: dt.datetime) -> float:
+    """Time runner pods existed: waiting for feedback or in retry backoff does not count."""
+    spent = 0.0
+    for r in runs:
+        start = parse(r.started_at)
+        if start is not None:
+            spent += ((parse(r.finished_at) or now) - start).total_seconds()
+    return spent
+
+
+def trailing_failures(runs: list[Run]) -> int:
+    n = 0
+    for r in reversed(runs):
+        if r.result != RunResult.FAILED:
+            break
+        n += 1
+    return n
+
+
+def backoff_seconds(spec: FlowSpec, failures: int, cap: int) -> float:
+    base = spec.retries.backoff_seconds if spec.retries else 10
+    return float(min(cap, base * (2 ** max(failures - 1, 0))))
+
+
+def validate_response(request: FeedbackRequest | None, text: str | None, request_id: str | None) -> str | None:
+    """Why a feedback response must be refused, or None when it is acceptable."""
+    if request is None:
+        return "no feedback request is pending"
+    if request_id and request_id != request.id:
+        return f"requestId {request_id!r} is not the pending request {request.id!r}"
+    if text is None or not text.strip():
+        return "response.text must be a non-empty string"
+    return None
+
+
+class _Reconciler:
+    def __init__(self, flow: Body, pods: dict[str, PodView], report: RunReport | None,
+                 now: dt.datetime, backoff_cap: int) -> None:
+        self.meta: Body = flow.get("metadata") or {}
+        self.spec = FlowSpec.model_validate(flow.get("spec") or {})
+        self.old = FlowStatus.model_validate(flow.get("status") or {})
+        self.st = self.old.model_copy(deep=True)
+        self.pods = pods
+        self.report = report
+        self.now = now
+        self.backoff_cap = backoff_cap
+        self.plan = Plan(status=self.st)
+        self.runs: list[Run] = list(self.st.runs or [])
+        self.fb = self.st.feedback or FeedbackStatus()
+        self.refusal: str | None = None
+        self.failure: tuple[Reason | str, str] | None = None
+
+    # -- entry --------------------------------------------------------------------------------------
+
+    def run(self) -> Plan:
+        st = self.st
+        st.observed_generation = self.meta.get("generation")
+        st.definition = definition_name(self.spec.model_dump(by_alias=True, exclude_none=True))
+        st.started_at = st.started_at or fmt(self.now)
+        if self.fb.request is None:
+            self._refuse_stray_response()  # answered before anything asked: never applied to a later request
+        if st.phase in c.TERMINAL_PHASES:
+            self._expire()
+        else:
+            active = self.runs[-1] if self.runs and self.runs[-1].finished_at is None else None
+            if active is not None:
+                self._follow(active)
+            if st.phase not in c.TERMINAL_PHASES and (not self.runs or self.runs[-1].finished_at):
+                self._next()
+        self._finish()
+        return self.plan
+
+    # -- the active run -----------------------------------------------------------------------------
+
+    def _follow(self, run: Run) -> None:
+        pod = self.pods.get(run.pod)
+        if pod is None:
+            if run.started_at is None:
+                # Recorded but never seen: the pod was not created yet (or the cache lags). Ensure it.
+                self.plan.create_pod = self._intent(len(self.runs) - 1, run.trigger)
+                self.st.phase = Phase.PENDING
+                return
+            self._end_run(run, None, RunResult.FAILED, Reason.POD_DELETED,
+                          f"runner pod {run.pod} disappeared before it finished")
+            return
+        if run.started_at is None:
+            run.started_at = pod.created_at or fmt(self.now)
+        if pod.terminated:
+            self._end_from_pod(run, pod)
+            return
+        self.st.phase = Phase.RUNNING if pod.phase == "Running" else Phase.PENDING
+        limit = self.spec.active_deadline_seconds
+        if limit is not None:
+            left = limit - running_seconds(self.runs, self.now)
+            if left <= 0:
+                self.plan.delete_pods.append(run.pod)
+                self._end_run(run, None, RunResult.FAILED, Reason.DEADLINE_EXCEEDED,
+                              f"the flow ran longer than activeDeadlineSeconds={limit}")
+                return
+            self.plan.later(left)
+
+    def _end_from_pod(self, run: Run, pod: PodView) -> None:
+        rep = self.report
+        if rep is not None and rep.pod == run.pod:
+            result = rep.result
+            if pod.exit_code not in (None, 0) and result != RunResult.FAILED:
+                result = RunResult.FAILED  # the process died after writing an optimistic report
+            reason: Reason | str = rep.reason
+            message = rep.message
+            if rep.flow_id:
+                self.st.flow_id = rep.flow_id
+            run.usage = rep.usage
+        elif pod.reason == "DeadlineExceeded":
+            result, reason = RunResult.FAILED, Reason.DEADLINE_EXCEEDED
+            message = "the runner pod exceeded its activeDeadlineSeconds"
+        else:
+            result, reason = RunResult.FAILED, Reason.RUN_FAILED
+            message = (f"runner pod {pod.name} ended ({pod.phase}, exit code {pod.exit_code}, "
+                       f"{pod.reason or 'no reason'}) without a report")
+            if pod.message:
+                message += f": {excerpt(pod.message, 512)}"
+        if pod.exit_code == c.EXIT_PERMANENT and result == RunResult.FAILED and reason not in PERMANENT_REASONS:
+            reason = Reason.FLOW_ERROR if reason in (Reason.RUN_FAILED, "") else reason
+        run.exit_code = pod.exit_code
+        self._end_run(run, rep if rep is not None and rep.pod == run.pod else None, result, reason, message,
+                      finished_at=pod.finished_at)
+
+    def _end_run(self, run: Run, rep: RunReport | None, result: RunResult, reason: Reason | str,
+                 message: str, finished_at: str | None = None) -> None:
+        run.result, run.reason, run.message = result, str(reason), excerpt(message, 1024)
+        run.finished_at = finished_at or fmt(self.now)
+        if run.started_at is None:
+            run.started_at = run.finished_at
+        if result == RunResult.SUCCEEDED:
+            self.st.result = Result(output=rep.output if rep else None)
+            self._terminal(Phase.SUCCEEDED, Reason.RUN_SUCCEEDED, "the flow finished")
+            self.plan.event(Reason.RUN_SUCCEEDED, f"run {run.pod} succeeded; the flow finished")
+        elif result == RunResult.PAUSED and rep is not None and rep.feedback_request is not None:
+            fr = rep.feedback_request
+            timeout = self.spec.feedback.timeout_seconds if self.spec.feedback else None
+            self.fb.request = FeedbackRequest(
+                id=fr.id, method=fr.method, message=fr.message, emit=fr.emit,
+                default_outcome=fr.default_outcome, output=excerpt(fr.output),
+                requested_at=fmt(self.now),
+                deadline=fmt(self.now + dt.timedelta(seconds=timeout)) if timeout else None,
+            )
+            self.st.phase = Phase.AWAITING_FEEDBACK
+            self.plan.event(Reason.FEEDBACK_REQUESTED,
+                            f"{fr.method} asks for feedback (request {fr.id}): {excerpt(fr.message, 256)}")
+        else:
+            if result != RunResult.FAILED:  # Paused without a request: nothing could ever resume it
+                run.result, reason = RunResult.FAILED, Reason.INTERNAL_ERROR
+                message = "the run paused but reported no feedback request"
+            self._after_failure(run, reason, message)
+
+    def _after_failure(self, run: Run, reason: Reason | str, message: str) -> None:
+        permanent = reason in PERMANENT_REASONS or run.exit_code == c.EXIT_PERMANENT
+        limit = self.spec.retries.limit if self.spec.retries else 0
+        failures = trailing_failures(self.runs)
+        self.plan.event(str(reason), f"run {run.pod} failed: {excerpt(message, 512)}", warning=True)
+        if permanent:
+            self._terminal(Phase.FAILED, reason, message)
+        elif failures > limit:
+            why = f"{failures} failed run(s), retries.limit={limit}; last: {message}"
+            self._terminal(Phase.FAILED, Reason.RETRIES_EXHAUSTED, why)
+        else:
+            self.st.phase = Phase.PENDING
+
+    # -- what comes next when no run is active ------------------------------------------------------
+
+    def _next(self) -> None:
+        if self.spec.suspend:
+            if self.fb.request is None:
+                self.st.phase = Phase.SUSPENDED
+            return
+        if self.fb.request is not None:
+            self._await_feedback()
+            return
+        if not self.runs:
+            self._start(Trigger.KICKOFF)
+            return
+        last = self.runs[-1]
+        if last.result == RunResult.FAILED:
+            due = parse(last.finished_at) or self.now
+            wait = backoff_seconds(self.spec, trailing_failures(self.runs), self.backoff_cap)
+            left = (due + dt.timedelta(seconds=wait) - self.now).total_seconds()
+            if left > 0:
+                self.st.phase = Phase.PENDING
+                self.plan.later(left)
+                self.failure = (Reason.RETRY_BACKOFF, f"retrying in {left:.0f}s after: {last.message}")
+                return
+            self._start(Trigger.RETRY)
+        elif last.result == RunResult.PAUSED:
+            # Paused run whose request was already answered: a resume run is recorded right away,
+            # so this only happens when the resume was refused; nothing to do until a new answer.
+            self.st.phase = Phase.AWAITING_FEEDBACK
+
+    def _await_feedback(self) -> None:
+        req = self.fb.request
+        assert req is not None
+        self.st.phase = Phase.AWAITING_FEEDBACK
+        resp = self.fb.response
+        if resp is not None:
+            problem = validate_response(req, resp.text, resp.request_id)
+            self.fb.response = None
+            if problem is not None:
+                self._refuse(problem)
+            else:
+                self._answer(req, text=resp.text or "", outcome=None, timed_out=False,
+                             by=resp.responded_by)
+            return
+        deadline = parse(req.deadline)
+        if deadline is None:
+            return
+        if self.now < deadline:
+            self.plan.later((deadline - self.now).total_seconds())
+            return
+        if req.default_outcome:
+            self._answer(req, text="", outcome=req.default_outcome, timed_out=True, by=None)
+            return
+        self.fb.request = None
+        self._terminal(Phase.FAILED, Reason.FEEDBACK_TIMED_OUT,
+                       f"no feedback for request {req.id} ({req.method}) before {req.deadline}, "
+                       "and the step has no default outcome")
+
+    def _answer(self, req: FeedbackRequest, *, text: str, outcome: str | None, timed_out: bool,
+                by: str | None) -> None:
+        history = list(self.fb.history or [])
+        history.append(FeedbackRecord(
+            request_id=req.id, method=req.method, response=text or None, outcome=outcome,
+            requested_at=req.requested_at, responded_at=fmt(self.now), responded_by=by, timed_out=timed_out,
+        ))
+        self.fb.history = history
+        self.fb.request = None
+        if timed_out:
+            self.plan.event(Reason.FEEDBACK_TIMED_OUT,
+                            f"request {req.id} timed out; resuming with default outcome {outcome!r}")
+        else:
+            who = f" from {by}" if by else ""
+            self.plan.event(Reason.FEEDBACK_RECEIVED, f"feedback{who} accepted for request {req.id}")
+        self._start(Trigger.RESUME)
+
+    def _refuse(self, problem: str) -> None:
+        self.refusal = f"feedback response refused: {problem}"
+        self.plan.event(Reason.FEEDBACK_REFUSED, self.refusal, warning=True)
+
+    def _refuse_stray_response(self) -> None:
+        if self.fb.response is not None:
+            self.fb.response = None
+            self._refuse(validate_response(None, None, None) or "")
+
+    def _start(self, trigger: Trigger) -> None:
+        usage = total_usage(self.runs)
+        cap = self.spec.budget.max_total_tokens if self.spec.budget else None
+        if cap is not None and usage.total_tokens >= cap:
+            self._terminal(Phase.FAILED, Reason.BUDGET_EXCEEDED,
+                           f"{usage.total_tokens} tokens used of budget.maxTotalTokens={cap}")
+            return
+        index = len(self.runs)
+        self.runs.append(Run(pod=c.run_pod_name(str(self.meta.get("name")), index), trigger=trigger))
+        self.plan.create_pod = self._intent(index, trigger)
+        self.st.phase = Phase.PENDING
+
+    def _intent(self, index: int, trigger: Trigger) -> RunIntent:
+        feedback = None
+        if trigger == Trigger.RESUME and self.fb.history:
+            h = self.fb.history[-1]
+            feedback = {"requestId": h.request_id, "text": h.response or "", "timedOut": h.timed_out}
+            if h.outcome:
+                feedback["outcome"] = h.outcome
+        left = None
+        if self.spec.active_deadline_seconds is not None:
+            left = int(self.spec.active_deadline_seconds - running_seconds(self.runs[:index], self.now)) + 1
+        return RunIntent(index=index, trigger=trigger, feedback=feedback,
+                         prior_total_tokens=total_usage(self.runs[:index]).total_tokens,
+                         active_deadline_seconds=left)
+
+    # -- endings ------------------------------------------------------------------------------------
+
+    def _terminal(self, phase: Phase, reason: Reason | str, message: str) -> None:
+        self.st.phase = phase
+        self.st.finished_at = self.st.finished_at or fmt(self.now)
+        if phase == Phase.FAILED:
+            self.failure = (reason, message)
+            self.fb.request = None
+            self.plan.event(str(reason), f"the flow failed: {excerpt(message, 512)}", warning=True)
+
+    def _expire(self) -> None:
+        ttl = self.spec.ttl_seconds_after_finished
+        finished = parse(self.st.finished_at)
+        if ttl is None or finished is None:
+            return
+        left = (finished + dt.timedelta(seconds=ttl) - self.now).total_seconds()
+        if left <= 0:
+            self.plan.delete_flow = True
+        else:
+            self.plan.later(left)
+
+    def _finish(self) -> None:
+        st = self.st
+        st.runs = self.runs or None
+        usage = total_usage(self.runs)
+        st.usage = usage if self.runs else st.usage
+        st.feedback = self.fb if (self.fb.request or self.fb.history or self.fb.response) else None
+        if st.phase is None:
+            st.phase = Phase.PENDING
+        self._conditions()
+
+    def _conditions(self) -> None:
+        st = self.st
+        phase = st.phase
+        last = self.runs[-1] if self.runs else None
+        failure_reason, failure_msg = self.failure or (None, "")
+        if phase == Phase.FAILED and failure_reason is None:
+            failure_reason, failure_msg = self._previous_condition_reason(ConditionType.SUCCEEDED)
+        invalid = failure_reason in (Reason.INVALID_DEFINITION, Reason.INVALID_FLOW_REF, Reason.INVALID_INPUTS)
+        conds: list[tuple[ConditionType, str, str, str]] = []
+        if invalid:
+            conds.append((ConditionType.ACCEPTED, "False", str(failure_reason), failure_msg))
+        else:
+            conds.append((ConditionType.ACCEPTED, "True", Reason.ACCEPTED, "the flow was accepted"))
+
+        if phase == Phase.RUNNING:
+            conds.append((ConditionType.RUNNING, "True", Reason.RUN_STARTED, f"run {last.pod if last else ''}"))
+        elif phase == Phase.PENDING and failure_reason == Reason.RETRY_BACKOFF:
+            conds.append((ConditionType.RUNNING, "False", Reason.RETRY_BACKOFF, failure_msg))
+        elif phase == Phase.PENDING:
+            conds.append((ConditionType.RUNNING, "Unknown", Reason.RUN_PENDING,
+                          f"waiting for runner pod {last.pod}" if last else "waiting for a runner pod"))
+        elif phase == Phase.SUSPENDED:
+            conds.append((ConditionType.RUNNING, "False", Reason.SUSPENDED, "spec.suspend is true"))
+        elif phase == Phase.AWAITING_FEEDBACK:
+            conds.append((ConditionType.RUNNING, "False", Reason.RUN_PAUSED, "waiting for feedback"))
+        elif phase == Phase.SUCCEEDED:
+            conds.append((ConditionType.RUNNING, "False", Reason.RUN_SUCCEEDED, "the flow finished"))
+        else:
+            conds.append((ConditionType.RUNNING, "False", str(failure_reason or Reason.RUN_FAILED), failure_msg))
+
+        req = self.fb.request
+        if req is not None:
+            msg = f"{req.method}: {req.message}"
+            if self.refusal:
+                msg = f"{self.refusal}; still waiting for request {req.id}. {msg}"
+            conds.append((ConditionType.AWAITING_FEEDBACK, "True", Reason.FEEDBACK_REQUESTED, excerpt(msg, 1024)))
+        elif self.refusal:
+            conds.append((ConditionType.AWAITING_FEEDBACK, "False", Reason.FEEDBACK_REFUSED, self.refusal))
+        else:
+            prev = self._previous(ConditionType.AWAITING_FEEDBACK)
+            if prev is not None and prev.status == "True" and self.fb.history:
+                h = self.fb.history[-1]
+                reason = Reason.FEEDBACK_TIMED_OUT if h.timed_out else Reason.FEEDBACK_RECEIVED
+                conds.append((ConditionType.AWAITING_FEEDBACK, "False", reason,
+                              f"request {h.request_id} answered"))
+            elif prev is not None and prev.reason != Reason.FEEDBACK_REFUSED:
+                conds.append((ConditionType.AWAITING_FEEDBACK, prev.status, prev.reason, prev.message))
+            else:
+                conds.append((ConditionType.AWAITING_FEEDBACK, "False", "NoRequest",
+                              "no feedback request is pending"))
+
+        if phase == Phase.SUCCEEDED:
+            conds.append((ConditionType.SUCCEEDED, "True", Reason.RUN_SUCCEEDED, "the flow finished"))
+        elif phase == Phase.FAILED:
+            conds.append((ConditionType.SUCCEEDED, "False", str(failure_reason), failure_msg))
+        else:
+            conds.append((ConditionType.SUCCEEDED, "Unknown", "NotFinished", f"phase {phase}"))
+
+        st.conditions = [self._condition(t, s, r, m) for t, s, r, m in conds]
+        if phase == Phase.FAILED:
+            st.message = failure_msg
+        elif phase == Phase.AWAITING_FEEDBACK and req is not None:
+            st.message = excerpt(self.refusal or f"awaiting feedback: {req.message or req.method}", 512)
+        elif phase == Phase.PENDING and failure_reason == Reason.RETRY_BACKOFF:
+            st.message = excerpt(failure_msg, 512)
+        elif phase == Phase.SUCCEEDED:
+            st.message = "finished"
+        elif phase == Phase.SUSPENDED:
+            st.message = "suspended"
+        elif phase == Phase.RUNNING and last is not None:
+            st.message = f"running {last.pod} ({last.trigger})"
+        elif self.refusal:
+            st.message = self.refusal
+        else:
+            st.message = st.message if phase == Phase.PENDING and st.message else "waiting for a runner pod"
+
+    def _previous(self, ctype: ConditionType) -> Condition | None:
+        return next((x for x in self.old.conditions or [] if x.type == ctype), None)
+
+    def _previous_condition_reason(self, ctype: ConditionType) -> tuple[str, str]:
+        prev = self._previous(ctype)
+        return (prev.reason, prev.message) if prev else (Reason.RUN_FAILED, self.st.message or "")
+
+    def _condition(self, ctype: ConditionType, status: str, reason: str, message: str) -> Condition:
+        prev = self._previous(ctype)
+        since = prev.last_transition_time if prev is not None and prev.status == status else fmt(self.now)
+        return Condition(type=ctype, status=status, reason=str(reason), message=excerpt(message, 1024),
+                         last_transition_time=since, observed_generation=self.meta.get("generation"))
+
+
+def plan(flow: Body, pods: dict[str, PodView], report: RunReport | None = None, *,
+         now: dt.datetime | None = None, backoff_cap: int = 3600) -> Plan:
+    """The status the Flow should have and the actions that make it so."""
+    return _Reconciler(flow, pods, report, now or now_utc(), backoff_cap).run()

@@ -1,0 +1,193 @@
+"""Pure builders of the objects the operator creates for a Flow: no I/O, tested without a cluster."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from flowkube_api import constants as c
+from flowkube_operator.settings import Settings
+
+Body = dict[str, Any]
+
+# What the restricted Pod Security Standard requires, and what we would want anyway.
+CONTAINER_SECURITY = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "runAsNonRoot": True,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+
+
+def owner_reference(flow: Body) -> Body:
+    return {
+        "apiVersion": c.API_VERSION,
+        "kind": c.KIND,
+        "name": flow["metadata"]["name"],
+        "uid": flow["metadata"]["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _labels(flow: Body, component: str) -> dict[str, str]:
+    return {
+        c.LABEL_MANAGED_BY: c.MANAGED_BY,
+        c.LABEL_FLOW: flow["metadata"]["name"],
+        c.LABEL_COMPONENT: component,
+    }
+
+
+def _meta(flow: Body, name: str, component: str) -> Body:
+    return {
+        "name": name,
+        "namespace": flow["metadata"]["namespace"],
+        "labels": _labels(flow, component),
+        "ownerReferences": [owner_reference(flow)],
+    }
+
+
+def runner_access(flow: Body) -> list[Body]:
+    """ServiceAccount, Role and RoleBinding: runner pods reach their own Flow's state and nothing else.
+
+    The Role names the one ConfigMap it may touch; a runner cannot create objects, read other
+    Flows' data, or write any Flow's status (only the operator does).
+    """
+    name = flow["metadata"]["name"]
+    sa = c.runner_name(name)
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(flow, sa, c.COMPONENT_RUNNER),
+         "automountServiceAccountToken": False},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": _meta(flow, sa, c.COMPONENT_RUNNER),
+            "rules": [
+                {"apiGroups": [""], "resources": ["configmaps"],
+                 "resourceNames": [c.state_configmap_name(name)], "verbs": ["get", "patch", "update"]},
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": _meta(flow, sa, c.COMPONENT_RUNNER),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": sa},
+            "subjects": [{"kind": "ServiceAccount", "name": sa,
+                          "namespace": flow["metadata"]["namespace"]}],
+        },
+    ]
+
+
+def state_configmap(flow: Body) -> Body:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(flow, c.state_configmap_name(flow["metadata"]["name"]), c.COMPONENT_STATE),
+    }
+
+
+def definition_name(spec: Body) -> str:
+    """The flow's own name: spec.definition.name, or the class name of spec.flowRef."""
+    if isinstance(spec.get("definition"), dict):
+        return str(spec["definition"].get("name", ""))
+    ref = str(spec.get("flowRef") or "")
+    return ref.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
+
+
+def runner_spec_env(spec: Body) -> str:
+    """The part of the Flow spec the runner needs, as it needs it (JSON in FLOWKUBE_SPEC)."""
+    keep = {k: spec[k] for k in ("definition", "flowRef", "inputs", "budget") if spec.get(k) is not None}
+    return json.dumps(keep, separators=(",", ":"), sort_keys=True)
+
+
+def runner_pod(
+    flow: Body,
+    *,
+    index: int,
+    trigger: c.Trigger,
+    settings: Settings,
+    feedback: Body | None = None,
+    prior_total_tokens: int = 0,
+    active_deadline_seconds: int | None = None,
+) -> Body:
+    """The runner pod of attempt `index`. Its name is deterministic, so re-creating it is a no-op."""
+    meta = flow["metadata"]
+    spec: Body = flow.get("spec") or {}
+    name = meta["name"]
+    template: Body = spec.get("podTemplate") or {}
+    tmeta: Body = template.get("metadata") or {}
+    pod_name = c.run_pod_name(name, index)
+
+    env: list[Body] = [
+        {"name": c.ENV_FLOW_NAME, "value": name},
+        {"name": c.ENV_NAMESPACE, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": c.ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": c.ENV_TRIGGER, "value": trigger.value},
+        {"name": c.ENV_SPEC, "value": runner_spec_env(spec)},
+        {"name": c.ENV_STATE_CONFIGMAP, "value": c.state_configmap_name(name)},
+        {"name": c.ENV_PRIOR_TOTAL_TOKENS, "value": str(prior_total_tokens)},
+        # The root filesystem is read-only; crewAI and friends write their caches under HOME.
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "CREWAI_DISABLE_TELEMETRY", "value": "true"},
+        {"name": "OTEL_SDK_DISABLED", "value": "true"},
+    ]
+    if feedback is not None:
+        env.append({"name": c.ENV_FEEDBACK, "value": json.dumps(feedback, separators=(",", ":"))})
+    own = {e["name"] for e in env}
+    user_env: list[Body] = [e for e in spec.get("env") or [] if isinstance(e, dict)]
+    user_names = {e.get("name") for e in user_env}
+    env += [{"name": k, "value": v} for k, v in sorted(settings.runner_default_env.items())
+            if k not in own and k not in user_names]
+    env += [e for e in user_env if e.get("name") not in own]
+
+    container: Body = {
+        "name": "runner",
+        "image": spec.get("image") or settings.runner_image,
+        "command": list(settings.runner_command),
+        "env": env,
+        "securityContext": CONTAINER_SECURITY,
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    if spec.get("envFrom"):
+        container["envFrom"] = spec["envFrom"]
+    if spec.get("resources"):
+        container["resources"] = spec["resources"]
+
+    annotations = dict(tmeta.get("annotations") or {})
+    labels = {**(tmeta.get("labels") or {}), **_labels(flow, c.COMPONENT_RUNNER),
+              c.LABEL_RUN: str(index), c.LABEL_TRIGGER: trigger.value}
+    pod_spec: Body = {
+        "restartPolicy": "Never",
+        "serviceAccountName": c.runner_name(name),
+        # Only the runner container gets the token; the ServiceAccount itself does not automount.
+        "automountServiceAccountToken": True,
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": settings.runner_run_as_user,
+            "runAsGroup": settings.runner_run_as_user,
+            "fsGroup": settings.runner_run_as_user,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [container],
+        "volumes": [{"name": "tmp", "emptyDir": {}}],
+    }
+    if active_deadline_seconds is not None:
+        pod_spec["activeDeadlineSeconds"] = max(1, active_deadline_seconds)
+    for key in ("nodeSelector", "tolerations", "affinity", "priorityClassName", "imagePullSecrets"):
+        if template.get(key):
+            pod_spec[key] = template[key]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": pod_name,
+            "namespace": meta["namespace"],
+            "labels": labels,
+            "annotations": annotations,
+            "ownerReferences": [owner_reference(flow)],
+        },
+        "spec": pod_spec,
+    }

@@ -1,0 +1,30 @@
+"""The operator's own health metrics (prefix flowkube_operator_), kept apart from per-flow metrics."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+RECONCILE_SECONDS = Histogram(
+    "flowkube_operator_reconcile_duration_seconds", "Time to reconcile one Flow, by outcome.",
+    ["result"], registry=REGISTRY,
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+)
+RECONCILE_ERRORS = Counter(
+    "flowkube_operator_reconcile_errors_total", "Reconciles that failed and were retried, by reason.",
+    ["reason"], registry=REGISTRY,
+)
+API_LATENCY = Histogram(
+    "flowkube_operator_api_request_duration_seconds", "Latency of the operator's API server requests.",
+    ["verb", "resource", "code"], registry=REGISTRY,
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
+)
+QUEUE_DEPTH = Gauge("flowkube_operator_workqueue_depth", "Flows waiting to be reconciled.", registry=REGISTRY)
+IN_FLIGHT = Gauge("flowkube_operator_reconciles_in_flight", "Reconciles running now.", registry=REGISTRY)
+DELAYED = Gauge("flowkube_operator_workqueue_delayed", "Flows scheduled for a later reconcile.",
+                registry=REGISTRY)
+FLOWS_CACHED = Gauge("flowkube_operator_flows_cached", "Flow objects held in the operator's cache.",
+                     registry=REGISTRY)
+RUN_PODS_CREATED = Counter("flowkube_operator_runner_pods_created_total", "Runner pods created.",
+                           ["trigger"], registry=REGISTRY)

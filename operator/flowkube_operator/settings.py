@@ -1,0 +1,65 @@
+"""Operator configuration: environment variables with the prefix FLOWKUBE_ (see README, "Configuration")."""
+
+from __future__ import annotations
+
+import shlex
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="FLOWKUBE_", extra="ignore")
+
+    watch_namespaces: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Namespaces to watch (comma-separated); empty means all."
+    )
+    runner_image: str = Field(default="ghcr.io/flowkube/runner:0.1.0",
+                              description="Image of runner pods when a Flow sets no spec.image.")
+    runner_command: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["flowkube-runner"], description="Command of the runner container (shell words)."
+    )
+    runner_default_env: dict[str, str] = Field(
+        default_factory=dict,
+        description="JSON object of env vars every runner pod gets (a Flow's own spec.env wins).",
+    )
+    runner_run_as_user: int = Field(default=65532, ge=1, description="UID of runner pods (non-root).")
+    retry_backoff_cap_seconds: int = Field(default=3600, ge=1)
+    workers: int = Field(default=8, ge=1, le=256, description="Flows reconciled concurrently.")
+
+    health_port: int = Field(default=8080, description="Port of /healthz (0 disables it).")
+    metrics_port: int = Field(default=9090, description="Port of /metrics (0 disables it).")
+    metrics_per_flow: bool = Field(
+        default=True,
+        description="Export per-flow series; false keeps only namespace/definition/model rollups.",
+    )
+    bind_address: str = Field(default="0.0.0.0", description="Address the HTTP endpoints listen on.")  # noqa: S104
+
+    webhook_enabled: bool = False
+    webhook_port: int = 9443
+    webhook_host: str = Field(default="127.0.0.1",
+                              description="Name or IP the API server uses to reach the webhook.")
+    webhook_service: str = Field(default="",
+                                 description="namespace/name of the webhook Service (in-cluster).")
+    webhook_configuration: str = Field(
+        default="flowkube", description="Name of the (Validating|Mutating)WebhookConfiguration to patch."
+    )
+    webhook_cert_dir: str = Field(default="/tmp/flowkube-webhook",
+                                  description="Where the self-managed webhook TLS material is written.")
+    validator_url: str = Field(
+        default="", description="URL of the definition validator (runner image sidecar); empty: none."
+    )
+
+    log_format: Literal["json", "text"] = "json"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    @field_validator("watch_namespaces", mode="before")
+    @classmethod
+    def _split_commas(cls, v: Any) -> Any:
+        return [p.strip() for p in v.split(",") if p.strip()] if isinstance(v, str) else v
+
+    @field_validator("runner_command", mode="before")
+    @classmethod
+    def _split_words(cls, v: Any) -> Any:
+        return shlex.split(v) if isinstance(v, str) else v

@@ -1,0 +1,112 @@
+"""The operator's run lifecycle on the real control plane and local node (scripted fake runner)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from flowkube_devstack.cluster import LocalCluster, wait_for
+from flowkube_devstack.operator import OperatorProcess
+from tests.integration.conftest import Flows
+
+pytestmark = pytest.mark.usefixtures("operator")
+
+
+def cond(status: dict[str, Any], ctype: str) -> dict[str, Any]:
+    return next(c for c in status.get("conditions", []) if c["type"] == ctype)
+
+
+def test_flow_succeeds_with_usage_output_and_a_restricted_owned_pod(flows: Flows) -> None:
+    flows.apply("ok", {"flowRef": "pkg.flows:Research",
+                       "inputs": {"plan": [{"tokens": 7, "output": "hello"}]}})
+    st = flows.wait_phase("ok", "Succeeded")
+    assert st["usage"]["totalTokens"] == 7 and st["usage"]["byModel"]["stub-model"]["promptTokens"] == 7
+    assert st["result"]["output"] == "hello"
+    assert [r["trigger"] for r in st["runs"]] == ["kickoff"] and st["runs"][0]["result"] == "Succeeded"
+    assert cond(st, "Succeeded")["status"] == "True" and st["definition"] == "Research"
+    (pod,) = flows.pods("ok")
+    assert pod["metadata"]["name"] == "ok-0"
+    assert pod["metadata"]["ownerReferences"][0]["kind"] == "Flow"
+    sc = pod["spec"]["containers"][0]["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"]
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
+def test_failures_are_retried_with_backoff_then_the_flow_fails(flows: Flows) -> None:
+    flows.apply("flaky", {"flowRef": "a:B", "retries": {"limit": 2, "backoffSeconds": 1},
+                          "inputs": {"plan": [{"result": "Failed", "exit": 3, "tokens": 1}]}})
+    st = flows.wait_phase("flaky", "Failed", timeout=90)
+    assert [r["trigger"] for r in st["runs"]] == ["kickoff", "retry", "retry"]
+    assert all(r["result"] == "Failed" and r["exitCode"] == 3 for r in st["runs"])
+    assert cond(st, "Succeeded")["reason"] == "RetriesExhausted"
+    assert st["usage"]["totalTokens"] == 3  # every failed run's tokens count, once
+    assert len(flows.pods("flaky")) == 3
+
+
+def test_retry_succeeds_after_a_failure(flows: Flows) -> None:
+    flows.apply("second-time", {"flowRef": "a:B", "retries": {"limit": 1, "backoffSeconds": 0},
+                                "inputs": {"plan": [{"result": "Failed", "exit": 3}, {}]}})
+    st = flows.wait_phase("second-time", "Succeeded")
+    assert [(r["trigger"], r["result"]) for r in st["runs"]] == [("kickoff", "Failed"), ("retry", "Succeeded")]
+
+
+def test_permanent_failure_is_not_retried(flows: Flows) -> None:
+    flows.apply("broken", {"flowRef": "a:B", "retries": {"limit": 3},
+                           "inputs": {"plan": [{"result": "Failed", "exit": 2, "reason": "InvalidFlowRef",
+                                                "message": "No module named 'a'"}]}})
+    st = flows.wait_phase("broken", "Failed")
+    assert len(st["runs"]) == 1
+    assert cond(st, "Accepted")["status"] == "False" and cond(st, "Accepted")["reason"] == "InvalidFlowRef"
+    assert "No module named" in st["message"]
+
+
+def test_active_deadline_stops_the_flow(flows: Flows) -> None:
+    flows.apply("slow", {"flowRef": "a:B", "activeDeadlineSeconds": 2, "retries": {"limit": 3},
+                         "inputs": {"plan": [{"sleep": 120}]}})
+    st = flows.wait_phase("slow", "Failed", timeout=60)
+    assert cond(st, "Succeeded")["reason"] == "DeadlineExceeded"
+    assert len(st["runs"]) == 1
+
+
+def test_suspend_and_unsuspend(flows: Flows, cluster: LocalCluster) -> None:
+    flows.apply("held", {"flowRef": "a:B", "suspend": True})
+    flows.wait_phase("held", "Suspended")
+    assert flows.pods("held") == []
+    cluster.kubectl("patch", "flow", "held", "-n", flows.ns, "--type=merge", "-p", '{"spec":{"suspend":false}}')
+    flows.wait_phase("held", "Succeeded")
+
+
+def test_ttl_deletes_the_finished_flow_and_its_pods(flows: Flows) -> None:
+    flows.apply("short-lived", {"flowRef": "a:B", "ttlSecondsAfterFinished": 1})
+    flows.wait_phase("short-lived", "Succeeded")
+    wait_for(lambda: flows.get("short-lived") is None, 30, "the TTL to delete the flow")
+    wait_for(lambda: flows.pods("short-lived") == [], 60, "its pods to be garbage-collected")
+
+
+def test_deleting_a_running_flow_removes_its_pod(flows: Flows, cluster: LocalCluster) -> None:
+    flows.apply("doomed", {"flowRef": "a:B", "inputs": {"plan": [{"sleep": 120}]}})
+    flows.wait_phase("doomed", "Running")
+    cluster.kubectl("delete", "flow", "doomed", "-n", flows.ns, "--wait=false")
+    wait_for(lambda: flows.pods("doomed") == [], 60, "the running pod to go with its flow")
+
+
+def test_pod_deleted_from_outside_is_a_failed_attempt_and_is_retried(flows: Flows, cluster: LocalCluster) -> None:
+    flows.apply("victim", {"flowRef": "a:B", "retries": {"limit": 1, "backoffSeconds": 0},
+                           "inputs": {"plan": [{"sleep": 120}, {}]}})
+    flows.wait_phase("victim", "Running")
+    cluster.kubectl("delete", "pod", "victim-0", "-n", flows.ns, "--wait=false")
+    st = flows.wait_phase("victim", "Succeeded", timeout=90)
+    assert [r["trigger"] for r in st["runs"]] == ["kickoff", "retry"]
+    assert st["runs"][0]["result"] == "Failed"
+
+
+def test_operator_killed_mid_run_resumes_without_a_duplicate_pod(
+        flows: Flows, operator: OperatorProcess, tmp_path: Any) -> None:
+    flows.apply("survivor", {"flowRef": "a:B", "inputs": {"plan": [{"sleep": 4}]}})
+    flows.wait_phase("survivor", "Running")
+    operator.kill()
+    operator.start()
+    st = flows.wait_phase("survivor", "Succeeded", timeout=90)
+    assert len(st["runs"]) == 1
+    assert [p["metadata"]["name"] for p in flows.pods("survivor")] == ["survivor-0"]

@@ -1,0 +1,232 @@
+"""The pure reconcile: each test drives one Flow through the states a user sees in `kubectl get`."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from flowkube_api.constants import Phase, Reason, RunResult, Trigger
+from flowkube_api.report import FeedbackRequest, RunReport, TokenUsage, Usage
+from flowkube_operator.reconcile import Plan, PodView, fmt, plan
+
+T0 = dt.datetime(2026, 11, 22, 12, 0, 0, tzinfo=dt.UTC)
+
+
+def flow(**spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "flowkube.io/v1alpha1", "kind": "Flow",
+        "metadata": {"name": "f", "namespace": "ns", "uid": "u1", "generation": 1, "resourceVersion": "1"},
+        "spec": {"flowRef": "pkg.mod:Research", **spec},
+    }
+
+
+def step(body: dict[str, Any], pods: dict[str, PodView] | None = None, report: RunReport | None = None,
+         at: float = 0) -> Plan:
+    """Plan, then write the planned status back as the operator would."""
+    p = plan(body, pods or {}, report, now=T0 + dt.timedelta(seconds=at))
+    body["status"] = p.status.dump()
+    return p
+
+
+def pod(name: str, phase: str, exit_code: int | None = None, at: float = 0) -> dict[str, PodView]:
+    return {name: PodView(name=name, phase=phase, created_at=fmt(T0 + dt.timedelta(seconds=at)),
+                          exit_code=exit_code, finished_at=fmt(T0 + dt.timedelta(seconds=at + 5))
+                          if exit_code is not None else None)}
+
+
+def usage(prompt: int, completion: int, model: str = "gpt-4o-mini") -> Usage:
+    t = TokenUsage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                   successful_requests=1)
+    return Usage(**t.model_dump(), by_model={model: t})
+
+
+def report(pod_name: str, result: RunResult, **kw: Any) -> RunReport:
+    trigger = kw.pop("trigger", Trigger.KICKOFF)
+    reason = kw.pop("reason", Reason.RUN_SUCCEEDED)
+    return RunReport(pod=pod_name, trigger=trigger, result=result, reason=reason,
+                     exit_code=kw.pop("exit_code", 0), **kw)
+
+
+def cond(body: dict[str, Any], ctype: str) -> dict[str, Any]:
+    return next(c for c in body["status"]["conditions"] if c["type"] == ctype)
+
+
+def test_new_flow_records_a_kickoff_run_and_sets_every_condition() -> None:
+    body = flow()
+    p = step(body)
+    assert p.create_pod is not None and p.create_pod.index == 0 and p.create_pod.trigger == Trigger.KICKOFF
+    st = body["status"]
+    assert st["phase"] == Phase.PENDING
+    assert st["runs"] == [{"pod": "f-0", "trigger": "kickoff"}]
+    assert st["definition"] == "Research"
+    assert {c["type"] for c in st["conditions"]} == {"Accepted", "Running", "AwaitingFeedback", "Succeeded"}
+    assert all(c["observedGeneration"] == 1 and c["reason"] for c in st["conditions"])
+
+
+def test_replanning_before_the_pod_shows_up_asks_for_the_same_pod_not_another() -> None:
+    body = flow()
+    step(body)
+    again = step(body, at=1)
+    assert again.create_pod is not None and again.create_pod.index == 0
+    assert len(body["status"]["runs"]) == 1
+
+
+def test_run_succeeds_with_usage_and_output() -> None:
+    body = flow()
+    step(body)
+    step(body, pod("f-0", "Running"), at=1)
+    assert body["status"]["phase"] == Phase.RUNNING
+    assert body["status"]["runs"][0]["startedAt"] == fmt(T0)
+    rep = report("f-0", RunResult.SUCCEEDED, usage=usage(10, 5), output="done", flow_id="abc")
+    p = step(body, pod("f-0", "Succeeded", exit_code=0), rep, at=6)
+    st = body["status"]
+    assert st["phase"] == Phase.SUCCEEDED and st["result"]["output"] == "done" and st["flowId"] == "abc"
+    assert st["usage"]["totalTokens"] == 15 and st["usage"]["byModel"]["gpt-4o-mini"]["promptTokens"] == 10
+    assert cond(body, "Succeeded")["status"] == "True"
+    assert p.create_pod is None and st["finishedAt"]
+    # Seen again (e.g. after an operator restart): nothing changes, nothing is created.
+    before = dict(st)
+    p2 = step(body, pod("f-0", "Succeeded", exit_code=0), rep, at=60)
+    assert p2.create_pod is None and body["status"] == before
+
+
+def test_retryable_failure_backs_off_then_retries_and_then_gives_up() -> None:
+    body = flow(retries={"limit": 1, "backoffSeconds": 10})
+    step(body)
+    step(body, pod("f-0", "Running"))
+    p = step(body, pod("f-0", "Failed", exit_code=137), at=5)
+    assert body["status"]["phase"] == Phase.PENDING
+    assert cond(body, "Running")["reason"] == Reason.RETRY_BACKOFF
+    assert p.create_pod is None and p.requeue_after is not None and 4 <= p.requeue_after <= 10
+    p = step(body, pod("f-0", "Failed", exit_code=137), at=21)
+    assert p.create_pod is not None and p.create_pod.index == 1 and p.create_pod.trigger == Trigger.RETRY
+    pods = {**pod("f-0", "Failed", exit_code=137), **pod("f-1", "Failed", exit_code=3, at=22)}
+    step(body, pods, at=30)
+    assert body["status"]["phase"] == Phase.FAILED
+    assert cond(body, "Succeeded")["reason"] == Reason.RETRIES_EXHAUSTED
+
+
+def test_permanent_failure_is_not_retried() -> None:
+    body = flow(retries={"limit": 5})
+    step(body)
+    rep = report("f-0", RunResult.FAILED, reason=Reason.INVALID_DEFINITION, exit_code=2,
+                 message="1 validation error for FlowDefinition")
+    p = step(body, pod("f-0", "Failed", exit_code=2), rep, at=5)
+    assert p.create_pod is None and body["status"]["phase"] == Phase.FAILED
+    assert cond(body, "Accepted") == {**cond(body, "Accepted"), "status": "False", "reason": "InvalidDefinition"}
+    assert "validation error" in body["status"]["message"]
+
+
+def paused(body: dict[str, Any], default: str | None = None) -> None:
+    step(body)
+    fr = FeedbackRequest(id="req-1", method="review", message="Approve?", emit=["approved", "rejected"],
+                         default_outcome=default, output="draft text")
+    rep = report("f-0", RunResult.PAUSED, reason=Reason.RUN_PAUSED, feedback_request=fr, usage=usage(3, 2))
+    step(body, pod("f-0", "Succeeded", exit_code=0), rep, at=5)
+
+
+def test_pause_records_the_request_and_a_valid_answer_resumes_exactly_once() -> None:
+    body = flow(feedback={"timeoutSeconds": 600})
+    paused(body)
+    st = body["status"]
+    assert st["phase"] == Phase.AWAITING_FEEDBACK
+    req = st["feedback"]["request"]
+    assert req["id"] == "req-1" and req["emit"] == ["approved", "rejected"] and req["output"] == "draft text"
+    assert req["deadline"] == fmt(T0 + dt.timedelta(seconds=605))
+    assert cond(body, "AwaitingFeedback")["status"] == "True"
+
+    st["feedback"]["response"] = {"text": "approved", "requestId": "req-1", "respondedBy": "alice"}
+    p = step(body, pod("f-0", "Succeeded", exit_code=0), at=30)
+    assert p.create_pod is not None and p.create_pod.trigger == Trigger.RESUME
+    assert p.create_pod.feedback == {"requestId": "req-1", "text": "approved", "timedOut": False}
+    fb = body["status"]["feedback"]
+    assert "request" not in fb and "response" not in fb
+    assert fb["history"][0]["respondedBy"] == "alice" and fb["history"][0]["response"] == "approved"
+    # The same patch arriving again finds nothing pending: refused, no second resume.
+    body["status"]["feedback"]["response"] = {"text": "approved"}
+    p = step(body, {**pod("f-0", "Succeeded", exit_code=0), **pod("f-1", "Running", at=31)}, at=32)
+    assert p.create_pod is None and len(body["status"]["runs"]) == 2
+    assert any(e[1] == Reason.FEEDBACK_REFUSED for e in p.events)
+
+
+def test_stale_request_id_or_empty_text_is_refused_and_the_request_stays() -> None:
+    body = flow()
+    paused(body)
+    for response in ({"text": "ok", "requestId": "old"}, {"text": "  "}):
+        body["status"]["feedback"]["response"] = response
+        p = step(body, pod("f-0", "Succeeded", exit_code=0), at=10)
+        assert p.create_pod is None
+        assert body["status"]["feedback"]["request"]["id"] == "req-1"
+        assert "response" not in body["status"]["feedback"]
+        assert "refused" in cond(body, "AwaitingFeedback")["message"]
+        assert p.events[0][0] == "Warning"
+
+
+def test_feedback_timeout_uses_the_default_outcome() -> None:
+    body = flow(feedback={"timeoutSeconds": 60})
+    paused(body, default="approved")
+    p = step(body, pod("f-0", "Succeeded", exit_code=0), at=30)
+    assert p.create_pod is None and p.requeue_after == 35
+    p = step(body, pod("f-0", "Succeeded", exit_code=0), at=66)
+    assert p.create_pod is not None
+    assert p.create_pod.feedback == {"requestId": "req-1", "text": "", "timedOut": True, "outcome": "approved"}
+    assert body["status"]["feedback"]["history"][0]["timedOut"] is True
+
+
+def test_feedback_timeout_without_default_fails() -> None:
+    body = flow(feedback={"timeoutSeconds": 60})
+    paused(body)
+    p = step(body, pod("f-0", "Succeeded", exit_code=0), at=70)
+    assert p.create_pod is None and body["status"]["phase"] == Phase.FAILED
+    assert cond(body, "Succeeded")["reason"] == Reason.FEEDBACK_TIMED_OUT
+
+
+def test_waiting_for_feedback_does_not_count_against_the_deadline() -> None:
+    body = flow(activeDeadlineSeconds=100, feedback={"timeoutSeconds": 100000})
+    paused(body)  # the first run took 5s
+    body["status"]["feedback"]["response"] = {"text": "go"}
+    p = step(body, pod("f-0", "Succeeded", exit_code=0), at=5000)
+    assert p.create_pod is not None and p.create_pod.active_deadline_seconds == 96
+    pods = {**pod("f-0", "Succeeded", exit_code=0), **pod("f-1", "Running", at=5000)}
+    p = step(body, pods, at=5050)
+    assert body["status"]["phase"] == Phase.RUNNING and p.requeue_after == 45
+    p = step(body, pods, at=5100)
+    assert p.delete_pods == ["f-1"] and body["status"]["phase"] == Phase.FAILED
+    assert cond(body, "Succeeded")["reason"] == Reason.DEADLINE_EXCEEDED
+
+
+def test_suspend_holds_new_pods_and_unsuspend_starts_them() -> None:
+    body = flow(suspend=True)
+    p = step(body)
+    assert p.create_pod is None and body["status"]["phase"] == Phase.SUSPENDED
+    body["spec"]["suspend"] = False
+    p = step(body, at=1)
+    assert p.create_pod is not None and body["status"]["phase"] == Phase.PENDING
+
+
+def test_ttl_deletes_the_finished_flow() -> None:
+    body = flow(ttlSecondsAfterFinished=30)
+    step(body)
+    step(body, pod("f-0", "Succeeded", exit_code=0), report("f-0", RunResult.SUCCEEDED), at=1)
+    assert step(body, at=10).delete_flow is False
+    assert step(body, at=32).delete_flow is True
+
+
+def test_pod_deleted_from_outside_counts_as_a_failed_attempt() -> None:
+    body = flow(retries={"limit": 1, "backoffSeconds": 0})
+    step(body)
+    step(body, pod("f-0", "Running"), at=1)
+    p = step(body, {}, at=2)
+    assert body["status"]["runs"][0]["result"] == RunResult.FAILED
+    assert body["status"]["runs"][0]["reason"] == Reason.POD_DELETED
+    assert p.create_pod is not None and p.create_pod.trigger == Trigger.RETRY
+
+
+def test_usage_sums_every_run_once_and_the_budget_stops_resumes() -> None:
+    body = flow(budget={"maxTotalTokens": 5})
+    paused(body)  # 5 tokens in the first run
+    body["status"]["feedback"]["response"] = {"text": "go"}
+    p = step(body, pod("f-0", "Succeeded", exit_code=0), at=10)
+    assert p.create_pod is None and body["status"]["phase"] == Phase.FAILED
+    assert cond(body, "Succeeded")["reason"] == Reason.BUDGET_EXCEEDED
+    assert body["status"]["usage"]["totalTokens"] == 5
