@@ -10,7 +10,7 @@ from aiohttp import web
 from prometheus_client import generate_latest
 
 from flowkube_api import constants as c
-from flowkube_operator import selfmetrics
+from flowkube_operator import selfmetrics, webhook
 from flowkube_operator.controller import Controller
 from flowkube_operator.kube import Kube
 from flowkube_operator.metrics import FlowMetrics
@@ -36,6 +36,12 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.networking.request_timeout = 30
+    if SETTINGS.webhook_enabled:
+        tls = webhook.server_tls(SETTINGS.webhook_cert_dir, SETTINGS.webhook_host, SETTINGS.webhook_service)
+        settings.admission.server = webhook.FlowkubeWebhookServer(
+            addr=SETTINGS.bind_address, port=SETTINGS.webhook_port, host=SETTINGS.webhook_host,
+            service=SETTINGS.webhook_service, **tls)
+        settings.admission.managed = SETTINGS.webhook_configuration
     if SETTINGS.metrics_port:
         await _serve_metrics()
 
@@ -63,6 +69,9 @@ async def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     old: Kube | None = _state.get("kube")
     kube = Kube(info)
     _state["kube"] = kube
+    review = await kube.request("POST", "/apis/authentication.k8s.io/v1/selfsubjectreviews",
+                                {"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"})
+    _state["username"] = review.get("status", {}).get("userInfo", {}).get("username", "")
     if old is None:
         CONTROLLER.start(kube)
     else:
@@ -79,6 +88,39 @@ def flow_event(event: kopf.RawEvent, **_: Any) -> None:
 @kopf.on.event("", "v1", "pods", labels={c.LABEL_MANAGED_BY: c.MANAGED_BY, c.LABEL_COMPONENT: c.COMPONENT_RUNNER})
 def pod_event(event: kopf.RawEvent, **_: Any) -> None:
     CONTROLLER.pod_event(event.get("type") or "ADDED", dict(event["object"]))
+
+
+def _by_operator(userinfo: kopf.UserInfo) -> bool:
+    return bool(_state.get("username")) and userinfo.get("username") == _state["username"]
+
+
+if SETTINGS.webhook_enabled:
+    # failurePolicy Ignore: with the operator down, Flows can still be applied and answered; the
+    # operator then refuses bad input asynchronously (Event + condition) when it is back.
+
+    @kopf.on.validate(c.GROUP, c.VERSION, c.PLURAL, id="validate-flows", operations=["CREATE", "UPDATE"],
+                      ignore_failures=True, side_effects=False)
+    def validate_flow(*, spec: kopf.Spec, **_: Any) -> None:
+        problem = webhook.definition_problem(spec, SETTINGS.validator_url)
+        if problem:
+            raise kopf.AdmissionError(problem, code=422)
+
+    @kopf.on.validate(c.GROUP, c.VERSION, c.PLURAL, id="validate-flows-status", subresource="status",
+                      operations=["UPDATE"], ignore_failures=True, side_effects=False)
+    def validate_status(*, userinfo: kopf.UserInfo, **kwargs: Any) -> None:
+        problem = webhook.review_status_write(kwargs.get("old"), kwargs.get("new"),
+                                              by_operator=_by_operator(userinfo))
+        if problem:
+            raise kopf.AdmissionError(problem, code=422)
+
+    @kopf.on.mutate(c.GROUP, c.VERSION, c.PLURAL, id="mutate-flows-status", subresource="status",
+                    operations=["UPDATE"], ignore_failures=True, side_effects=False)
+    def record_responder(*, userinfo: kopf.UserInfo, patch: kopf.Patch, **kwargs: Any) -> None:
+        if _by_operator(userinfo):
+            return
+        resp = webhook.inbox_response((kwargs.get("new") or {}).get("status"))
+        if resp is not None and resp != webhook.inbox_response((kwargs.get("old") or {}).get("status")):
+            patch["status"] = {"feedback": {"response": {**resp, "respondedBy": userinfo.get("username", "")}}}
 
 
 @kopf.on.cleanup()

@@ -91,16 +91,12 @@ def contributions(body: Body) -> dict[tuple[str, Labels], float]:
         if asked is None or answered is None:
             continue
         wait = max((answered - asked).total_seconds(), 0.0)
-        for le in WAIT_BUCKETS:
-            if wait <= le:
-                out[("flowkube_feedback_wait_seconds_bucket", (*hist, ("le", _num(le))))] = \
-                    out.get(("flowkube_feedback_wait_seconds_bucket", (*hist, ("le", _num(le)))), 0) + 1
-        inf = ("flowkube_feedback_wait_seconds_bucket", (*hist, ("le", "+Inf")))
-        out[inf] = out.get(inf, 0) + 1
-        out[("flowkube_feedback_wait_seconds_sum", hist)] = \
-            out.get(("flowkube_feedback_wait_seconds_sum", hist), 0) + wait
-        out[("flowkube_feedback_wait_seconds_count", hist)] = \
-            out.get(("flowkube_feedback_wait_seconds_count", hist), 0) + 1
+        for le in (*(_num(b) for b in WAIT_BUCKETS), "+Inf"):
+            k = ("flowkube_feedback_wait_seconds_bucket", (*hist, ("le", le)))
+            out[k] = out.get(k, 0) + (1 if le == "+Inf" or wait <= float(le) else 0)
+        for suffix, v in (("_sum", wait), ("_count", 1.0)):
+            k = (f"flowkube_feedback_wait_seconds{suffix}", hist)
+            out[k] = out.get(k, 0) + v
     return out
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from flowkube_devstack.cluster import LocalCluster, wait_for
+from flowkube_devstack.cluster import ClusterError, LocalCluster, wait_for
 from flowkube_devstack.operator import OperatorProcess
 
 FAKE_RUNNER = Path(__file__).with_name("fakerunner.py")
@@ -66,12 +66,17 @@ class Flows:
 
         try:
             wait_for(check, timeout, f"{name}: {what}", interval=0.1)
-        except Exception as e:
+        except ClusterError as e:
             raise AssertionError(f"{e}; last status: {json.dumps(seen, indent=1)[-3000:]}") from e
         return dict(seen)
 
     def wait_phase(self, name: str, phase: str, timeout: float = 60) -> dict[str, Any]:
-        return self.wait(name, lambda s: s.get("phase") == phase, f"phase {phase}", timeout)
+        def reached(s: dict[str, Any]) -> bool:
+            if s.get("phase") in ("Succeeded", "Failed") and s.get("phase") != phase:
+                raise AssertionError(f"{name} ended {s['phase']} instead of {phase}: {s.get('message')}")
+            return s.get("phase") == phase
+
+        return self.wait(name, reached, f"phase {phase}", timeout)
 
     def patch_status(self, name: str, patch: dict[str, Any]) -> tuple[int, str]:
         out = self.cluster.kubectl("patch", "flow", name, "-n", self.ns, "--subresource=status",

@@ -1,0 +1,141 @@
+"""Admission: refuse bad Flows and bad feedback at `kubectl` time, and record who answered.
+
+TLS is self-managed: the operator makes its own CA and serving certificate at start-up and kopf
+writes the CA bundle into the webhook configurations it manages (no cert-manager needed).
+The decisions themselves are pure functions, tested without a cluster.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import json
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import kopf
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from flowkube_api.models import FeedbackRequest
+from flowkube_operator.reconcile import validate_response
+
+Body = Mapping[str, Any]
+
+
+def _status_without_inbox(status: Body | None) -> dict[str, Any]:
+    st = json.loads(json.dumps(dict(status or {})))
+    fb = st.get("feedback")
+    if isinstance(fb, dict):
+        fb.pop("response", None)
+        if not fb:
+            st.pop("feedback")
+    return dict(st)
+
+
+def inbox_response(status: Body | None) -> dict[str, Any] | None:
+    fb = (status or {}).get("feedback") or {}
+    resp = fb.get("response")
+    return dict(resp) if isinstance(resp, Mapping) else None
+
+
+def review_status_write(old: Body | None, new: Body | None, *, by_operator: bool) -> str | None:
+    """Why a write to flows/status must be refused, or None. Humans may only write the inbox."""
+    if by_operator:
+        return None
+    old_st, new_st = (old or {}).get("status"), (new or {}).get("status")
+    if _status_without_inbox(old_st) != _status_without_inbox(new_st):
+        return ("only status.feedback.response may be written by users; "
+                "the rest of the status belongs to the flowkube operator")
+    resp = inbox_response(new_st)
+    if resp is None or resp == inbox_response(old_st):
+        return None
+    unknown = set(resp) - {"text", "requestId", "respondedBy"}
+    if unknown:
+        return f"status.feedback.response has unknown field(s) {sorted(unknown)}; allowed: text, requestId"
+    text = resp.get("text")
+    if text is not None and not isinstance(text, str):
+        return "status.feedback.response.text must be a string"
+    raw_req = ((old_st or {}).get("feedback") or {}).get("request")
+    req = FeedbackRequest.model_validate(raw_req) if raw_req else None
+    problem = validate_response(req, text, resp.get("requestId"))
+    return f"status.feedback.response refused: {problem}" if problem else None
+
+
+def definition_problem(spec: Body, validator_url: str, timeout: float = 10.0) -> str | None:
+    """Ask the validator (crewAI's own FlowDefinition model, in the runner image) about spec.definition."""
+    definition = spec.get("definition")
+    if not isinstance(definition, Mapping) or not validator_url:
+        return None
+    req = urllib.request.Request(validator_url,  # noqa: S310 - operator-configured URL data=json.dumps(dict(definition)).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - operator-configured URL
+            verdict = json.loads(r.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return None  # validator down: admit; the runner refuses it with InvalidDefinition instead
+    if verdict.get("valid", True):
+        return None
+    lines = []
+    for err in verdict.get("errors") or []:
+        loc = ".".join(str(p) for p in err.get("loc") or [])
+        lines.append(f"spec.definition{'.' + loc if loc else ''}: {err.get('msg', 'invalid')}")
+    return "invalid crewAI flow definition: " + ("; ".join(lines) or str(verdict.get("message")))
+
+
+class FlowkubeWebhookServer(kopf.WebhookServer):
+    """kopf's HTTPS server; in a cluster the API server is pointed at our Service instead of a URL."""
+
+    def __init__(self, *, service: str = "", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.service = service
+
+    async def __call__(self, fn: kopf.WebhookFn) -> AsyncIterator[kopf.WebhookClientConfig]:
+        async for config in super().__call__(fn):
+            if self.service:
+                ns, name = self.service.split("/", 1)
+                svc = kopf.WebhookClientConfigService(namespace=ns, name=name, port=443)
+                config = kopf.WebhookClientConfig(service=svc, caBundle=config.get("caBundle", ""))
+            yield config
+
+
+def server_tls(cert_dir: str, host: str, service: str) -> dict[str, str]:
+    """CA and serving certificate for the webhook, valid for the host and the Service's DNS names."""
+    d = Path(cert_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    now = dt.datetime.now(dt.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "flowkube-webhook-ca")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
+          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+          .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=3650))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    names: list[x509.GeneralName] = []
+    try:
+        names.append(x509.IPAddress(ipaddress.ip_address(host)))
+    except ValueError:
+        names.append(x509.DNSName(host))
+    if service:
+        ns, name = service.split("/", 1)
+        names += [x509.DNSName(f"{name}.{ns}.svc"), x509.DNSName(f"{name}.{ns}.svc.cluster.local")]
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "flowkube-webhook")]))
+            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=3650))
+            .add_extension(x509.SubjectAlternativeName(names), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    files = {"cafile": d / "ca.crt", "certfile": d / "tls.crt", "pkeyfile": d / "tls.key"}
+    files["cafile"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    files["certfile"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    files["pkeyfile"].write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                    serialization.PrivateFormat.PKCS8,
+                                                    serialization.NoEncryption()))
+    files["pkeyfile"].chmod(0o600)
+    return {k: str(v) for k, v in files.items()}

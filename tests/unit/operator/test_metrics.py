@@ -1,0 +1,103 @@
+"""Per-flow metrics are a pure function of Flow status: same status, same numbers; gone flow, gone series."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from typing import Any
+
+import pytest
+
+from flowkube_operator.metrics import FlowMetrics
+
+
+def body(name: str, phase: str = "Succeeded", tokens: tuple[int, int] = (10, 5), model: str = "gpt-4o",
+         history: list[dict[str, Any]] | None = None, ns: str = "team-a") -> dict[str, Any]:
+    p, comp = tokens
+    u = {"promptTokens": p, "completionTokens": comp, "totalTokens": p + comp, "cachedPromptTokens": 1,
+         "reasoningTokens": 0, "cacheCreationTokens": 0, "successfulRequests": 2}
+    return {
+        "metadata": {"namespace": ns, "name": name},
+        "spec": {"definition": {"name": "research"}},
+        "status": {"phase": phase, "definition": "research", "usage": {**u, "byModel": {model: u}},
+                   "runs": [{"pod": f"{name}-0", "trigger": "kickoff"}, {"pod": f"{name}-1", "trigger": "resume"}],
+                   "feedback": {"history": history or []}},
+    }
+
+
+def samples(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            k, v = line.rsplit(" ", 1)
+            out[k] = float(v)
+    return out
+
+
+def test_tokens_requests_runs_and_phase_per_flow() -> None:
+    m = FlowMetrics()
+    m.update(("team-a", "f1"), body("f1"))
+    s = samples(m.render())
+    base = 'namespace="team-a",flow="f1",definition="research"'
+    assert s[f'flowkube_flow_tokens_total{{{base},model="gpt-4o",type="prompt"}}'] == 10
+    assert s[f'flowkube_flow_tokens_total{{{base},model="gpt-4o",type="completion"}}'] == 5
+    assert s[f'flowkube_flow_tokens_total{{{base},model="gpt-4o",type="cached_prompt"}}'] == 1
+    assert s[f'flowkube_flow_llm_requests_total{{{base},model="gpt-4o"}}'] == 2
+    assert s[f'flowkube_flow_runs_total{{{base},trigger="resume"}}'] == 1
+    assert s[f'flowkube_flow_runs_total{{{base},trigger="retry"}}'] == 0
+    assert s[f'flowkube_flow_phase{{{base},phase="Succeeded"}}'] == 1
+    assert s[f'flowkube_flow_phase{{{base},phase="Running"}}'] == 0
+    assert s['flowkube_flows{namespace="team-a",phase="Succeeded"}'] == 1
+
+
+def test_same_status_after_restart_gives_identical_output_and_deletion_removes_series() -> None:
+    a, b = FlowMetrics(), FlowMetrics()
+    for m in (a, b):
+        m.update(("team-a", "f1"), body("f1"))
+        m.update(("team-a", "f2"), body("f2", phase="Running"))
+    a.update(("team-a", "f1"), body("f1"))  # the same event delivered twice changes nothing
+    assert a.render() == b.render()
+    a.update(("team-a", "f1"), None)
+    text = a.render()
+    assert 'flow="f1"' not in text and 'flow="f2"' in text
+    assert samples(text)['flowkube_flows{namespace="team-a",phase="Succeeded"}'] == 0
+
+
+def test_feedback_wait_histogram() -> None:
+    m = FlowMetrics()
+    hist = [{"requestId": "r", "requestedAt": "2026-01-01T00:00:00Z", "respondedAt": "2026-01-01T00:00:20Z"}]
+    m.update(("team-a", "f1"), body("f1", history=hist))
+    s = samples(m.render())
+    lab = 'namespace="team-a",definition="research"'
+    assert s[f'flowkube_feedback_wait_seconds_bucket{{{lab},le="15"}}'] == 0
+    assert s[f'flowkube_feedback_wait_seconds_bucket{{{lab},le="30"}}'] == 1
+    assert s[f'flowkube_feedback_wait_seconds_bucket{{{lab},le="+Inf"}}'] == 1
+    assert s[f"flowkube_feedback_wait_seconds_sum{{{lab}}}"] == 20
+    assert s[f"flowkube_feedback_wait_seconds_count{{{lab}}}"] == 1
+
+
+def test_rollup_mode_drops_the_flow_label_and_sums() -> None:
+    m = FlowMetrics(per_flow=False)
+    m.update(("team-a", "f1"), body("f1"))
+    m.update(("team-a", "f2"), body("f2", tokens=(1, 1)))
+    s = samples(m.render())
+    assert 'flow="' not in m.render()
+    lab = 'namespace="team-a",definition="research",model="gpt-4o"'
+    assert s[f'flowkube_flow_tokens_total{{{lab},type="prompt"}}'] == 11
+    m.update(("team-a", "f2"), None)
+    assert samples(m.render())[f'flowkube_flow_tokens_total{{{lab},type="prompt"}}'] == 10
+
+
+def test_label_values_are_escaped() -> None:
+    m = FlowMetrics()
+    m.update(("team-a", "f1"), body("f1", model='we"ird\\model'))
+    assert 'model="we\\"ird\\\\model"' in m.render()
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (./dev installs it)")
+def test_promtool_accepts_the_exposition() -> None:
+    m = FlowMetrics()
+    m.update(("team-a", "f1"), body("f1", history=[{"requestedAt": "2026-01-01T00:00:00Z",
+                                                    "respondedAt": "2026-01-01T00:01:00Z"}]))
+    out = subprocess.run(["promtool", "check", "metrics"], input=m.render(), capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
