@@ -133,13 +133,21 @@ def etcd() -> Component:
 
 def helm() -> Component:
     major = HELM_VERSION.split(".")[0]
+    module = f"helm.sh/helm/{major}"
+    # Without these, `helm template` and `helm lint` assume Kubernetes 1.20 (upstream's Makefile
+    # derives them from client-go); we pin them to the control plane we actually test against.
+    kube_major, kube_minor = KUBERNETES_VERSION.lstrip("v").split(".")[:2]
+    ldflags = [f"-X '{module}/internal/version.version={HELM_VERSION}'"]
+    for pkg in ("pkg/lint/rules", "pkg/chartutil"):
+        ldflags += [f"-X '{module}/{pkg}.k8sVersionMajor={kube_major}'",
+                    f"-X '{module}/{pkg}.k8sVersionMinor={kube_minor}'"]
     return Component(
         name="helm",
         version=HELM_VERSION,
-        module=f"helm.sh/helm/{major}",
+        module=module,
         binaries=("helm",),
-        packages=(f"helm.sh/helm/{major}/cmd/helm",),
-        ldflags=(f"-X 'helm.sh/helm/{major}/internal/version.version={HELM_VERSION}'",),
+        packages=(f"{module}/cmd/helm",),
+        ldflags=tuple(ldflags),
     )
 
 

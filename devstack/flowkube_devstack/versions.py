@@ -7,4 +7,4 @@ Bumping a version here changes the cache key, so the next run rebuilds exactly o
 
 KUBERNETES_VERSION = "v1.36.3"
 ETCD_VERSION = "v3.6.16"
-HELM_VERSION = "v3.19.0"
+HELM_VERSION = "v3.21.4"

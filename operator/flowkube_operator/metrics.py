@@ -85,18 +85,18 @@ def contributions(body: Body) -> dict[tuple[str, Labels], float]:
     for p in Phase:
         out[("flowkube_flow_phase", (*base, ("phase", p.value)))] = 1 if p.value == phase else 0
     out[("flowkube_flows", (("namespace", ns), ("phase", phase)))] = 1
-    hist = (("namespace", ns), ("definition", definition))
+    hist: Labels = (("namespace", ns), ("definition", definition))
     for h in (st.get("feedback") or {}).get("history") or []:
         asked, answered = _ts(h.get("requestedAt")), _ts(h.get("respondedAt"))
         if asked is None or answered is None:
             continue
         wait = max((answered - asked).total_seconds(), 0.0)
         for le in (*(_num(b) for b in WAIT_BUCKETS), "+Inf"):
-            k = ("flowkube_feedback_wait_seconds_bucket", (*hist, ("le", le)))
-            out[k] = out.get(k, 0) + (1 if le == "+Inf" or wait <= float(le) else 0)
+            bucket: tuple[str, Labels] = ("flowkube_feedback_wait_seconds_bucket", (*hist, ("le", le)))
+            out[bucket] = out.get(bucket, 0) + (1 if le == "+Inf" or wait <= float(le) else 0)
         for suffix, v in (("_sum", wait), ("_count", 1.0)):
-            k = (f"flowkube_feedback_wait_seconds{suffix}", hist)
-            out[k] = out.get(k, 0) + v
+            total: tuple[str, Labels] = (f"flowkube_feedback_wait_seconds{suffix}", hist)
+            out[total] = out.get(total, 0) + v
     return out
 
 
