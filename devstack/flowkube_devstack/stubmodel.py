@@ -1,0 +1,348 @@
+"""A deterministic OpenAI-compatible stand-in model for tests and the local devstack.
+
+Serves ``POST /v1/chat/completions`` on loopback only. Replies come from rules (first match wins)
+or a default; token usage is derived from message lengths so runs are reproducible; every answered
+call goes to a ledger (``GET /ledger``, optionally a JSONL file) that tests compare with reported
+usage. Not a model: it never interprets anything.
+
+Rules file (JSON)::
+
+    {
+      "default": "stub reply",
+      "rules": [
+        {"contains": "approve", "reply": "approved"},
+        {"contains": "slow step", "hold": true, "times": 1},
+        {"contains": "flaky", "fail": "drop"},
+        {"contains": "broken", "fail": 500, "model": "gpt-4o-mini"}
+      ]
+    }
+
+- ``contains``: substring of the last user message (``anywhere: true``: of any message);
+  omitted matches every call. ``model``: only calls for that model.
+- ``reply``: the assistant text. For a structured-output request (``response_format`` json_schema)
+  a non-JSON reply is wrapped as ``{"<sole property>": reply}``.
+- ``fail``: ``"drop"`` closes the connection without answering; an integer answers with that
+  HTTP status. ``hold: true`` keeps the request open until :meth:`StubModel.release_held` or
+  shutdown, so a test can act while a call is in flight.
+- ``times``: the rule applies to its first N matching calls only, then is skipped.
+
+Point crewAI at it through its normal OpenAI provider: ``OPENAI_BASE_URL=<url>/v1`` and
+``OPENAI_API_KEY=stub`` (crewAI 1.15.30 reads ``OPENAI_BASE_URL``, then ``OPENAI_API_BASE``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+DEFAULT_REPLY = "stub reply"
+
+
+def count_tokens(text: str) -> int:
+    """Deterministic stand-in for a tokenizer: about four characters per token."""
+    return (len(text) + 3) // 4
+
+
+@dataclass
+class Rule:
+    reply: str | None = None
+    contains: str | None = None
+    anywhere: bool = False
+    model: str | None = None
+    fail: str | int | None = None
+    hold: bool = False
+    times: int | None = None
+    used: int = 0
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Rule:
+        known = {"reply", "contains", "anywhere", "model", "fail", "hold", "times"}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown rule keys: {sorted(unknown)}")
+        return cls(**data)
+
+    def matches(self, model: str, messages: list[dict[str, Any]]) -> bool:
+        if self.times is not None and self.used >= self.times:
+            return False
+        if self.model is not None and self.model != model:
+            return False
+        if self.contains is None:
+            return True
+        if self.anywhere:
+            return any(self.contains in _content_text(m) for m in messages)
+        users = [m for m in messages if m.get("role") == "user"]
+        return bool(users) and self.contains in _content_text(users[-1])
+
+
+@dataclass
+class Rules:
+    default: str = DEFAULT_REPLY
+    rules: list[Rule] = field(default_factory=list)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Rules:
+        return cls(
+            default=str(data.get("default", DEFAULT_REPLY)),
+            rules=[Rule.from_json(r) for r in data.get("rules", [])],
+        )
+
+    @classmethod
+    def load(cls, path: Path) -> Rules:
+        return cls.from_json(json.loads(path.read_text(encoding="utf-8")))
+
+
+def _content_text(message: dict[str, Any]) -> str:
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+    return ""
+
+
+def _structured_reply(reply: str, response_format: Any) -> str:
+    """Make ``reply`` satisfy a json_schema response format when it is not JSON already."""
+    if not isinstance(response_format, dict) or response_format.get("type") != "json_schema":
+        return reply
+    try:
+        json.loads(reply)
+    except ValueError:
+        schema = response_format.get("json_schema", {}).get("schema", {})
+        properties = list(schema.get("properties", {}))
+        key = properties[0] if len(properties) == 1 else "result"
+        return json.dumps({key: reply})
+    return reply
+
+
+class StubModel:
+    """The server; use as a context manager in tests, or ``serve_forever`` from the CLI."""
+
+    def __init__(
+        self,
+        rules: Rules | None = None,
+        *,
+        port: int = 0,
+        ledger_path: Path | None = None,
+    ) -> None:
+        self.rules = rules or Rules()
+        self.ledger_path = ledger_path
+        self._ledger: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._release = threading.Event()
+        self._stopping = False
+        self._held = 0
+        self._held_changed = threading.Condition(self._lock)
+        self._server = ThreadingHTTPServer(("127.0.0.1", port), _handler_for(self))
+        self._server.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+    @property
+    def base_url(self) -> str:
+        """What to put in ``OPENAI_BASE_URL``."""
+        return f"{self.url}/v1"
+
+    def start(self) -> StubModel:
+        self._thread = threading.Thread(target=self._server.serve_forever, name="stubmodel", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+        self._release.set()
+        self._server.shutdown()
+        self._server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def __enter__(self) -> StubModel:
+        return self.start()
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop()
+
+    def set_rules(self, rules: Rules) -> None:
+        with self._lock:
+            self.rules = rules
+
+    def ledger(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._ledger)
+
+    @property
+    def held(self) -> int:
+        with self._lock:
+            return self._held
+
+    def wait_held(self, count: int = 1, timeout: float = 30.0) -> bool:
+        """Block until ``count`` requests are held, or the timeout passes."""
+        with self._held_changed:
+            return self._held_changed.wait_for(lambda: self._held >= count, timeout=timeout)
+
+    def release_held(self) -> None:
+        self._release.set()
+
+    def _pick(self, model: str, messages: list[dict[str, Any]]) -> Rule | None:
+        with self._lock:
+            for rule in self.rules.rules:
+                if rule.matches(model, messages):
+                    rule.used += 1
+                    return rule
+            return None
+
+    def _record(self, entry: dict[str, Any]) -> None:
+        with self._lock:
+            entry["seq"] = len(self._ledger) + 1
+            self._ledger.append(entry)
+            if self.ledger_path is not None:
+                with self.ledger_path.open("a", encoding="utf-8") as fh:
+                    fh.write(json.dumps(entry) + "\n")
+
+    def _hold(self) -> bool:
+        """Wait for release; False when the server is stopping (the call is then dropped)."""
+        with self._held_changed:
+            self._held += 1
+            self._held_changed.notify_all()
+        self._release.wait()
+        with self._held_changed:
+            self._held -= 1
+            return not self._stopping
+
+    def complete(self, body: dict[str, Any]) -> tuple[int, dict[str, Any] | None]:
+        """Answer one chat completion request: (HTTP status, body); body None means drop."""
+        model = str(body.get("model", "stub"))
+        messages = [m for m in body.get("messages", []) if isinstance(m, dict)]
+        rule = self._pick(model, messages)
+        if rule is not None and rule.hold and not self._hold():
+            return 0, None
+        if rule is not None and rule.fail == "drop":
+            return 0, None
+        if rule is not None and isinstance(rule.fail, int):
+            return rule.fail, {"error": {"message": "stub failure", "type": "server_error", "code": None}}
+        reply = rule.reply if rule is not None and rule.reply is not None else self.rules.default
+        reply = _structured_reply(reply, body.get("response_format"))
+
+        prompt_tokens = sum(count_tokens(_content_text(m)) + 4 for m in messages)
+        completion_tokens = count_tokens(reply) + 1
+        cached = prompt_tokens // 4
+        reasoning = completion_tokens // 2
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached},
+            "completion_tokens_details": {"reasoning_tokens": reasoning},
+        }
+        last_user = next((_content_text(m) for m in reversed(messages) if m.get("role") == "user"), "")
+        self._record({"time": time.time(), "model": model, "usage": usage, "lastUser": last_user[:2000]})
+        return 200, {
+            "id": f"chatcmpl-stub-{prompt_tokens}-{completion_tokens}",
+            "object": "chat.completion",
+            "created": 0,
+            "model": model,
+            "system_fingerprint": "stub",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": reply, "refusal": None},
+                    "finish_reason": "stop",
+                    "logprobs": None,
+                }
+            ],
+            "usage": usage,
+        }
+
+
+def _handler_for(stub: StubModel) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: Any) -> None:
+            """Quiet: the ledger is the record."""
+
+        def _send(self, status: int, payload: Any) -> None:
+            data = json.dumps(payload).encode("utf-8")
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            if self.path.rstrip("/") == "/ledger":
+                self._send(200, stub.ledger())
+            elif self.path.rstrip("/") in ("/healthz", "/v1/models"):
+                self._send(200, {"object": "list", "data": [{"id": "stub", "object": "model"}]})
+            else:
+                self._send(404, {"error": {"message": f"no route {self.path}"}})
+
+        def do_POST(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(length)
+            if self.path.rstrip("/") != "/v1/chat/completions":
+                self._send(404, {"error": {"message": f"stub serves only chat completions, not {self.path}"}})
+                return
+            try:
+                body = json.loads(raw or b"{}")
+            except ValueError:
+                self._send(400, {"error": {"message": "body is not JSON"}})
+                return
+            status, payload = stub.complete(body)
+            if payload is None:
+                # Lost connection as the client sees it: no status line at all.
+                self.close_connection = True
+                with suppress(OSError):
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                return
+            self._send(status, payload)
+
+    return Handler
+
+
+@contextmanager
+def running(rules: Rules | None = None, ledger_path: Path | None = None) -> Iterator[StubModel]:
+    """An in-process stub on a free loopback port, for the duration of a ``with`` block."""
+    stub = StubModel(rules, ledger_path=ledger_path).start()
+    try:
+        yield stub
+    finally:
+        stub.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flowkube_devstack.stubmodel", description=__doc__)
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--rules", type=Path, help="JSON rules file (see module docs)")
+    parser.add_argument("--ledger", type=Path, help="append every answered call here (JSONL)")
+    args = parser.parse_args(argv)
+    rules = Rules.load(args.rules) if args.rules else Rules()
+    stub = StubModel(rules, port=args.port, ledger_path=args.ledger)
+    print(stub.url, flush=True)
+    stub.start()
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stub.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""``flowkube-runner`` / ``python -m flowkube_runner``: run one Flow run from the pod environment."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from datetime import UTC, datetime
+
+from flowkube_api import constants as c
+from flowkube_api.report import RunReport
+
+from .config import ConfigError, RunnerConfig
+from .run import execute, publish
+from .store import ConfigMapStore, FileStore, StateStore, StoreError
+
+log = logging.getLogger("flowkube_runner")
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def _configure_logging() -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if not sys.stderr.isatty():
+        handler.setFormatter(_JsonFormatter())
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
+
+
+def main() -> int:
+    started_at = datetime.now(UTC)
+    _configure_logging()
+    try:
+        config = RunnerConfig.from_env()
+    except ConfigError as e:
+        log.error("%s", e)
+        failed = RunReport(
+            pod="",
+            trigger=c.Trigger.KICKOFF,
+            result=c.RunResult.FAILED,
+            reason=e.reason,
+            message=str(e),
+            exit_code=c.EXIT_PERMANENT,
+            started_at=started_at,
+            finished_at=datetime.now(UTC),
+        )
+        publish(failed, None, RunnerConfig.termination_log_from_env())
+        return c.EXIT_PERMANENT
+
+    store: StateStore | None = None
+    try:
+        store = (
+            FileStore(config.state_dir)
+            if config.state_dir
+            else ConfigMapStore.from_environment(config.namespace, config.state_configmap)
+        )
+    except StoreError as e:
+        report = RunReport(
+            pod=config.pod,
+            flow=config.flow,
+            trigger=config.trigger,
+            result=c.RunResult.FAILED,
+            reason=c.Reason.INTERNAL_ERROR,
+            message=f"state store: {e}",
+            exit_code=c.EXIT_RETRYABLE,
+            started_at=started_at,
+            finished_at=datetime.now(UTC),
+        )
+    else:
+        report = execute(config, store, started_at=started_at)
+    publish(report, store, config.termination_log)
+    log.info("run ended: %s %s (exit %d)", report.result, report.reason, report.exit_code)
+    return report.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

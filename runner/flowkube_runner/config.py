@@ -1,0 +1,122 @@
+"""The runner's configuration: the environment the operator gives a runner pod."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+from flowkube_api import constants as c
+
+# Not part of the operator contract: development and test conveniences.
+ENV_TERMINATION_LOG = "FLOWKUBE_TERMINATION_LOG"
+ENV_STATE_DIR = "FLOWKUBE_STATE_DIR"  # use a directory (FileStore) instead of the ConfigMap
+DEFAULT_TERMINATION_LOG = Path("/dev/termination-log")
+
+
+class ConfigError(Exception):
+    """The pod's environment is unusable; ``reason`` says whose fault."""
+
+    def __init__(self, reason: c.Reason, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class _Camel(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+
+class Budget(_Camel):
+    max_total_tokens: int | None = Field(default=None, ge=0)
+
+
+class RunSpec(_Camel):
+    """``FLOWKUBE_SPEC``: the parts of the Flow spec a run needs."""
+
+    definition: dict[str, Any] | None = None
+    flow_ref: str | None = None
+    inputs: dict[str, Any] = Field(default_factory=dict)
+    budget: Budget = Field(default_factory=Budget)
+
+    @model_validator(mode="after")
+    def _exactly_one_source(self) -> RunSpec:
+        if (self.definition is None) == (self.flow_ref is None):
+            raise ValueError("exactly one of definition / flowRef must be set")
+        return self
+
+
+class Feedback(_Camel):
+    """``FLOWKUBE_FEEDBACK``: the human's answer (or its timeout) a resume run consumes."""
+
+    request_id: str | None = None
+    text: str = ""
+    timed_out: bool = False
+    outcome: str | None = None
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    flow: str
+    namespace: str
+    pod: str
+    trigger: c.Trigger
+    spec: RunSpec
+    state_configmap: str
+    feedback: Feedback | None = None
+    prior_total_tokens: int = 0
+    termination_log: Path = DEFAULT_TERMINATION_LOG
+    state_dir: Path | None = None
+
+    @staticmethod
+    def termination_log_from_env(env: Mapping[str, str] | None = None) -> Path:
+        env = os.environ if env is None else env
+        return Path(env.get(ENV_TERMINATION_LOG, "").strip() or DEFAULT_TERMINATION_LOG)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> RunnerConfig:
+        env = os.environ if env is None else env
+
+        def required(name: str) -> str:
+            value = env.get(name, "").strip()
+            if not value:
+                raise ConfigError(c.Reason.INTERNAL_ERROR, f"environment variable {name} is not set")
+            return value
+
+        flow = required(c.ENV_FLOW_NAME)
+        try:
+            trigger = c.Trigger(required(c.ENV_TRIGGER))
+        except ValueError as e:
+            raise ConfigError(c.Reason.INTERNAL_ERROR, f"{c.ENV_TRIGGER}: {e}") from e
+        try:
+            spec = RunSpec.model_validate(json.loads(required(c.ENV_SPEC)))
+        except (ValueError, ValidationError) as e:
+            raise ConfigError(c.Reason.INVALID_DEFINITION, f"{c.ENV_SPEC}: {e}") from e
+        feedback = None
+        if env.get(c.ENV_FEEDBACK, "").strip():
+            try:
+                feedback = Feedback.model_validate(json.loads(env[c.ENV_FEEDBACK]))
+            except (ValueError, ValidationError) as e:
+                raise ConfigError(c.Reason.INTERNAL_ERROR, f"{c.ENV_FEEDBACK}: {e}") from e
+        try:
+            prior = int(env.get(c.ENV_PRIOR_TOTAL_TOKENS, "0") or "0")
+        except ValueError as e:
+            raise ConfigError(c.Reason.INTERNAL_ERROR, f"{c.ENV_PRIOR_TOTAL_TOKENS}: {e}") from e
+        state_dir = env.get(ENV_STATE_DIR, "").strip()
+        return cls(
+            flow=flow,
+            namespace=env.get(c.ENV_NAMESPACE, "").strip() or "default",
+            pod=required(c.ENV_POD_NAME),
+            trigger=trigger,
+            spec=spec,
+            state_configmap=env.get(c.ENV_STATE_CONFIGMAP, "").strip() or c.state_configmap_name(flow),
+            feedback=feedback,
+            prior_total_tokens=prior,
+            termination_log=cls.termination_log_from_env(env),
+            state_dir=Path(state_dir) if state_dir else None,
+        )

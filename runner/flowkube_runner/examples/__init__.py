@@ -1,0 +1,1 @@
+"""Sample flows for trying the runner (``flowRef: flowkube_runner.examples.article:ArticleFlow``)."""

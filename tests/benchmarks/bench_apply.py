@@ -1,0 +1,148 @@
+"""Benchmark: apply -> runner pod created, against the local control plane. Prints figures.
+
+    .venv/bin/python -m tests.benchmarks.bench_apply [--flows 300] [--rate 10]
+
+1. Paced: N Flows applied at `rate`/s; latency from each POST to the pod's ADDED watch event.
+2. Burst: N Flows applied as fast as 16 concurrent clients can; sustained Flows/s until all
+   runner pods exist, next to a plain client creating N pods with the same concurrency.
+No node agent runs, so pods stay Pending: this measures the operator and the API server only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import ssl
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from flowkube_devstack.cluster import LocalCluster
+from flowkube_devstack.operator import OperatorProcess
+
+
+class Client:
+    def __init__(self, cluster: LocalCluster) -> None:
+        cfg = yaml.safe_load(cluster.kubeconfig.read_text())
+        user = cfg["users"][0]["user"]
+        ctx = ssl.create_default_context(cafile=cfg["clusters"][0]["cluster"]["certificate-authority"])
+        ctx.load_cert_chain(user["client-certificate"], user["client-key"])
+        self.server = cluster.server
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx, limit=32))
+
+    async def post(self, path: str, body: dict[str, Any]) -> None:
+        async with self.session.post(self.server + path, json=body) as r:
+            if r.status >= 300:
+                raise RuntimeError(f"{path}: {r.status} {await r.text()}")
+
+    async def watch_pods(self, ns: str, seen: dict[str, float], ready: asyncio.Event) -> None:
+        url = f"{self.server}/api/v1/namespaces/{ns}/pods?watch=1&allowWatchBookmarks=false"
+        async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=None)) as r:
+            ready.set()
+            async for line in r.content:
+                ev = json.loads(line)
+                if ev["type"] == "ADDED":
+                    seen.setdefault(ev["object"]["metadata"]["name"], time.perf_counter())
+
+
+def flow(name: str) -> dict[str, Any]:
+    return {"apiVersion": "flowkube.io/v1alpha1", "kind": "Flow", "metadata": {"name": name},
+            "spec": {"flowRef": "bench.flows:Noop"}}
+
+
+def pod(name: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+            "spec": {"restartPolicy": "Never", "containers": [{"name": "c", "image": "x", "command": ["true"]}]}}
+
+
+async def until(pred: Any, timeout: float) -> None:
+    deadline = time.perf_counter() + timeout
+    while not pred():
+        if time.perf_counter() > deadline:
+            raise TimeoutError("benchmark did not finish in time")
+        await asyncio.sleep(0.01)
+
+
+async def run(cluster: LocalCluster, n: int, rate: float) -> dict[str, float]:
+    client = Client(cluster)
+    try:
+        for ns in ("bench-paced", "bench-burst", "bench-raw"):
+            await client.post("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
+                                                     "metadata": {"name": ns}})
+        await asyncio.sleep(1.0)  # let the namespaces' ServiceAccounts appear (admission needs them)
+
+        # 1. paced
+        seen: dict[str, float] = {}
+        ready = asyncio.Event()
+        watcher = asyncio.create_task(client.watch_pods("bench-paced", seen, ready))
+        await ready.wait()
+        sent: dict[str, float] = {}
+        start = time.perf_counter()
+        for i in range(n):
+            await asyncio.sleep(max(0.0, start + i / rate - time.perf_counter()))
+            sent[f"p{i}-0"] = time.perf_counter()
+            await client.post("/apis/flowkube.io/v1alpha1/namespaces/bench-paced/flows", flow(f"p{i}"))
+        await until(lambda: len(seen) >= n, 120)
+        watcher.cancel()
+        lat = sorted((seen[k] - sent[k]) * 1000 for k in sent)
+
+        # 2. burst through the operator, then raw pods
+        async def burst(ns: str, make: Any, path: str, expect: str) -> float:
+            seen_b: dict[str, float] = {}
+            ready_b = asyncio.Event()
+            w = asyncio.create_task(client.watch_pods(ns, seen_b, ready_b))
+            await ready_b.wait()
+            t0 = time.perf_counter()
+            queue = list(range(n))
+
+            async def worker() -> None:
+                while queue:
+                    i = queue.pop()
+                    await client.post(path, make(f"b{i}"))
+
+            await asyncio.gather(*(worker() for _ in range(16)))
+            await until(lambda: len(seen_b) >= n, 300)
+            w.cancel()
+            return n / (max(seen_b.values()) - t0)
+
+        flows_per_s = await burst("bench-burst", flow, "/apis/flowkube.io/v1alpha1/namespaces/bench-burst/flows",
+                                  "-0")
+        pods_per_s = await burst("bench-raw", pod, "/api/v1/namespaces/bench-raw/pods", "")
+        return {
+            "flows": n, "rate": rate,
+            "p50_ms": statistics.median(lat), "p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))],
+            "max_ms": lat[-1], "operator_flows_per_s": flows_per_s, "raw_pods_per_s": pods_per_s,
+            "ratio": flows_per_s / pods_per_s,
+        }
+    finally:
+        await client.session.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--flows", type=int, default=300)
+    parser.add_argument("--rate", type=float, default=10.0)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="flowkube-bench-") as tmp:
+        cluster = LocalCluster(Path(tmp), with_node=False).start()
+        op = OperatorProcess(cluster, env={"FLOWKUBE_LOG_LEVEL": "WARNING"})
+        try:
+            op.start()
+            r = asyncio.run(run(cluster, args.flows, args.rate))
+        finally:
+            op.stop()
+            cluster.stop()
+    print(f"apply -> runner pod created, {r['flows']} Flows at {r['rate']:.0f}/s: "
+          f"p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms, max {r['max_ms']:.1f} ms")
+    print(f"burst of {r['flows']}: operator {r['operator_flows_per_s']:.1f} Flows/s -> pods; "
+          f"plain client {r['raw_pods_per_s']:.1f} pods/s; ratio {r['ratio']:.0%}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,547 @@
+"""End to end through ``python -m flowkube_runner``: every run in a fresh process, as in a pod."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flowkube_api import constants as c
+from flowkube_api.report import RunReport, Usage
+from flowkube_devstack.stubmodel import Rules, StubModel
+from flowkube_runner.store import FileStore, decode_json
+
+pytestmark = pytest.mark.slow
+
+MODEL = "gpt-4o-mini"
+
+
+def quiet_crewai_env(home: Path) -> dict[str, str]:
+    """No telemetry, no tracing prompt, and crewAI's own storage kept inside the test dir."""
+    home.mkdir(parents=True, exist_ok=True)
+    return {
+        "HOME": str(home),
+        "XDG_DATA_HOME": str(home / "data"),
+        "CREWAI_STORAGE_DIR": "flowkube-test",
+        "CREWAI_DISABLE_TELEMETRY": "true",
+        "CREWAI_TRACING_ENABLED": "false",
+        "OTEL_SDK_DISABLED": "true",
+        "OPENAI_API_KEY": "stub",
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+@dataclass
+class Finished:
+    exit_code: int
+    report: RunReport | None
+    termination: str
+    stderr: str
+
+    def describe(self) -> str:
+        return f"exit={self.exit_code} report={self.report!r}\nstderr tail:\n{self.stderr[-3000:]}"
+
+
+class Harness:
+    def __init__(self, root: Path, stub: StubModel, flow: str = "demo") -> None:
+        self.root = root
+        self.stub = stub
+        self.flow = flow
+        self.state_dir = root / "state"
+        self.store = FileStore(self.state_dir)
+        self.runs = 0
+
+    def env(
+        self,
+        pod: str,
+        trigger: c.Trigger,
+        spec: dict[str, Any],
+        feedback: dict[str, Any] | None = None,
+        prior_total_tokens: int = 0,
+        extra_env: dict[str, str] | None = None,
+    ) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "FLOWKUBE_"))}
+        env.update(quiet_crewai_env(self.root / "home"))
+        env.update(
+            {
+                "OPENAI_BASE_URL": self.stub.base_url,
+                c.ENV_FLOW_NAME: self.flow,
+                c.ENV_NAMESPACE: "test",
+                c.ENV_POD_NAME: pod,
+                c.ENV_TRIGGER: str(trigger),
+                c.ENV_SPEC: json.dumps(spec),
+                c.ENV_STATE_CONFIGMAP: c.state_configmap_name(self.flow),
+                c.ENV_PRIOR_TOTAL_TOKENS: str(prior_total_tokens),
+                "FLOWKUBE_STATE_DIR": str(self.state_dir),
+                "FLOWKUBE_TERMINATION_LOG": str(self.root / f"{pod}.termination"),
+            }
+        )
+        if feedback is not None:
+            env[c.ENV_FEEDBACK] = json.dumps(feedback)
+        env.update(extra_env or {})
+        return env
+
+    def next_pod(self) -> str:
+        self.runs += 1
+        return f"{self.flow}-{self.runs}"
+
+    def spawn(self, trigger: c.Trigger, spec: dict[str, Any], **kwargs: Any) -> tuple[str, subprocess.Popen[str]]:
+        pod = self.next_pod()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flowkube_runner"],
+            env=self.env(pod, trigger, spec, **kwargs),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        return pod, proc
+
+    def finish(self, pod: str, proc: subprocess.Popen[str], timeout: float = 120) -> Finished:
+        _, stderr = proc.communicate(timeout=timeout)
+        data = self.store.get(c.report_key(pod))
+        termination = self.root / f"{pod}.termination"
+        return Finished(
+            exit_code=proc.returncode,
+            report=RunReport.decode(data) if data is not None else None,
+            termination=termination.read_text() if termination.exists() else "",
+            stderr=stderr,
+        )
+
+    def run(self, trigger: c.Trigger, spec: dict[str, Any], **kwargs: Any) -> Finished:
+        pod, proc = self.spawn(trigger, spec, **kwargs)
+        return self.finish(pod, proc)
+
+    def state(self) -> dict[str, Any] | None:
+        data = self.store.get(c.STATE_KEY)
+        return None if data is None else dict(decode_json(data, "state"))
+
+
+def ledger_usage(entries: list[dict[str, Any]]) -> Usage:
+    """What the stub says it served, in the report's terms (crewAI's total = prompt + completion)."""
+    total = Usage()
+    for entry in entries:
+        u = entry["usage"]
+        one = {
+            "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
+            "prompt_tokens": u["prompt_tokens"],
+            "completion_tokens": u["completion_tokens"],
+            "cached_prompt_tokens": u["prompt_tokens_details"]["cached_tokens"],
+            "reasoning_tokens": u["completion_tokens_details"]["reasoning_tokens"],
+            "successful_requests": 1,
+        }
+        total = total + Usage(**one, by_model={entry["model"]: Usage(**one).totals()})
+    return total
+
+
+WRITER = {"role": "Writer", "goal": "Write well", "backstory": "A careful writer.", "settings": {"llm": MODEL}}
+ARTICLE_FLOW = "flowkube_runner.examples.article:ArticleFlow"
+
+
+def article_definition() -> dict[str, Any]:
+    """Two feedback steps; ``polish`` reads ``outputs.draft`` from before the first pause."""
+    feedback_llm = {"llm": MODEL}
+    return {
+        "schema": "crewai.flow/v1",
+        "name": "Article",
+        "state": {"type": "dict", "default": {"topic": "operators"}},
+        "methods": {
+            "draft": {
+                "start": True,
+                "do": {"call": "agent", "with": {**WRITER, "input": "DRAFT about ${state.topic}"}},
+            },
+            "review": {
+                "listen": "draft",
+                "do": {"call": "expression", "expr": "outputs.draft.raw"},
+                "human_feedback": {
+                    "message": "Approve the draft?",
+                    "emit": ["approved", "rejected"],
+                    "default_outcome": "rejected",
+                    **feedback_llm,
+                },
+            },
+            "polish": {
+                "listen": "approved",
+                "do": {"call": "agent", "with": {**WRITER, "input": "POLISH ${outputs.draft.raw}"}},
+            },
+            "final_review": {
+                "listen": "polish",
+                "do": {"call": "expression", "expr": "outputs.polish.raw"},
+                "human_feedback": {
+                    "message": "Publish?",
+                    "emit": ["publish", "discard"],
+                    "default_outcome": "discard",
+                    **feedback_llm,
+                },
+            },
+            "release": {
+                "listen": "publish",
+                "do": {
+                    "call": "expression",
+                    "expr": (
+                        "outputs.polish.raw + ' | ' + outputs.review.feedback + ' | ' + outputs.final_review.feedback"
+                    ),
+                },
+            },
+            "shelve": {"listen": "rejected", "do": {"call": "expression", "expr": "'shelved: ' + outputs.draft.raw"}},
+        },
+    }
+
+
+RULES = {
+    "default": "A plain reply.",
+    "rules": [
+        {"contains": "DRAFT about", "reply": "Operators reconcile desired state."},
+        {"contains": "POLISH", "reply": "Operators, polished."},
+        {"contains": "LGTM", "reply": "approved"},
+        {"contains": "ship it", "reply": "publish"},
+    ],
+}
+
+
+@pytest.fixture
+def stub() -> Iterator[StubModel]:
+    with StubModel(Rules.from_json(RULES)) as model:
+        yield model
+
+
+@pytest.fixture
+def harness(tmp_path: Path, stub: StubModel) -> Harness:
+    return Harness(tmp_path, stub)
+
+
+def succeeded(run: Finished) -> RunReport:
+    assert run.report is not None, run.describe()
+    assert run.report.result == c.RunResult.SUCCEEDED, run.describe()
+    assert run.exit_code == c.EXIT_OK
+    return run.report
+
+
+def paused(run: Finished) -> RunReport:
+    assert run.report is not None, run.describe()
+    assert run.report.result == c.RunResult.PAUSED, run.describe()
+    assert run.exit_code == c.EXIT_OK
+    assert run.report.feedback_request is not None
+    return run.report
+
+
+def failed(run: Finished, reason: c.Reason, exit_code: int) -> RunReport:
+    assert run.report is not None, run.describe()
+    assert (run.report.result, run.report.reason, run.exit_code) == (c.RunResult.FAILED, reason, exit_code), (
+        run.describe()
+    )
+    # The termination message is a parseable backup of the same verdict.
+    backup = RunReport.model_validate_json(run.termination)
+    assert (backup.result, backup.reason) == (run.report.result, run.report.reason)
+    return run.report
+
+
+def test_inline_definition_runs_to_completion(harness: Harness, stub: StubModel) -> None:
+    definition = {
+        "name": "TwoSteps",
+        "state": {"type": "dict", "default": {"topic": "cats"}},
+        "methods": {
+            "draft": {
+                "start": True,
+                "do": {"call": "agent", "with": {**WRITER, "input": "DRAFT about ${state.topic}"}},
+            },
+            "polish": {
+                "listen": "draft",
+                "do": {"call": "agent", "with": {**WRITER, "input": "POLISH ${outputs.draft.raw}"}},
+            },
+        },
+    }
+    report = succeeded(harness.run(c.Trigger.KICKOFF, {"definition": definition, "inputs": {"topic": "dogs"}}))
+    assert report.output == "Operators, polished."
+    assert report.flow_id
+    ledger = stub.ledger()
+    assert "DRAFT about dogs" in ledger[0]["lastUser"]  # inputs reached the state
+    assert report.usage == ledger_usage(ledger)
+    assert report.usage.successful_requests == 2
+
+
+def test_class_flow_runs_to_completion(harness: Harness, stub: StubModel) -> None:
+    report = succeeded(harness.run(c.Trigger.KICKOFF, {"flowRef": ARTICLE_FLOW, "inputs": {"topic": "cats"}}))
+    assert report.output == "A plain reply."
+    assert report.usage == ledger_usage(stub.ledger())
+    assert report.usage.by_model[MODEL].successful_requests == 2
+    state = harness.state()
+    assert state is not None and state["state"]["topic"] == "cats"
+
+
+def test_two_feedback_steps_pause_and_resume_in_fresh_processes(harness: Harness, stub: StubModel) -> None:
+    spec = {"definition": article_definition()}
+    seen = 0
+    reports: list[RunReport] = []
+
+    def usage_matches_ledger(report: RunReport) -> None:
+        nonlocal seen
+        ledger = stub.ledger()
+        assert report.usage == ledger_usage(ledger[seen:])
+        seen = len(ledger)
+        reports.append(report)
+
+    first = paused(harness.run(c.Trigger.KICKOFF, spec))
+    usage_matches_ledger(first)
+    assert first.feedback_request is not None
+    assert first.feedback_request.method == "review"
+    assert first.feedback_request.emit == ["approved", "rejected"]
+    assert first.feedback_request.default_outcome == "rejected"
+    assert first.feedback_request.output == "Operators reconcile desired state."
+
+    # polish renders ${outputs.draft.raw}: a method that ran in the previous process.
+    second = paused(
+        harness.run(c.Trigger.RESUME, spec, feedback={"requestId": first.feedback_request.id, "text": "LGTM"})
+    )
+    usage_matches_ledger(second)
+    assert second.flow_id == first.flow_id
+    assert second.feedback_applied is not None
+    assert (second.feedback_applied.outcome, second.feedback_applied.response) == ("approved", "LGTM")
+    assert second.feedback_request is not None and second.feedback_request.method == "final_review"
+    assert second.feedback_request.id != first.feedback_request.id
+    assert any("POLISH Operators reconcile desired state." in e["lastUser"] for e in stub.ledger())
+
+    third = succeeded(
+        harness.run(c.Trigger.RESUME, spec, feedback={"requestId": second.feedback_request.id, "text": "ship it"})
+    )
+    usage_matches_ledger(third)
+    assert third.output == "Operators, polished. | LGTM | ship it"
+    assert third.feedback_applied is not None and third.feedback_applied.outcome == "publish"
+
+    total = Usage()
+    for report in reports:
+        total = total + report.usage
+    assert total == ledger_usage(stub.ledger())
+    assert total.successful_requests == 4  # draft, collapse, polish, collapse: nothing twice
+
+
+def test_timed_out_feedback_takes_the_default_outcome(harness: Harness, stub: StubModel) -> None:
+    spec = {"definition": article_definition()}
+    first = paused(harness.run(c.Trigger.KICKOFF, spec))
+    calls = len(stub.ledger())
+    assert first.feedback_request is not None
+    run = harness.run(
+        c.Trigger.RESUME, spec, feedback={"requestId": first.feedback_request.id, "text": "", "timedOut": True}
+    )
+    report = succeeded(run)
+    assert report.output == "shelved: Operators reconcile desired state."
+    assert report.feedback_applied is not None
+    assert (report.feedback_applied.outcome, report.feedback_applied.timed_out) == ("rejected", True)
+    assert len(stub.ledger()) == calls  # the default needs no model to classify anything
+
+
+def test_explicit_outcome_routes_without_a_model(harness: Harness, stub: StubModel) -> None:
+    spec = {"definition": article_definition()}
+    first = paused(harness.run(c.Trigger.KICKOFF, spec))
+    calls = len(stub.ledger())
+    assert first.feedback_request is not None
+    feedback = {"requestId": first.feedback_request.id, "text": "not this time", "outcome": "rejected"}
+    report = succeeded(harness.run(c.Trigger.RESUME, spec, feedback=feedback))
+    assert report.output == "shelved: Operators reconcile desired state."
+    assert report.feedback_applied is not None
+    assert (report.feedback_applied.outcome, report.feedback_applied.response) == ("rejected", "not this time")
+    assert len(stub.ledger()) == calls
+
+
+def test_feedback_for_another_request_is_refused_and_the_request_stays(harness: Harness, stub: StubModel) -> None:
+    spec = {"definition": article_definition()}
+    first = paused(harness.run(c.Trigger.KICKOFF, spec))
+    run = harness.run(c.Trigger.RESUME, spec, feedback={"requestId": "someone-else-1", "text": "LGTM"})
+    failed(run, c.Reason.FEEDBACK_REFUSED, c.EXIT_PERMANENT)
+    state = harness.state()
+    assert state is not None and state["pending"] is not None
+
+    # A replacement pod for a paused flow (no feedback yet) reports the same request, running nothing.
+    calls = len(stub.ledger())
+    again = paused(harness.run(c.Trigger.RETRY, spec))
+    assert again.feedback_request is not None and first.feedback_request is not None
+    assert again.feedback_request.id == first.feedback_request.id
+    assert again.usage == Usage() and len(stub.ledger()) == calls
+
+
+GAP_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from crewai.flow.async_feedback.types import HumanFeedbackPending
+    from crewai.flow.flow import Flow
+    from crewai.flow.flow_config import flow_config
+    from crewai.flow.persistence import SQLiteFlowPersistence
+
+    class Pause:
+        def request_feedback(self, context, flow):
+            raise HumanFeedbackPending(context=context)
+
+    flow_config.hitl_provider = Pause()
+    definition, db, phase = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
+    persistence = SQLiteFlowPersistence(db)
+    if phase == "kickoff":
+        flow = Flow.from_declaration(contents=definition, persistence=persistence)
+        result = flow.kickoff()
+        print(json.dumps({"flow_id": result.context.flow_id}))
+    else:
+        flow = Flow.from_pending(phase, persistence, definition=Flow.from_declaration(contents=definition)._definition)
+        try:
+            flow.resume("LGTM")
+        except Exception as e:
+            print(json.dumps({"error": str(e)}))
+        else:
+            print(json.dumps({"error": None}))
+    """
+)
+
+
+def test_crewai_alone_loses_earlier_outputs_across_processes(tmp_path: Path, stub: StubModel) -> None:
+    """The crewAI 1.15.30 gap the runner closes; if this starts failing, crewAI fixed it upstream."""
+    env = {**os.environ, **quiet_crewai_env(tmp_path / "home"), "OPENAI_BASE_URL": stub.base_url}
+    definition = json.dumps(article_definition())
+    db = str(tmp_path / "flows.db")
+
+    def phase(arg: str) -> dict[str, Any]:
+        out = subprocess.run(
+            [sys.executable, "-c", GAP_SCRIPT, definition, db, arg],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+    flow_id = phase("kickoff")["flow_id"]
+    error = phase(flow_id)["error"]
+    assert error is not None and "no such member in mapping: 'draft'" in error
+
+
+def test_killed_run_retries_from_the_last_completed_method(harness: Harness, stub: StubModel) -> None:
+    stub.set_rules(
+        Rules.from_json({"default": "A plain reply.", "rules": [{"contains": "Summarise", "hold": True, "times": 1}]})
+    )
+    spec = {"flowRef": ARTICLE_FLOW, "inputs": {"topic": "cats"}}
+    pod, proc = harness.spawn(c.Trigger.KICKOFF, spec)
+    try:
+        assert stub.wait_held(1, timeout=120), "the second method's model call never arrived"
+        state = harness.state()
+        assert state is not None and state["runtime"]["completedMethods"] == ["write_draft"]
+        os.kill(proc.pid, signal.SIGKILL)
+        killed = harness.finish(pod, proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert killed.exit_code == -signal.SIGKILL and killed.report is None
+    calls_before_retry = len(stub.ledger())
+    assert calls_before_retry == 1
+
+    report = succeeded(harness.run(c.Trigger.RETRY, spec))
+    ledger = stub.ledger()
+    drafts = [e for e in ledger if "Write a short draft" in e["lastUser"]]
+    assert len(drafts) == 1, "write_draft completed before the kill and must not run again"
+    assert report.usage == ledger_usage(ledger[calls_before_retry:])
+    assert report.usage.successful_requests == 1
+    state = harness.state()
+    assert state is not None and state["state"]["topic"] == "cats" and state["state"]["summary"] == "A plain reply."
+
+
+def test_invalid_definition_fails_permanently_with_crewai_message(harness: Harness, stub: StubModel) -> None:
+    definition = {
+        "name": "Loop",
+        "methods": {"again": {"start": True, "listen": "again", "do": {"call": "expression", "expr": "1"}}},
+    }
+    report = failed(
+        harness.run(c.Trigger.KICKOFF, {"definition": definition}), c.Reason.INVALID_DEFINITION, c.EXIT_PERMANENT
+    )
+    assert "A listener triggered by its own completion creates an infinite loop" in report.message
+    assert stub.ledger() == []
+
+
+def test_flow_ref_that_does_not_import_fails_permanently(harness: Harness) -> None:
+    run = harness.run(c.Trigger.KICKOFF, {"flowRef": "no_such_package.flows:Missing"})
+    report = failed(run, c.Reason.INVALID_FLOW_REF, c.EXIT_PERMANENT)
+    assert "no_such_package" in report.message
+
+
+def test_inputs_the_state_rejects_fail_permanently(harness: Harness, stub: StubModel) -> None:
+    run = harness.run(c.Trigger.KICKOFF, {"flowRef": ARTICLE_FLOW, "inputs": {"topic": {"not": "a string"}}})
+    failed(run, c.Reason.INVALID_INPUTS, c.EXIT_PERMANENT)
+    assert stub.ledger() == []
+
+
+def test_corrupt_state_fails_permanently(harness: Harness) -> None:
+    harness.store.put(c.STATE_KEY, b"definitely not gzip")
+    run = harness.run(c.Trigger.RETRY, {"flowRef": ARTICLE_FLOW})
+    failed(run, c.Reason.STATE_CORRUPT, c.EXIT_PERMANENT)
+
+
+BIG_STATE_FLOW = textwrap.dedent(
+    """
+    import base64, os
+    from crewai.flow.flow import Flow, start
+
+    class BigState(Flow):
+        @start()
+        def fill(self):
+            self.state["blob"] = base64.b64encode(os.urandom(1_200_000)).decode()
+            return "filled"
+    """
+)
+
+
+def test_state_over_the_limit_fails_with_state_too_large(harness: Harness, tmp_path: Path) -> None:
+    (tmp_path / "bigstate.py").write_text(BIG_STATE_FLOW)
+    run = harness.run(c.Trigger.KICKOFF, {"flowRef": "bigstate:BigState"}, extra_env={"PYTHONPATH": str(tmp_path)})
+    report = failed(run, c.Reason.STATE_TOO_LARGE, c.EXIT_PERMANENT)
+    assert "limit" in report.message
+    assert harness.state() is None  # refused, not truncated
+
+
+def test_budget_exceeded_stops_the_flow(harness: Harness, stub: StubModel) -> None:
+    # The first call alone (about 20 tokens) plus earlier runs' 100 crosses 110.
+    spec = {"flowRef": ARTICLE_FLOW, "budget": {"maxTotalTokens": 110}}
+    report = failed(
+        harness.run(c.Trigger.KICKOFF, spec, prior_total_tokens=100), c.Reason.BUDGET_EXCEEDED, c.EXIT_PERMANENT
+    )
+    ledger = stub.ledger()
+    assert len(ledger) == 1, "no model call may start once the budget is crossed"
+    assert report.usage == ledger_usage(ledger)
+
+
+def test_lost_model_connection_is_retryable(harness: Harness, stub: StubModel) -> None:
+    stub.set_rules(Rules.from_json({"rules": [{"fail": "drop"}]}))
+    report = failed(
+        harness.run(c.Trigger.KICKOFF, {"flowRef": ARTICLE_FLOW}), c.Reason.MODEL_UNREACHABLE, c.EXIT_RETRYABLE
+    )
+    assert "connection" in report.message.lower()
+
+
+def test_retry_after_a_routed_feedback_step_continues_down_the_chosen_route(harness: Harness, stub: StubModel) -> None:
+    """crewAI's replay skips a completed router without re-firing its outcome; the runner must not."""
+    rules = {**RULES, "rules": [{"contains": "POLISH", "hold": True, "times": 1}, *RULES["rules"]]}
+    stub.set_rules(Rules.from_json(rules))
+    spec = {"definition": article_definition()}
+    first = paused(harness.run(c.Trigger.KICKOFF, spec))
+    assert first.feedback_request is not None
+    pod, proc = harness.spawn(c.Trigger.RESUME, spec, feedback={"requestId": first.feedback_request.id, "text": "LGTM"})
+    try:
+        assert stub.wait_held(1, timeout=120), "polish never called the model"
+        os.kill(proc.pid, signal.SIGKILL)
+        harness.finish(pod, proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    state = harness.state()
+    assert state is not None and state["pending"] is None
+    assert state["runtime"]["completedMethods"] == ["draft", "review"]
+    calls = len(stub.ledger())
+
+    report = paused(harness.run(c.Trigger.RETRY, spec))
+    assert report.feedback_request is not None and report.feedback_request.method == "final_review"
+    ledger = stub.ledger()[calls:]
+    assert [("POLISH" in e["lastUser"]) for e in ledger] == [True], "only polish runs again"
+    assert report.usage == ledger_usage(ledger)
