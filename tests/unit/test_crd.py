@@ -47,7 +47,7 @@ def test_every_status_field_of_the_contract_is_declared() -> None:
         assert field in status, field
     fb = status["feedback"]["properties"]
     assert set(fb) >= {"request", "response", "history"}
-    assert set(fb["response"]["properties"]) == {"text", "requestId"}
+    assert set(fb["response"]["properties"]) == {"text", "requestId", "respondedBy"}
     usage = status["usage"]["properties"]
     assert "byModel" in usage and "cacheCreationTokens" in usage
 
