@@ -73,6 +73,7 @@ class Reason(StrEnum):
     RUN_FAILED = "RunFailed"
     RUN_SUCCEEDED = "RunSucceeded"
     RUN_PAUSED = "RunPaused"
+    RUN_INTERRUPTED = "RunInterrupted"
     POD_DELETED = "PodDeleted"
     RETRY_BACKOFF = "RetryBackoff"
     RETRIES_EXHAUSTED = "RetriesExhausted"
@@ -103,6 +104,8 @@ ENV_SPEC = "FLOWKUBE_SPEC"  # JSON: {"definition"|"flowRef", "inputs", "budget"}
 ENV_STATE_CONFIGMAP = "FLOWKUBE_STATE_CONFIGMAP"
 ENV_FEEDBACK = "FLOWKUBE_FEEDBACK"  # JSON: {"requestId", "text", "timedOut", "outcome"}
 ENV_PRIOR_TOTAL_TOKENS = "FLOWKUBE_PRIOR_TOTAL_TOKENS"
+ENV_TERMINATION_LOG = "FLOWKUBE_TERMINATION_LOG"  # default /dev/termination-log
+ENV_STATE_DIR = "FLOWKUBE_STATE_DIR"  # development only: a directory instead of the ConfigMap
 
 # Keys inside the per-Flow state ConfigMap (binaryData, gzip-compressed JSON).
 STATE_KEY = "state.json.gz"

@@ -14,9 +14,8 @@ from pydantic.alias_generators import to_camel
 
 from flowkube_api import constants as c
 
-# Not part of the operator contract: development and test conveniences.
-ENV_TERMINATION_LOG = "FLOWKUBE_TERMINATION_LOG"
-ENV_STATE_DIR = "FLOWKUBE_STATE_DIR"  # use a directory (FileStore) instead of the ConfigMap
+ENV_TERMINATION_LOG = c.ENV_TERMINATION_LOG
+ENV_STATE_DIR = c.ENV_STATE_DIR
 DEFAULT_TERMINATION_LOG = Path("/dev/termination-log")
 
 
