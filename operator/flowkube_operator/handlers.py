@@ -37,11 +37,11 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.client_timeout = 330
     settings.networking.request_timeout = 30
     if SETTINGS.webhook_enabled:
-        tls = webhook.server_tls(SETTINGS.webhook_cert_dir, SETTINGS.webhook_host, SETTINGS.webhook_service)
+        tls, ca_pem = webhook.server_tls(SETTINGS.webhook_cert_dir, SETTINGS.webhook_host, SETTINGS.webhook_service)
         settings.admission.server = webhook.FlowkubeWebhookServer(
             addr=SETTINGS.bind_address, port=SETTINGS.webhook_port, host=SETTINGS.webhook_host,
             service=SETTINGS.webhook_service, **tls)
-        settings.admission.managed = SETTINGS.webhook_configuration
+        _state["ca_bundle"] = ca_pem
     if SETTINGS.metrics_port:
         await _serve_metrics()
 
@@ -72,6 +72,8 @@ async def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     review = await kube.request("POST", "/apis/authentication.k8s.io/v1/selfsubjectreviews",
                                 {"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"})
     _state["username"] = review.get("status", {}).get("userInfo", {}).get("username", "")
+    if "ca_bundle" in _state:
+        await webhook.install_ca_bundle(kube, SETTINGS.webhook_configuration, _state["ca_bundle"])
     if old is None:
         CONTROLLER.start(kube)
     else:

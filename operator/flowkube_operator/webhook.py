@@ -7,9 +7,11 @@ The decisions themselves are pure functions, tested without a cluster.
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
 import ipaddress
 import json
+import logging
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Mapping
@@ -23,9 +25,11 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from flowkube_api.models import FeedbackRequest
+from flowkube_operator.kube import Kube
 from flowkube_operator.reconcile import validate_response
 
 Body = Mapping[str, Any]
+log = logging.getLogger("flowkube.webhook")
 
 
 def _status_without_inbox(status: Body | None) -> dict[str, Any]:
@@ -88,6 +92,25 @@ def definition_problem(spec: Body, validator_url: str, timeout: float = 10.0) ->
     return "invalid crewAI flow definition: " + ("; ".join(lines) or str(verdict.get("message")))
 
 
+async def install_ca_bundle(kube: Kube, name: str, ca: bytes) -> None:
+    """Put our CA into every webhook of the (Validating|Mutating)WebhookConfiguration `name`.
+
+    The configurations themselves come from the Helm chart (or the local stack); the operator only
+    owns their caBundle, so it needs get/patch on those two named objects and nothing broader.
+    """
+    bundle = base64.b64encode(ca).decode()
+    for plural in ("validatingwebhookconfigurations", "mutatingwebhookconfigurations"):
+        path = f"/apis/admissionregistration.k8s.io/v1/{plural}/{name}"
+        current = await kube.get(path)
+        if current is None:
+            log.warning("webhook configuration %s/%s not found; admission checks are off", plural, name)
+            continue
+        hooks = [{**h, "clientConfig": {**h.get("clientConfig", {}), "caBundle": bundle}}
+                 for h in current.get("webhooks") or []]
+        await kube.merge_patch(path, {"metadata": {"resourceVersion": current["metadata"]["resourceVersion"]},
+                                      "webhooks": hooks})
+
+
 class FlowkubeWebhookServer(kopf.WebhookServer):
     """kopf's HTTPS server; in a cluster the API server is pointed at our Service instead of a URL."""
 
@@ -104,8 +127,11 @@ class FlowkubeWebhookServer(kopf.WebhookServer):
             yield config
 
 
-def server_tls(cert_dir: str, host: str, service: str) -> dict[str, str]:
-    """CA and serving certificate for the webhook, valid for the host and the Service's DNS names."""
+def server_tls(cert_dir: str, host: str, service: str) -> tuple[dict[str, str], bytes]:
+    """CA and serving certificate for the webhook, valid for the host and the Service's DNS names.
+
+    Returns kopf.WebhookServer's file arguments and the CA (PEM) for the configurations' caBundle.
+    """
     d = Path(cert_dir)
     d.mkdir(parents=True, exist_ok=True)
     now = dt.datetime.now(dt.UTC)
@@ -132,10 +158,11 @@ def server_tls(cert_dir: str, host: str, service: str) -> dict[str, str]:
             .add_extension(x509.SubjectAlternativeName(names), critical=False)
             .sign(ca_key, hashes.SHA256()))
     files = {"cafile": d / "ca.crt", "certfile": d / "tls.crt", "pkeyfile": d / "tls.key"}
-    files["cafile"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    ca_pem = ca.public_bytes(serialization.Encoding.PEM)
+    files["cafile"].write_bytes(ca_pem)
     files["certfile"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     files["pkeyfile"].write_bytes(key.private_bytes(serialization.Encoding.PEM,
                                                     serialization.PrivateFormat.PKCS8,
                                                     serialization.NoEncryption()))
     files["pkeyfile"].chmod(0o600)
-    return {k: str(v) for k, v in files.items()}
+    return {k: str(v) for k, v in files.items()}, ca_pem

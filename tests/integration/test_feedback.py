@@ -165,3 +165,24 @@ def test_operator_restarts_while_waiting_and_while_an_answer_sits_in_the_inbox(
     assert [r["trigger"] for r in st["runs"]] == ["kickoff", "resume"]
     assert st["feedback"]["history"][0]["response"] == "approved"
     assert json.dumps(st).count("req-1") >= 1
+
+
+def test_kubectl_flow_plugin_answers_and_shows_the_flow(flows: Flows, cluster: LocalCluster) -> None:
+    import os
+    import subprocess
+
+    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "KUBECTL": str(cluster.bins["kubectl"])}
+
+    def plugin(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "flowkube_operator.cli", "-n", flows.ns, *args],
+                              capture_output=True, text=True, env=env, timeout=60)
+
+    flows.apply("plug", {"flowRef": "a:Review", "inputs": paused_then({"tokens": 1})})
+    flows.wait_phase("plug", "AwaitingFeedback")
+    shown = plugin("get", "plug")
+    assert shown.returncode == 0 and "Publish this draft?" in shown.stdout and "req-1" in shown.stdout
+    stale = plugin("feedback", "plug", "approved", "--request-id", "nope")
+    assert stale.returncode != 0 and "is not the pending request" in stale.stderr
+    assert plugin("feedback", "plug", "approved", "--request-id", "req-1").returncode == 0
+    flows.wait_phase("plug", "Succeeded")
+    assert "Usage: 3 tokens" in plugin("get", "plug").stdout
