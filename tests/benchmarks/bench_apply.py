@@ -61,8 +61,8 @@ def pod(name: str) -> dict[str, Any]:
             "spec": {"restartPolicy": "Never", "containers": [{"name": "c", "image": "x", "command": ["true"]}]}}
 
 
-async def until(pred: Any, timeout: float) -> None:
-    deadline = time.perf_counter() + timeout
+async def until(pred: Any, limit: float) -> None:
+    deadline = time.perf_counter() + limit
     while not pred():
         if time.perf_counter() > deadline:
             raise TimeoutError("benchmark did not finish in time")

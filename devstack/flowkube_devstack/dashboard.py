@@ -1,0 +1,138 @@
+"""The Grafana dashboard, generated as code with grafana-foundation-sdk into the Helm chart.
+
+    python -m flowkube_devstack.dashboard --write   # charts/flowkube/dashboards/flowkube.json
+
+A unit test fails when the committed JSON differs; an integration test runs every PromQL
+expression of the dashboard against a real Prometheus scraping the operator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from grafana_foundation_sdk.builders import bargauge, dashboard, prometheus, stat, table, timeseries
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableRefresh
+
+OUT = Path(__file__).resolve().parents[2] / "charts" / "flowkube" / "dashboards" / "flowkube.json"
+DS = DataSourceRef(type_val="prometheus", uid="${datasource}")
+NS = 'namespace=~"$namespace"'
+
+
+def _q(expr: str, legend: str = "", instant: bool = False) -> prometheus.Dataquery:
+    q = prometheus.Dataquery().expr(expr).legend_format(legend or "__auto").datasource(DS).ref_id("A")
+    return q.instant() if instant else q.range()
+
+
+def _ts(title: str, unit: str, *queries: prometheus.Dataquery, w: int = 12) -> timeseries.Panel:
+    p = timeseries.Panel().title(title).unit(unit).height(8).span(w).datasource(DS)
+    for ref, q in zip("ABCDEFGH", queries, strict=False):
+        p = p.with_target(q.ref_id(ref))
+    return p
+
+
+def build() -> dict[str, Any]:
+    d = (
+        dashboard.Dashboard("flowkube")
+        .uid("flowkube")
+        .tags(["flowkube", "crewai", "llm"])
+        .description("crewAI Flows run by flowkube: LLM token usage, flows, feedback, operator health.")
+        .refresh("1m")
+        .time("now-6h", "now")
+        .with_variable(dashboard.DatasourceVariable("datasource").label("Data source").type("prometheus"))
+        .with_variable(
+            dashboard.QueryVariable("namespace").label("Namespace").datasource(DS)
+            .query("label_values(flowkube_flows, namespace)").multi(True).include_all(True)
+            .all_value(".*").refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
+        )
+        .with_row(dashboard.Row("Token usage"))
+        .with_panel(stat.Panel().title("Tokens (all time)").unit("short").height(4).span(6).datasource(DS)
+                    .with_target(_q(f"sum(flowkube_flow_tokens_total{{{NS}}})", "tokens", instant=True)))
+        .with_panel(stat.Panel().title("LLM requests (all time)").unit("short").height(4).span(6).datasource(DS)
+                    .with_target(_q(f"sum(flowkube_flow_llm_requests_total{{{NS}}})", "requests",
+                                    instant=True)))
+        .with_panel(stat.Panel().title("Runs (all time)").unit("short").height(4).span(6).datasource(DS)
+                    .with_target(_q(f"sum by (trigger) (flowkube_flow_runs_total{{{NS}}})", "{{trigger}}",
+                                    instant=True)))
+        .with_panel(stat.Panel().title("Flows awaiting feedback").unit("short").height(4).span(6).datasource(DS)
+                    .with_target(_q(f'sum(flowkube_flows{{{NS},phase="AwaitingFeedback"}})', "awaiting",
+                                    instant=True)))
+        .with_panel(_ts("Tokens per second by namespace and definition", "short",
+                        _q(f"sum by (namespace, definition) (rate(flowkube_flow_tokens_total{{{NS}}}"
+                           "[$__rate_interval]))", "{{namespace}}/{{definition}}")))
+        .with_panel(_ts("Tokens per second by model and type", "short",
+                        _q(f"sum by (model, type) (rate(flowkube_flow_tokens_total{{{NS}}}[$__rate_interval]))",
+                           "{{model}} {{type}}")))
+        .with_panel(bargauge.Panel().title("Top flows by tokens").unit("short").height(8).span(12).datasource(DS)
+                    .with_target(_q(f"topk(10, sum by (namespace, flow, definition) "
+                                    f"(flowkube_flow_tokens_total{{{NS}}}))", "{{namespace}}/{{flow}}",
+                                    instant=True)))
+        .with_panel(_ts("LLM requests per second by definition and model", "reqps",
+                        _q(f"sum by (definition, model) (rate(flowkube_flow_llm_requests_total{{{NS}}}"
+                           "[$__rate_interval]))", "{{definition}} {{model}}")))
+        .with_row(dashboard.Row("Flows and feedback"))
+        .with_panel(_ts("Flows by phase", "short",
+                        _q(f"sum by (phase) (flowkube_flows{{{NS}}})", "{{phase}}")))
+        .with_panel(_ts("Runs started per second by trigger", "short",
+                        _q(f"sum by (trigger) (rate(flowkube_flow_runs_total{{{NS}}}[$__rate_interval]))",
+                           "{{trigger}}")))
+        .with_panel(_ts("Feedback wait (p50, p95) by definition", "s",
+                        _q(f"histogram_quantile(0.5, sum by (le, definition) "
+                           f"(rate(flowkube_feedback_wait_seconds_bucket{{{NS}}}[$__rate_interval])))",
+                           "p50 {{definition}}"),
+                        _q(f"histogram_quantile(0.95, sum by (le, definition) "
+                           f"(rate(flowkube_feedback_wait_seconds_bucket{{{NS}}}[$__rate_interval])))",
+                           "p95 {{definition}}")))
+        .with_panel(table.Panel().title("Flows not succeeded").height(8).span(12).datasource(DS)
+                    .with_target(_q(f'flowkube_flow_phase{{{NS},phase!="Succeeded"}} == 1', "", instant=True)))
+        .with_row(dashboard.Row("Operator"))
+        .with_panel(_ts("Reconcile duration p99", "s",
+                        _q("histogram_quantile(0.99, sum by (le) "
+                           "(rate(flowkube_operator_reconcile_duration_seconds_bucket[$__rate_interval])))",
+                           "p99")))
+        .with_panel(_ts("Reconcile errors per second by reason", "short",
+                        _q("sum by (reason) (rate(flowkube_operator_reconcile_errors_total[$__rate_interval]))",
+                           "{{reason}}")))
+        .with_panel(_ts("API request latency p99 by verb", "s",
+                        _q("histogram_quantile(0.99, sum by (le, verb) "
+                           "(rate(flowkube_operator_api_request_duration_seconds_bucket[$__rate_interval])))",
+                           "{{verb}}")))
+        .with_panel(_ts("Work queue", "short",
+                        _q("sum(flowkube_operator_workqueue_depth)", "queued"),
+                        _q("sum(flowkube_operator_reconciles_in_flight)", "in flight"),
+                        _q("sum(flowkube_operator_workqueue_delayed)", "scheduled")))
+    )
+    result: dict[str, Any] = json.loads(json.dumps(d.build(), cls=JSONEncoder))
+    return result
+
+
+def render() -> str:
+    return json.dumps(build(), indent=2, sort_keys=True) + "\n"
+
+
+def expressions(doc: dict[str, Any] | None = None) -> list[tuple[str, str]]:
+    """(panel title, PromQL) for every query of the dashboard."""
+    doc = doc or build()
+    return [(p.get("title", ""), t["expr"]) for p in doc.get("panels", []) for t in p.get("targets") or []
+            if "expr" in t]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--write", action="store_true")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.write:
+        OUT.parent.mkdir(parents=True, exist_ok=True)
+        OUT.write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

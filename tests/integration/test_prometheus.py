@@ -1,0 +1,128 @@
+"""A real Prometheus (Debian's package) scrapes the operator; every dashboard query is executed.
+
+Flows pause and resume, fail and retry; the numbers Prometheus sees must equal the tokens the runs
+reported, survive an operator restart unchanged, and disappear with a deleted Flow.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flowkube_devstack import dashboard, procs
+from flowkube_devstack.cluster import LocalCluster, free_port, wait_for
+from flowkube_devstack.operator import OperatorProcess
+from tests.integration.conftest import Flows
+
+pytestmark = pytest.mark.usefixtures("operator")
+
+REVIEW = {"id": "r1", "method": "review", "message": "ok?", "emit": ["approved", "rejected"]}
+
+
+class Prometheus:
+    def __init__(self, root: Path, target: str) -> None:
+        self.port = free_port()
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        (root / "prometheus.yml").write_text(
+            "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+            f"scrape_configs:\n  - job_name: flowkube\n    static_configs: [{{targets: ['{target}']}}]\n")
+        binary = shutil.which("prometheus")
+        assert binary, "Debian's prometheus package is required (./dev installs it)"
+        self.proc = procs.spawn("prometheus", [
+            binary, f"--config.file={root / 'prometheus.yml'}", f"--storage.tsdb.path={root / 'data'}",
+            f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"], root=root)
+        wait_for(self._ready, 60, "prometheus /-/ready")
+
+    def _ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/-/ready", timeout=2) as r:
+                return bool(r.status == 200)
+        except OSError:
+            return False
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        url = f"http://127.0.0.1:{self.port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        with urllib.request.urlopen(url, timeout=10) as r:
+            body = json.loads(r.read())
+        assert body["status"] == "success", body
+        result: list[dict[str, Any]] = body["data"]["result"]
+        return result
+
+    def value(self, expr: str) -> float | None:
+        res = self.query(expr)
+        return float(res[0]["value"][1]) if res else None
+
+    def stop(self) -> None:
+        procs.terminate(self.proc)
+
+
+@pytest.fixture(scope="module")
+def prom(operator: OperatorProcess, cluster: LocalCluster) -> Iterator[Prometheus]:
+    p = Prometheus(cluster.root / "prometheus", f"127.0.0.1:{operator.metrics_port}")
+    yield p
+    p.stop()
+
+
+def flowkube_lines(text: str, namespace: str) -> list[str]:
+    return sorted(line for line in text.splitlines()
+                  if line.startswith("flowkube_flow") and f'namespace="{namespace}"' in line)
+
+
+def test_dashboard_queries_on_a_real_prometheus(flows: Flows, prom: Prometheus, operator: OperatorProcess) -> None:
+    ns = flows.ns
+    flows.apply("paused", {"flowRef": "m:Review", "inputs": {"plan": [
+        {"result": "Paused", "feedback": REVIEW, "tokens": 2}, {"tokens": 3}]}})
+    flows.apply("flaky", {"flowRef": "m:Flaky", "retries": {"limit": 1, "backoffSeconds": 0},
+                          "inputs": {"plan": [{"result": "Failed", "exit": 3, "tokens": 1}, {"tokens": 4}]}})
+    flows.apply("simple", {"definition": {"name": "simple-def", "methods": []}, "inputs": {"plan": [{"tokens": 7}]}})
+    flows.wait_phase("paused", "AwaitingFeedback")
+    assert flows.patch_status("paused", {"status": {"feedback": {"response": {"text": "approved"}}}})[0] == 0
+    for name in ("paused", "flaky", "simple"):
+        flows.wait_phase(name, "Succeeded", timeout=90)
+    reported = sum(flows.status(n)["usage"]["totalTokens"] for n in ("paused", "flaky", "simple"))
+    assert reported == 2 + 3 + 1 + 4 + 7  # every run's tokens, each once
+
+    sel = f'namespace="{ns}"'
+    wait_for(lambda: prom.value(f"sum(flowkube_flow_tokens_total{{{sel},type=~'prompt|completion'}})")
+             == reported and prom.value(f'sum(flowkube_flows{{{sel},phase="Succeeded"}})') == 3,
+             60, "Prometheus to scrape the final numbers")
+
+    # Every expression of the shipped dashboard runs, and the ones with known answers give them.
+    answers: dict[str, list[dict[str, Any]]] = {}
+    for title, expr in dashboard.expressions():
+        concrete = expr.replace("$namespace", ns).replace("$__rate_interval", "1m")
+        answers.setdefault(title, []).extend(prom.query(concrete))
+    assert float(answers["Tokens (all time)"][0]["value"][1]) == reported
+    assert float(answers["LLM requests (all time)"][0]["value"][1]) == 5
+    runs = {r["metric"]["trigger"]: float(r["value"][1]) for r in answers["Runs (all time)"]}
+    assert runs == {"kickoff": 3, "resume": 1, "retry": 1}
+    top = {r["metric"]["flow"]: float(r["value"][1]) for r in answers["Top flows by tokens"]}
+    assert top == {"paused": 5, "flaky": 5, "simple": 7}
+    assert {r["metric"]["definition"] for r in answers["Tokens per second by namespace and definition"]} \
+        == {"Review", "Flaky", "simple-def"}
+    assert answers["Flows awaiting feedback"][0]["value"][1] == "0"
+    assert answers["Reconcile duration p99"], "operator self-metrics are scraped"
+
+    # promtool accepts a real scrape.
+    scrape = operator.metrics()
+    check = subprocess.run(["promtool", "check", "metrics"], input=scrape, capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+    # An operator restart exports exactly the same per-flow numbers: no reset, no double count.
+    before = flowkube_lines(scrape, ns)
+    operator.kill()
+    operator.start()
+    wait_for(lambda: flowkube_lines(operator.metrics(), ns) == before, 30, "the same series after restart")
+
+    # A deleted Flow's series disappear.
+    flows.cluster.kubectl("delete", "flow", "simple", "-n", ns)
+    wait_for(lambda: 'flow="simple"' not in operator.metrics(), 30, "the deleted flow's series to go")
