@@ -12,7 +12,7 @@ import importlib
 import json
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
@@ -358,12 +358,20 @@ class UsageRecorder:
     """Per-run token totals from crewAI's ``LLMCallCompletedEvent``, plus the token budget.
 
     The bus runs handlers on a worker pool, so every reading flushes it first: a handler still
-    queued would otherwise drop its call's tokens from the report.
+    queued would otherwise drop its call's tokens from the report. ``on_call`` runs in the handler
+    after each counted call (the run keeps an interim report current with it).
     """
 
-    def __init__(self, *, prior_total_tokens: int = 0, max_total_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        prior_total_tokens: int = 0,
+        max_total_tokens: int | None = None,
+        on_call: Callable[[UsageRecorder], None] | None = None,
+    ) -> None:
         self._prior = prior_total_tokens
         self._cap = max_total_tokens
+        self._on_call = on_call
         self._lock = threading.Lock()
         self._totals = UsageMetrics()
         self._by_model: dict[str, UsageMetrics] = {}
@@ -379,6 +387,8 @@ class UsageRecorder:
             self._by_model.setdefault(model, UsageMetrics()).add_usage_metrics(metrics)
             if self._cap is not None and self._prior + self._totals.total_tokens > self._cap:
                 self.exceeded = True
+        if self._on_call is not None:
+            self._on_call(self)
 
     def _over(self, *, before_call: bool) -> bool:
         if self._cap is None:
@@ -430,11 +440,17 @@ class UsageRecorder:
 
     def usage(self) -> Usage:
         crewai_event_bus.flush()
+        usage = self.recorded()
+        if self._cap is not None and self._prior + usage.total_tokens > self._cap:
+            self.exceeded = True
+        return usage
+
+    def recorded(self) -> Usage:
+        """What the handlers have counted so far, without flushing the bus: safe inside a handler,
+        where a flush would wait for the very handler calling it."""
         with self._lock:
             totals = self._totals.model_copy()
             by_model = {m: u.model_copy() for m, u in self._by_model.items()}
-        if self._cap is not None and self._prior + totals.total_tokens > self._cap:
-            self.exceeded = True
         return Usage(**_tokens(totals).model_dump(), by_model={m: _tokens(u) for m, u in by_model.items()})
 
 

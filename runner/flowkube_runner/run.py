@@ -7,7 +7,8 @@ into a ``RunReport`` whose reason and exit code tell the operator whether a retr
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -70,20 +71,76 @@ def _is_api_error(error: BaseException) -> bool:
     return any(cls.__module__.split(".")[0] in providers for cls in type(error).__mro__)
 
 
+INTERRUPTED_MESSAGE = "the runner stopped before finishing"
+
+
+class InterimReport:
+    """This run's report as it stands if the process dies now: Failed, ``RunInterrupted``, with the
+    tokens counted so far.
+
+    It is rewritten under the run's report key after every model call, so a SIGKILLed or OOM-killed
+    runner (which writes nothing on its way out) still hands the operator its tokens; the final
+    report overwrites it. Writes are serialised and read the usage under the same lock, so the last
+    write always carries the newest count; after ``close()`` nothing is written, so a late model-call
+    handler can never replace the final report.
+    """
+
+    def __init__(self, store: StateStore, template: RunReport) -> None:
+        self._store = store
+        self._template = template.model_copy(
+            update={
+                "result": c.RunResult.FAILED,
+                "reason": c.Reason.RUN_INTERRUPTED,
+                "message": INTERRUPTED_MESSAGE,
+                # Not an exit code the process returned (it never returns): "a retry may help".
+                "exit_code": c.EXIT_RETRYABLE,
+            }
+        )
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def update(self, usage: Callable[[], Usage], flow_id: str | None = None) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            report = self._template.model_copy(update={"usage": usage(), "flow_id": flow_id})
+            try:
+                self._store.put(c.report_key(report.pod), report.encode())
+            except Exception as e:
+                # Losing an interim report costs only crash-safety of this call's tokens; the run goes on.
+                log.warning("could not write the interim run report: %s", e)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+
+
 class _Run:
-    def __init__(self, config: RunnerConfig, store: StateStore, engine: Any) -> None:
+    def __init__(self, config: RunnerConfig, store: StateStore, engine: Any, interim: InterimReport) -> None:
         self.config = config
         self.store = store
         self.engine = engine  # the module, imported late: see execute()
         self.persistence: StorePersistence = engine.StorePersistence()
+        self.interim = interim
         self.recorder: UsageRecorder = engine.UsageRecorder(
             prior_total_tokens=config.prior_total_tokens,
             max_total_tokens=config.spec.budget.max_total_tokens,
+            on_call=self._after_model_call,
         )
         self.definition: Any = None
         self.flow_class: Any = None
         self.flow: Any = None
         self.feedback_applied: FeedbackApplied | None = None
+
+    def _after_model_call(self, recorder: UsageRecorder) -> None:
+        self.interim.update(recorder.recorded, self.flow_id())
+
+    def flow_id(self) -> str | None:
+        if self.flow is not None and self.flow.flow_id:
+            return str(self.flow.flow_id)
+        if self.persistence.document is not None:
+            return self.persistence.document.flow_id
+        return None
 
     # --- loading ---
 
@@ -271,10 +328,11 @@ def execute(config: RunnerConfig, store: StateStore, *, started_at: datetime | N
         started_at=started_at,
     )
     run: _Run | None = None
+    interim = InterimReport(store, report)
     try:
         from . import engine  # the one crewAI import of the process
 
-        run = _Run(config, store, engine)
+        run = _Run(config, store, engine, interim)
         result = run.drive()
         usage = run.recorder.usage()
         if run.recorder.exceeded:
@@ -309,12 +367,11 @@ def execute(config: RunnerConfig, store: StateStore, *, started_at: datetime | N
         report.reason = failure.reason
         report.message = str(failure)
         report.exit_code = c.EXIT_PERMANENT if failure.permanent else c.EXIT_RETRYABLE
+    finally:
+        interim.close()  # from here on only the final report may be written under this run's key
     if run is not None:
         report.feedback_applied = run.feedback_applied
-        if run.flow is not None and run.flow.flow_id:
-            report.flow_id = str(run.flow.flow_id)
-        elif run.persistence.document is not None:
-            report.flow_id = run.persistence.document.flow_id
+        report.flow_id = run.flow_id()
     report.finished_at = datetime.now(UTC)
     return report
 

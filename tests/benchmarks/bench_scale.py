@@ -96,7 +96,10 @@ def main() -> None:
                 asyncio.run(fill(done, n))
                 done = n
                 marker = f'flowkube_flows{{namespace="{NS}",phase="Succeeded"}} {n}'
-                wait_for(lambda m=marker: m in op.metrics(), 1800, f"the operator to see {n} flows", interval=1)
+                def seen(m: str = marker) -> bool:
+                    return m in op.metrics()
+
+                wait_for(seen, 1800, f"the operator to see {n} flows", interval=1)
                 took = time.perf_counter() - t0
                 times = [scrape(op.metrics_port) for _ in range(10)]
                 ms = sorted(t for t, _ in times)

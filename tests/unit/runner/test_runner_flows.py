@@ -17,6 +17,7 @@ import pytest
 
 from flowkube_api import constants as c
 from flowkube_api.report import RunReport, Usage
+from flowkube_devstack.cluster import wait_for
 from flowkube_devstack.stubmodel import Rules, StubModel
 from flowkube_runner.store import FileStore, decode_json
 
@@ -420,22 +421,64 @@ def test_crewai_alone_loses_earlier_outputs_across_processes(tmp_path: Path, stu
     assert error is not None and "no such member in mapping: 'draft'" in error
 
 
+def kill_during_held_call(harness: Harness, stub: StubModel, pod: str, proc: subprocess.Popen[str]) -> Finished:
+    """SIGKILL the runner while the stub holds one of its model calls, once the interim report
+    counts every call answered before it (crewAI's event handler writes it just after each call)."""
+    try:
+        assert stub.wait_held(1, timeout=120), "the model call to hold never arrived"
+        answered = len(stub.ledger())
+
+        def interim_is_current() -> bool:
+            data = harness.store.get(c.report_key(pod))
+            return data is not None and RunReport.decode(data).usage.successful_requests == answered
+
+        wait_for(interim_is_current, 30, f"the interim report of {pod} to count {answered} call(s)")
+        os.kill(proc.pid, signal.SIGKILL)
+        return harness.finish(pod, proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def interrupted(run: Finished) -> RunReport:
+    assert run.exit_code == -signal.SIGKILL, run.describe()
+    assert run.report is not None, run.describe()
+    assert (run.report.result, run.report.reason, run.report.message) == (
+        c.RunResult.FAILED,
+        c.Reason.RUN_INTERRUPTED,
+        "the runner stopped before finishing",
+    )
+    return run.report
+
+
+def test_sigkilled_run_leaves_a_report_with_exactly_its_tokens(harness: Harness, stub: StubModel) -> None:
+    stub.set_rules(Rules.from_json({**RULES, "rules": [{"contains": "POLISH", "hold": True, "times": 1}]}))
+    spec = {"definition": article_definition()}
+    first = paused(harness.run(c.Trigger.KICKOFF, spec))
+    assert first.feedback_request is not None
+    calls_before = len(stub.ledger())
+    pod, proc = harness.spawn(c.Trigger.RESUME, spec, feedback={"requestId": first.feedback_request.id, "text": "LGTM"})
+
+    report = interrupted(kill_during_held_call(harness, stub, pod, proc))
+
+    ledger = stub.ledger()[calls_before:]
+    assert len(ledger) == 1, "the feedback collapse call was answered; polish was held"
+    assert report.usage == ledger_usage(ledger)
+    assert (report.pod, report.trigger, report.flow_id) == (pod, c.Trigger.RESUME, first.flow_id)
+    assert report.termination_summary()  # still a well-formed report
+    assert first.usage + report.usage == ledger_usage(stub.ledger())  # each call counted once overall
+
+
 def test_killed_run_retries_from_the_last_completed_method(harness: Harness, stub: StubModel) -> None:
     stub.set_rules(
         Rules.from_json({"default": "A plain reply.", "rules": [{"contains": "Summarise", "hold": True, "times": 1}]})
     )
     spec = {"flowRef": ARTICLE_FLOW, "inputs": {"topic": "cats"}}
     pod, proc = harness.spawn(c.Trigger.KICKOFF, spec)
-    try:
-        assert stub.wait_held(1, timeout=120), "the second method's model call never arrived"
-        state = harness.state()
-        assert state is not None and state["runtime"]["completedMethods"] == ["write_draft"]
-        os.kill(proc.pid, signal.SIGKILL)
-        killed = harness.finish(pod, proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert killed.exit_code == -signal.SIGKILL and killed.report is None
+    killed = kill_during_held_call(harness, stub, pod, proc)
+    state = harness.state()
+    assert state is not None and state["runtime"]["completedMethods"] == ["write_draft"]
+    assert interrupted(killed).usage == ledger_usage(stub.ledger())
     calls_before_retry = len(stub.ledger())
     assert calls_before_retry == 1
 
@@ -528,13 +571,7 @@ def test_retry_after_a_routed_feedback_step_continues_down_the_chosen_route(harn
     first = paused(harness.run(c.Trigger.KICKOFF, spec))
     assert first.feedback_request is not None
     pod, proc = harness.spawn(c.Trigger.RESUME, spec, feedback={"requestId": first.feedback_request.id, "text": "LGTM"})
-    try:
-        assert stub.wait_held(1, timeout=120), "polish never called the model"
-        os.kill(proc.pid, signal.SIGKILL)
-        harness.finish(pod, proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    interrupted(kill_during_held_call(harness, stub, pod, proc))
     state = harness.state()
     assert state is not None and state["pending"] is None
     assert state["runtime"]["completedMethods"] == ["draft", "review"]
