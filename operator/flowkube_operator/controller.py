@@ -11,14 +11,16 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import datetime as dt
 import gzip
 import heapq
+import json
 import logging
+import socket
 import time
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
-import kopf
 from pydantic import ValidationError
 
 from flowkube_api import constants as c
@@ -46,6 +48,18 @@ def merge_patch(old: Any, new: Any) -> Any:
         elif old[k] != v:
             patch[k] = merge_patch(old[k], v)
     return patch
+
+
+def _slim(body: Body) -> Body:
+    """What the cache keeps of a Flow: managedFields and kubectl's last-applied copy are most of
+    an object's bytes and the operator reads neither (10,000 Flows must fit in a few hundred MB)."""
+    meta = dict(body.get("metadata") or {})
+    meta.pop("managedFields", None)
+    ann = meta.get("annotations")
+    if ann and "kubectl.kubernetes.io/last-applied-configuration" in ann:
+        meta["annotations"] = {k: v for k, v in ann.items()
+                               if k != "kubectl.kubernetes.io/last-applied-configuration"}
+    return {**body, "metadata": meta}
 
 
 def _rv(body: Body) -> int:
@@ -109,12 +123,16 @@ class Controller:
     def __init__(self, settings: Settings, on_flow_change: Callable[[Key, Body | None], None]) -> None:
         self.settings = settings
         self.kube: Kube | None = None
-        self.flows: dict[Key, Body] = {}
+        # Flows are kept as compact JSON: a parsed status is ~10x larger as Python objects, and
+        # most cached Flows are finished ones that are rarely read again.
+        self.flows: dict[Key, tuple[int, str, bytes]] = {}  # (resourceVersion, uid, JSON)
         self.pods: dict[Key, dict[str, PodView]] = {}
         self.queue = WorkQueue()
         self._ensured: set[str] = set()  # Flow uids whose runner access objects exist
         self._on_flow_change = on_flow_change
         self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[None]] = set()
+        self.instance = socket.gethostname()
 
     # -- watch side (called by kopf handlers; must stay cheap) ---------------------------------------
 
@@ -128,9 +146,9 @@ class Controller:
             self._on_flow_change(key, None)
         else:
             old = self.flows.get(key)
-            if old is not None and _rv(old) > _rv(body) and old["metadata"].get("uid") == meta.get("uid"):
+            if old is not None and old[0] > _rv(body) and old[1] == meta.get("uid"):
                 return  # an event older than what our own write already told us
-            self.flows[key] = body
+            self.flows[key] = (_rv(body), meta.get("uid", ""), json.dumps(_slim(body), separators=(",", ":")).encode())
             self._on_flow_change(key, body)
             self.queue.add(key)
         selfmetrics.FLOWS_CACHED.set(len(self.flows))
@@ -199,7 +217,8 @@ class Controller:
 
     async def reconcile(self, key: Key) -> None:
         assert self.kube is not None
-        body = self.flows.get(key)
+        cached = self.flows.get(key)
+        body = json.loads(cached[2]) if cached is not None else None
         if body is None or body.get("metadata", {}).get("deletionTimestamp"):
             return
         ns, name = key
@@ -261,12 +280,39 @@ class Controller:
         for pod_name in p.delete_pods:
             await self.kube.delete(ns_path(ns, "pods", pod_name))
         for etype, reason, message in p.events:
-            kopf.event(kopf.Body(cast(kopf.RawBody, body)), type=etype, reason=reason, message=message)
+            self._post_event(body, etype, reason, message)
         if p.delete_flow:
             await self.kube.delete(ns_path(ns, c.PLURAL, name, group=c.GROUP, version=c.VERSION),
                                    {"propagationPolicy": "Background"})
         elif p.requeue_after is not None:
             self.queue.add_after(key, p.requeue_after)
+
+    def _post_event(self, flow: Body, etype: str, reason: str, message: str) -> None:
+        """Events are history for `kubectl describe`; posting one never holds up a reconcile."""
+        assert self.kube is not None
+        meta = flow["metadata"]
+        now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        event = {
+            "apiVersion": "events.k8s.io/v1", "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "regarding": {"apiVersion": c.API_VERSION, "kind": c.KIND, "name": meta["name"],
+                          "namespace": meta["namespace"], "uid": meta["uid"],
+                          "resourceVersion": meta.get("resourceVersion", "")},
+            "reason": reason, "note": message[:1024], "type": etype, "action": "Reconcile",
+            "eventTime": now, "reportingController": "flowkube.io/operator",
+            "reportingInstance": self.instance,
+        }
+        path = ns_path(meta["namespace"], "events", group="events.k8s.io", version="v1")
+        task = asyncio.create_task(self._post(path, event))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _post(self, path: str, body: Body) -> None:
+        assert self.kube is not None
+        try:
+            await self.kube.create(path, body)
+        except Exception as e:  # an Event lost is a line of history lost, never a reason to fail
+            log.warning("could not post event %s: %s", body.get("reason"), e)
 
     async def _ensure_access(self, flow: Body) -> None:
         assert self.kube is not None

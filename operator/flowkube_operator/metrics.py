@@ -119,21 +119,18 @@ class FlowMetrics:
 
     def update(self, key: Key, body: Body | None) -> None:
         new = contributions(body) if body is not None else {}
+        # Only the small aggregated part is kept as numbers; per-flow series are kept as text.
+        agg = {k: v for k, v in new.items() if self._aggregated(k[0])}
         old = self._contrib.pop(key, {})
-        if new == old:
-            if new:
-                self._contrib[key] = new
-            return
-        for sample, v in old.items():
-            if self._aggregated(sample[0]):
+        if agg != old:
+            for sample, v in old.items():
                 self._agg[self._rollup(sample)] -= v
-        for sample, v in new.items():
-            if self._aggregated(sample[0]):
+            for sample, v in agg.items():
                 self._agg[self._rollup(sample)] += v
         if body is None:
             self._chunks.pop(key, None)
             return
-        self._contrib[key] = new
+        self._contrib[key] = agg
         if self.per_flow:
             chunks: dict[str, list[str]] = defaultdict(list)
             for (name, labels), v in new.items():
