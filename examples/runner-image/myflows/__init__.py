@@ -1,0 +1,1 @@
+"""Example flow package for a custom flowkube runner image."""

@@ -1,0 +1,427 @@
+"""The Helm chart without a cluster: lint, render every ci/ value set, and check what it grants."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from flowkube_api import constants as c
+from flowkube_api import crd
+from flowkube_devstack import build, chart
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = chart.CHART_DIR
+CI_VALUES = sorted((CHART / "ci").glob("*.yaml"))
+Obj = dict[str, Any]
+
+
+@pytest.fixture(scope="session")
+def helm() -> Path:
+    return build.ensure(build.helm(), quiet=True) / "helm"
+
+
+def run_helm(helm: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([str(helm), *args], capture_output=True, text=True, timeout=120)
+    if check:
+        assert proc.returncode == 0, f"helm {' '.join(args)}:\n{proc.stderr}"
+    return proc
+
+
+def render(helm: Path, *args: str, release: str = "flowkube", namespace: str = "flowkube-system") -> list[Obj]:
+    out = run_helm(helm, "template", release, str(CHART), "--namespace", namespace, *args).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def of_kind(objs: list[Obj], kind: str) -> list[Obj]:
+    return [o for o in objs if o["kind"] == kind]
+
+
+def named(objs: list[Obj], kind: str, name: str) -> Obj:
+    found = [o for o in of_kind(objs, kind) if o["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind}/{name}: {len(found)} found"
+    return found[0]
+
+
+def containers(objs: list[Obj]) -> Iterator[Obj]:
+    for o in of_kind(objs, "Deployment"):
+        spec = o["spec"]["template"]["spec"]
+        yield from spec.get("initContainers", []) + spec["containers"]
+
+
+def env_of(container: Obj) -> dict[str, str]:
+    return {e["name"]: e.get("value", "") for e in container.get("env", [])}
+
+
+# -- generated files --------------------------------------------------------------------------------
+
+
+def test_chart_crd_copy_is_current() -> None:
+    assert chart.CHART_CRD_FILE.read_text() == chart.render(), (
+        "charts/flowkube/templates/crds/flows.yaml is stale: run `python -m flowkube_devstack.chart --write`"
+    )
+
+
+def test_a_changed_crd_makes_the_chart_copy_stale() -> None:
+    changed = crd.render().replace("A crewAI Flow run as Kubernetes runner pods.", "Something else.")
+    assert changed != crd.render()
+    assert chart.render(changed) != chart.CHART_CRD_FILE.read_text()
+
+
+def test_rendered_crd_is_the_generated_crd(helm: Path) -> None:
+    rendered = of_kind(render(helm), "CustomResourceDefinition")
+    assert len(rendered) == 1
+    generated = crd.crd()
+    assert rendered[0]["spec"] == generated["spec"]
+    labels = rendered[0]["metadata"]["labels"]
+    assert labels.items() >= generated["metadata"]["labels"].items()
+    assert labels["app.kubernetes.io/managed-by"] == "Helm"
+    assert rendered[0]["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+
+
+def test_crd_keep_and_install_switches(helm: Path) -> None:
+    kept = of_kind(render(helm, "--set", "crds.keep=false"), "CustomResourceDefinition")[0]
+    assert "helm.sh/resource-policy" not in (kept["metadata"].get("annotations") or {})
+    assert of_kind(render(helm, "--set", "crds.install=false"), "CustomResourceDefinition") == []
+
+
+def test_readme_values_table_is_current() -> None:
+    assert chart.README_FILE.read_text() == chart.render_readme(), (
+        "charts/flowkube/README.md values table is stale: run `python -m flowkube_devstack.chart --write`"
+    )
+
+
+def _leaves(values: Any, prefix: str = "") -> Iterator[str]:
+    if isinstance(values, dict) and values:
+        for k, v in values.items():
+            yield from _leaves(v, f"{prefix}.{k}" if prefix else k)
+    else:
+        yield prefix
+
+
+def test_every_value_is_documented_and_typed() -> None:
+    values = yaml.safe_load(chart.VALUES_FILE.read_text())
+    documented = {d.key for d in chart.values_docs()}
+    for leaf in _leaves(values):
+        parts = leaf.split(".")
+        assert any(".".join(parts[:i]) in documented for i in range(1, len(parts) + 1)), leaf
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert schema["additionalProperties"] is False
+    assert set(values) <= set(schema["properties"])
+
+
+def test_an_undocumented_value_is_refused() -> None:
+    with pytest.raises(chart.UndocumentedValueError, match=r"`a\.b`"):
+        chart.values_docs("# -- documented\nx: 1\na:\n  b: 2\n")
+
+
+def test_dashboard_placeholder_is_valid_json() -> None:
+    for path in (CHART / "dashboards").glob("*.json"):
+        assert json.loads(path.read_text())["title"]
+
+
+# -- lint and render -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values", CI_VALUES, ids=lambda p: p.stem)
+def test_lint(helm: Path, values: Path) -> None:
+    run_helm(helm, "lint", "--strict", str(CHART), "-f", str(values))
+
+
+@pytest.mark.parametrize("values", CI_VALUES, ids=lambda p: p.stem)
+def test_render_is_restricted_and_least_privilege(helm: Path, values: Path) -> None:
+    objs = render(helm, "-f", str(values), "--api-versions", "monitoring.coreos.com/v1")
+    deploy = named(objs, "Deployment", "flowkube")
+    pod = deploy["spec"]["template"]["spec"]
+    assert deploy["spec"]["replicas"] == 1
+    assert deploy["spec"]["strategy"] == {"type": "Recreate"}
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    for ctr in containers(objs):
+        sc = ctr["securityContext"]
+        assert sc["runAsNonRoot"] is True and sc["runAsUser"] == 65532, ctr["name"]
+        assert sc["readOnlyRootFilesystem"] is True, ctr["name"]
+        assert sc["allowPrivilegeEscalation"] is False, ctr["name"]
+        assert sc["capabilities"] == {"drop": ["ALL"]}, ctr["name"]
+        assert sc["seccompProfile"] == {"type": "RuntimeDefault"}, ctr["name"]
+        assert ctr["resources"].get("requests"), ctr["name"]
+    for role in of_kind(objs, "ClusterRole") + of_kind(objs, "Role"):
+        for rule in role["rules"]:
+            for key in ("verbs", "resources", "apiGroups", "resourceNames"):
+                assert "*" not in rule.get(key, []), (role["metadata"]["name"], rule)
+            assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"]), rule
+
+
+def _grants(rules: list[Obj]) -> dict[tuple[str, str], set[str]]:
+    out: dict[tuple[str, str], set[str]] = {}
+    for rule in rules:
+        assert not rule.get("resourceNames") or rule["apiGroups"] == ["admissionregistration.k8s.io"]
+        for group in rule["apiGroups"]:
+            for res in rule["resources"]:
+                out.setdefault((group, res), set()).update(rule["verbs"])
+    return out
+
+
+def test_feedback_responder_can_only_read_flows_and_patch_status(helm: Path) -> None:
+    role = named(render(helm), "ClusterRole", "flowkube-feedback-responder")
+    assert _grants(role["rules"]) == {
+        (c.GROUP, c.PLURAL): {"get", "list", "watch"},
+        (c.GROUP, f"{c.PLURAL}/status"): {"get", "patch"},  # kubectl reads before it patches
+    }
+    assert role["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-edit"] == "true"
+
+
+def test_user_roles(helm: Path) -> None:
+    objs = render(helm)
+    viewer = named(objs, "ClusterRole", "flowkube-flow-viewer")
+    editor = named(objs, "ClusterRole", "flowkube-flow-editor")
+    assert _grants(viewer["rules"]) == {(c.GROUP, "flows"): {"get", "list", "watch"},
+                                        (c.GROUP, "flows/status"): {"get", "list", "watch"}}
+    assert viewer["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
+    assert _grants(editor["rules"]) == {(c.GROUP, "flows"): {
+        "get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"}}
+    assert "flows/status" not in {r for rule in editor["rules"] for r in rule["resources"]}
+    plain = render(helm, "--set", "rbac.aggregateToDefaultRoles=false")
+    for name in ("flow-viewer", "flow-editor", "feedback-responder"):
+        labels = named(plain, "ClusterRole", f"flowkube-{name}")["metadata"]["labels"]
+        assert not [k for k in labels if k.startswith("rbac.authorization.k8s.io/")]
+
+
+EXPECTED_OPERATOR_GRANTS = {
+    (c.GROUP, "flows"): {"get", "list", "watch", "patch", "delete"},
+    (c.GROUP, "flows/status"): {"get", "patch", "update"},
+    (c.GROUP, "flows/finalizers"): {"update"},
+    ("", "pods"): {"get", "list", "watch", "create", "delete"},
+    ("", "configmaps"): {"get", "list", "watch", "create", "patch", "update", "delete"},
+    ("", "serviceaccounts"): {"get", "create", "delete"},
+    ("rbac.authorization.k8s.io", "roles"): {"get", "create", "delete"},
+    ("rbac.authorization.k8s.io", "rolebindings"): {"get", "create", "delete"},
+    ("", "events"): {"create", "patch"},
+    ("events.k8s.io", "events"): {"create", "patch"},
+}
+CLUSTER_GRANTS = {
+    ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
+    ("admissionregistration.k8s.io", "validatingwebhookconfigurations"): {"get", "patch", "update"},
+    ("admissionregistration.k8s.io", "mutatingwebhookconfigurations"): {"get", "patch", "update"},
+}
+
+
+def test_operator_rbac_cluster_scope(helm: Path) -> None:
+    objs = render(helm)
+    role = named(objs, "ClusterRole", "flowkube-operator")
+    assert _grants(role["rules"]) == {**EXPECTED_OPERATOR_GRANTS, **CLUSTER_GRANTS,
+                                      ("", "namespaces"): {"list", "watch"}}
+    webhook_rule = next(r for r in role["rules"] if r["apiGroups"] == ["admissionregistration.k8s.io"])
+    assert webhook_rule["resourceNames"] == ["flowkube-flowkube-system.flowkube.io"]
+    binding = named(objs, "ClusterRoleBinding", "flowkube-operator")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "flowkube",
+                                    "namespace": "flowkube-system"}]
+    assert of_kind(objs, "Role") == []
+
+
+def test_operator_rbac_namespaced_scope(helm: Path) -> None:
+    objs = render(helm, "-f", str(CHART / "ci" / "namespaced-values.yaml"))
+    cluster_role = named(objs, "ClusterRole", "flowkube-operator")
+    assert _grants(cluster_role["rules"]) == CLUSTER_GRANTS
+    roles = of_kind(objs, "Role")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    for role in roles:
+        assert _grants(role["rules"]) == EXPECTED_OPERATOR_GRANTS
+    assert sorted(b["metadata"]["namespace"] for b in of_kind(objs, "RoleBinding")) == ["team-a", "team-b"]
+    env = env_of(next(containers(objs)))
+    assert env["FLOWKUBE_WATCH_NAMESPACES"] == "team-a,team-b"
+    for hook in (of_kind(objs, "ValidatingWebhookConfiguration")[0]["webhooks"]
+                 + of_kind(objs, "MutatingWebhookConfiguration")[0]["webhooks"]):
+        assert hook["namespaceSelector"]["matchExpressions"] == [
+            {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["team-a", "team-b"]}]
+
+
+def test_minimal_install_has_no_webhooks_validator_or_crd(helm: Path) -> None:
+    objs = render(helm, "-f", str(CHART / "ci" / "minimal-values.yaml"))
+    kinds = {o["kind"] for o in objs}
+    assert not kinds & {"CustomResourceDefinition", "ValidatingWebhookConfiguration",
+                        "MutatingWebhookConfiguration"}
+    assert [ctr["name"] for ctr in containers(objs)] == ["operator"]
+    env = env_of(next(containers(objs)))
+    assert env["FLOWKUBE_WEBHOOK_ENABLED"] == "false"
+    assert "FLOWKUBE_VALIDATOR_URL" not in env
+    role = named(objs, "ClusterRole", "flowkube-operator")
+    assert ("admissionregistration.k8s.io", "validatingwebhookconfigurations") not in _grants(role["rules"])
+    assert [s["metadata"]["name"] for s in of_kind(objs, "Service")] == ["flowkube-metrics"]
+
+
+def test_operator_settings_and_ports(helm: Path) -> None:
+    objs = render(helm)
+    operator, validator = containers(objs)
+    env = env_of(operator)
+    assert env == env | {
+        "FLOWKUBE_RUNNER_IMAGE": "ghcr.io/flowkube/flowkube-runner:0.1.0",
+        "FLOWKUBE_WATCH_NAMESPACES": "",
+        "FLOWKUBE_HEALTH_PORT": "8080",
+        "FLOWKUBE_METRICS_PORT": "9090",
+        "FLOWKUBE_WEBHOOK_PORT": "9443",
+        "FLOWKUBE_WEBHOOK_ENABLED": "true",
+        "FLOWKUBE_WEBHOOK_SERVICE": "flowkube-system/flowkube-webhook",
+        "FLOWKUBE_WEBHOOK_CONFIGURATION": "flowkube-flowkube-system.flowkube.io",
+        "FLOWKUBE_VALIDATOR_URL": "http://127.0.0.1:8081/validate",
+        "FLOWKUBE_METRICS_PER_FLOW": "true",
+        "FLOWKUBE_LOG_FORMAT": "json",
+        "FLOWKUBE_LOG_LEVEL": "INFO",
+    }
+    assert operator["image"] == "ghcr.io/flowkube/flowkube-operator:0.1.0"
+    assert "command" not in operator  # the image's entrypoint, flowkube-operator
+    assert {p["name"]: p["containerPort"] for p in operator["ports"]} == {
+        "health": 8080, "metrics": 9090, "webhook": 9443}
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert operator[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert validator["image"] == "ghcr.io/flowkube/flowkube-runner:0.1.0"
+    assert validator["args"] == ["validate-server", "--host", "127.0.0.1", "--port", "8081"]
+    metrics = named(objs, "Service", "flowkube-metrics")
+    assert metrics["spec"]["ports"] == [{"name": "metrics", "port": 9090, "targetPort": "metrics",
+                                         "protocol": "TCP"}]
+    custom = env_of(next(containers(render(
+        helm, "--set", "log.format=text", "--set", "metrics.perFlow=false", "--set", "watchNamespaces={a,b}",
+        "--set", "extraEnv[0].name=FLOWKUBE_EXTRA", "--set-string", "extraEnv[0].value=1",
+        "--set", "runner.defaultEnv.OPENAI_BASE_URL=http://llm:8080/v1"))))
+    assert custom["FLOWKUBE_LOG_FORMAT"] == "text"
+    assert custom["FLOWKUBE_METRICS_PER_FLOW"] == "false"
+    assert custom["FLOWKUBE_WATCH_NAMESPACES"] == "a,b"
+    assert custom["FLOWKUBE_EXTRA"] == "1"
+    assert json.loads(custom["FLOWKUBE_RUNNER_DEFAULT_ENV"]) == {"OPENAI_BASE_URL": "http://llm:8080/v1"}
+    assert "FLOWKUBE_RUNNER_DEFAULT_ENV" not in env
+
+
+@pytest.mark.parametrize("values", CI_VALUES, ids=lambda p: p.stem)
+def test_the_operator_understands_every_setting_the_chart_gives_it(
+        helm: Path, values: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from flowkube_operator.settings import Settings
+
+    objs = render(helm, "-f", str(values), "--set", "runner.defaultEnv.A=b")
+    operator = next(ctr for ctr in containers(objs) if ctr["name"] == "operator")
+    env = env_of(operator)
+    for name, value in env.items():
+        assert name.startswith("FLOWKUBE_"), name
+        assert name.removeprefix("FLOWKUBE_").lower() in Settings.model_fields, f"{name}: no such setting"
+        monkeypatch.setenv(name, value)
+    settings = Settings()
+    assert settings.runner_image == env["FLOWKUBE_RUNNER_IMAGE"]
+    assert settings.runner_default_env == {"A": "b"}
+    assert (settings.health_port, settings.metrics_port, settings.webhook_port) == (8080, 9090, 9443)
+    assert settings.watch_namespaces == [n for n in env["FLOWKUBE_WATCH_NAMESPACES"].split(",") if n]
+    assert settings.webhook_enabled is (values.stem != "minimal-values")
+    if settings.webhook_enabled:
+        ns, name = settings.webhook_service.split("/")
+        assert (ns, name) == ("flowkube-system", "flowkube-webhook")
+        assert settings.webhook_configuration == of_kind(objs, "ValidatingWebhookConfiguration")[0]["metadata"]["name"]
+
+
+def test_webhooks(helm: Path) -> None:
+    objs = render(helm)
+    service = named(objs, "Service", "flowkube-webhook")
+    assert service["spec"]["ports"][0]["targetPort"] == "webhook"
+    validating = of_kind(objs, "ValidatingWebhookConfiguration")[0]["webhooks"]
+    mutating = of_kind(objs, "MutatingWebhookConfiguration")[0]["webhooks"]
+    table = {(h["clientConfig"]["service"]["path"], h["rules"][0]["resources"][0],
+              tuple(h["rules"][0]["operations"]), h["failurePolicy"]) for h in validating + mutating}
+    assert table == {
+        ("/validate-flows", "flows", ("CREATE", "UPDATE"), "Fail"),
+        ("/validate-flows-status", "flows/status", ("UPDATE",), "Ignore"),
+        ("/mutate-flows-status", "flows/status", ("UPDATE",), "Ignore"),
+    }
+    for hook in validating + mutating:
+        assert "caBundle" not in hook["clientConfig"]  # the operator patches it in
+        assert hook["clientConfig"]["service"]["name"] == "flowkube-webhook"
+        assert hook["sideEffects"] == "None"
+        assert "namespaceSelector" not in hook
+    for hook in validating[1:] + mutating:
+        assert hook["matchConditions"] == [{
+            "name": "not-the-operator",
+            "expression": "request.userInfo.username != \"system:serviceaccount:flowkube-system:flowkube\""}]
+    flipped = render(helm, "--set", "webhook.failurePolicy.flows=Ignore",
+                     "--set", "webhook.failurePolicy.status=Fail")
+    policies = [h["failurePolicy"] for h in of_kind(flipped, "ValidatingWebhookConfiguration")[0]["webhooks"]]
+    assert policies == ["Ignore", "Fail"]
+
+
+def test_service_monitor_needs_the_api_and_the_switch(helm: Path) -> None:
+    monitoring = CHART / "ci" / "monitoring-values.yaml"
+    without_api = render(helm, "-f", str(monitoring))
+    assert of_kind(without_api, "ServiceMonitor") == []
+    with_api = render(helm, "-f", str(monitoring), "--api-versions", "monitoring.coreos.com/v1")
+    sm = named(with_api, "ServiceMonitor", "flowkube")
+    assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert sm["spec"]["endpoints"][0]["port"] == "metrics"
+    assert sm["spec"]["endpoints"][0]["path"] == "/metrics"
+    metrics_service = named(with_api, "Service", "flowkube-metrics")
+    assert metrics_service["metadata"]["labels"].items() >= sm["spec"]["selector"]["matchLabels"].items()
+    assert of_kind(render(helm, "--api-versions", "monitoring.coreos.com/v1"), "ServiceMonitor") == []
+
+
+def test_dashboards_configmap(helm: Path) -> None:
+    assert of_kind(render(helm), "ConfigMap") == []
+    cm = named(render(helm, "--set", "dashboards.enabled=true"), "ConfigMap", "flowkube-dashboards")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    files = sorted(p.name for p in (CHART / "dashboards").glob("*.json"))
+    assert sorted(cm["data"]) == files and "flowkube.json" in files
+    for name in files:
+        assert json.loads(cm["data"][name]) == json.loads((CHART / "dashboards" / name).read_text())
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--set", "bogus=1"], "additional properties 'bogus' not allowed"),
+        (["--set", "rbac.scope=namespaced"], "watchNamespaces"),
+        (["--set", "webhook.failurePolicy.flows=Maybe"], "webhook/failurePolicy/flows"),
+        (["--set", "log.format=xml"], "log/format"),
+        (["--set", "serviceAccount.create=false"], "serviceAccount.name is required"),
+        (["--set", "extraEnv[0].name=X", "--set", "extraEnv[0].value=1"], "extraEnv/0/value"),
+    ],
+)
+def test_bad_values_are_refused(helm: Path, args: list[str], message: str) -> None:
+    proc = run_helm(helm, "template", "flowkube", str(CHART), *args, check=False)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+
+
+def test_names_follow_the_release(helm: Path) -> None:
+    objs = render(helm, release="team", namespace="ops")
+    names = {o["metadata"]["name"] for o in of_kind(objs, "ClusterRole")}
+    assert names == {"team-flowkube-operator", "team-flowkube-flow-viewer", "team-flowkube-flow-editor",
+                     "team-flowkube-feedback-responder"}
+    assert of_kind(objs, "ValidatingWebhookConfiguration")[0]["metadata"]["name"] == "team-flowkube-ops.flowkube.io"
+
+
+# -- scripts and images ----------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
+def test_kind_e2e_script_is_shellcheck_clean() -> None:
+    proc = subprocess.run(["shellcheck", "--severity=style", str(REPO / "hack" / "kind-e2e.sh")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout
+
+
+@pytest.mark.skipif(shutil.which("hadolint") is None, reason="hadolint is not installed")
+@pytest.mark.parametrize("dockerfile", ["operator/Dockerfile", "runner/Dockerfile",
+                                        "examples/runner-image/Dockerfile"])
+def test_dockerfiles_are_hadolint_clean(dockerfile: str) -> None:
+    proc = subprocess.run(["hadolint", str(REPO / dockerfile)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout
+
+
+@pytest.mark.parametrize(("component", "extra"), [("operator", "operator"), ("runner", "runner")])
+def test_dockerfiles_install_the_right_extra_as_non_root(component: str, extra: str) -> None:
+    text = (REPO / component / "Dockerfile").read_text()
+    final = text.rsplit("\nFROM ", 1)[1]
+    assert f"[{extra}]" in final
+    assert "USER 65532:65532" in final
+    assert f'ENTRYPOINT ["flowkube-{component}"]' in final
+    assert "--no-cache-dir" in final
+    assert "apt-get" not in final and "build-essential" not in final
