@@ -22,7 +22,7 @@ import yaml
 from flowkube_api import constants as c
 from flowkube_devstack import build, chart
 from flowkube_devstack.cluster import LocalCluster, free_port, wait_for
-from flowkube_devstack.operator import OperatorProcess
+from flowkube_devstack.operator import OperatorProcess, token_kubeconfig
 from tests.integration.conftest import FAKE_RUNNER
 
 CHART = chart.CHART_DIR
@@ -291,19 +291,6 @@ def test_user_roles_grant_what_they_say(cluster: LocalCluster, helm: Path, insta
     assert not allowed("erin", "patch", flows, "--subresource=status")
 
 
-def _token_kubeconfig(cluster: LocalCluster, namespace: str, sa: str, path: Path) -> Path:
-    token = cluster.kubectl("create", "token", sa, "-n", namespace, "--duration=1h").stdout.strip()
-    cfg = {"apiVersion": "v1", "kind": "Config",
-           "clusters": [{"name": "local", "cluster": {"server": cluster.server,
-                                                      "certificate-authority": str(cluster.pki_dir / "ca.crt")}}],
-           "users": [{"name": sa, "user": {"token": token}}],
-           "contexts": [{"name": "local", "context": {"cluster": "local", "user": sa, "namespace": namespace}}],
-           "current-context": "local"}
-    path.write_text(yaml.safe_dump(cfg))
-    path.chmod(0o600)
-    return path
-
-
 @pytest.mark.slow
 def test_the_operator_runs_a_flow_with_exactly_the_charts_settings_and_rbac(
         cluster: LocalCluster, helm: Path, namespace: str, tmp_path: Path) -> None:
@@ -321,7 +308,7 @@ def test_the_operator_runs_a_flow_with_exactly_the_charts_settings_and_rbac(
     try:
         cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=rendered)
         wait_for(lambda: crd_established(cluster), 60, "the Flow CRD Established")
-        kubeconfig = _token_kubeconfig(cluster, namespace, full, tmp_path / "operator.kubeconfig")
+        kubeconfig = token_kubeconfig(cluster, namespace, full, tmp_path / "operator.kubeconfig", duration="1h")
         env = {k: v for k, v in chart_env.items() if k not in ("FLOWKUBE_HEALTH_PORT", "FLOWKUBE_METRICS_PORT")}
         env |= {"KUBECONFIG": str(kubeconfig), "FLOWKUBE_WEBHOOK_PORT": str(free_port()),
                 "FLOWKUBE_WEBHOOK_CERT_DIR": str(tmp_path / "webhook"),

@@ -1,4 +1,4 @@
-"""Human feedback through the Flow status, with the admission webhook installed.
+"""Human feedback through the Flow status, with the admission webhook installed (as the chart does).
 
 The runner here is the scripted fake (it pauses and resumes as told, and echoes the feedback it
 was given); the crewAI runner's own pause/resume is covered by the runner tests and the e2e test.
@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from flowkube_devstack.cluster import LocalCluster, free_port
+from flowkube_devstack.cluster import LocalCluster
 from flowkube_devstack.operator import OperatorProcess
-from tests.integration.conftest import FAKE_RUNNER, Flows
+from tests.integration.conftest import Flows
 
 REVIEW = {"id": "req-1", "method": "review", "message": "Publish this draft?",
           "emit": ["approved", "rejected"], "output": "the draft"}
@@ -31,25 +30,6 @@ def answer(text: str, request_id: str | None = None) -> dict[str, Any]:
     if request_id:
         resp["requestId"] = request_id
     return {"status": {"feedback": {"response": resp}}}
-
-
-@pytest.fixture(scope="module")
-def operator(cluster: LocalCluster) -> Iterator[OperatorProcess]:
-    op = OperatorProcess(cluster, env={
-        "FLOWKUBE_RUNNER_COMMAND": f"{sys.executable} {FAKE_RUNNER}",
-        "FLOWKUBE_WEBHOOK_ENABLED": "true",
-        "FLOWKUBE_WEBHOOK_HOST": "127.0.0.1",
-        "FLOWKUBE_WEBHOOK_PORT": str(free_port()),
-        "FLOWKUBE_WEBHOOK_CERT_DIR": str(cluster.root / "webhook-certs"),
-        "FLOWKUBE_WEBHOOK_CONFIGURATION": "flowkube-test",
-    })
-    op.start()
-    try:
-        yield op
-    finally:
-        op.stop()
-        for kind in ("validatingwebhookconfiguration", "mutatingwebhookconfiguration"):
-            cluster.kubectl("delete", kind, "flowkube-test", "--ignore-not-found")
 
 
 pytestmark = pytest.mark.usefixtures("operator")
@@ -186,3 +166,23 @@ def test_kubectl_flow_plugin_answers_and_shows_the_flow(flows: Flows, cluster: L
     assert plugin("feedback", "plug", "approved", "--request-id", "req-1").returncode == 0
     flows.wait_phase("plug", "Succeeded")
     assert "Usage: 3 tokens" in plugin("get", "plug").stdout
+
+
+def test_without_the_webhook_a_bad_answer_is_refused_later_and_the_request_stays(
+        flows: Flows, operator: OperatorProcess) -> None:
+    flows.apply("offline", {"flowRef": "a:Review", "inputs": paused_then({})})
+    flows.wait_phase("offline", "AwaitingFeedback")
+    operator.kill()  # the status webhooks fail open (Ignore): the stale answer gets into the inbox
+    rc, out = flows.patch_status("offline", answer("approved", "req-stale"))
+    assert rc == 0, out
+    operator.start()
+    st = flows.wait("offline", lambda s: "response" not in (s.get("feedback") or {}), "the inbox to be emptied")
+    assert st["phase"] == "AwaitingFeedback" and st["feedback"]["request"]["id"] == "req-1"
+    awaiting = next(c for c in st["conditions"] if c["type"] == "AwaitingFeedback")
+    assert "refused" in awaiting["message"] and "req-stale" in awaiting["message"]
+    events = flows.cluster.kubectl("get", "events", "-n", flows.ns, "--field-selector",
+                                   "involvedObject.name=offline,reason=FeedbackRefused", "-o", "name").stdout
+    assert events.strip(), "a Warning Event records the refusal"
+    assert flows.patch_status("offline", answer("approved", "req-1"))[0] == 0
+    st = flows.wait_phase("offline", "Succeeded")
+    assert [h["requestId"] for h in st["feedback"]["history"]] == ["req-1"]

@@ -99,9 +99,13 @@ namespaceSelector:
 {{- end }}
 {{- define "flowkube.webhookClient" -}}
 clientConfig:
+{{- if .root.Values.webhook.url }}
+  url: {{ printf "%s%s" (trimSuffix "/" .root.Values.webhook.url) .path | quote }}
+{{- else }}
   service:
     name: {{ include "flowkube.webhookName" .root }}
     namespace: {{ .root.Release.Namespace }}
     path: {{ .path }}
     port: 443
+{{- end }}
 {{- end }}
