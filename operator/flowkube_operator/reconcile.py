@@ -466,10 +466,18 @@ class _Reconciler:
 
         req = self.fb.request
         if req is not None:
-            msg = f"{req.method}: {req.message}"
+            prev = self._previous(ConditionType.AWAITING_FEEDBACK)
             if self.refusal:
-                msg = f"{self.refusal}; still waiting for request {req.id}. {msg}"
-            conds.append((ConditionType.AWAITING_FEEDBACK, "True", Reason.FEEDBACK_REQUESTED, excerpt(msg, 1024)))
+                msg = f"{self.refusal}; still waiting for request {req.id}. {req.method}: {req.message}"
+                conds.append((ConditionType.AWAITING_FEEDBACK, "True", Reason.FEEDBACK_REFUSED, excerpt(msg, 1024)))
+            elif (prev is not None and prev.status == "True" and prev.reason == Reason.FEEDBACK_REFUSED
+                  and f"request {req.id}." in prev.message):
+                # The refusal stays visible until the request is answered or replaced.
+                self.refusal = prev.message.split("; still waiting", 1)[0]
+                conds.append((ConditionType.AWAITING_FEEDBACK, "True", prev.reason, prev.message))
+            else:
+                conds.append((ConditionType.AWAITING_FEEDBACK, "True", Reason.FEEDBACK_REQUESTED,
+                              excerpt(f"{req.method}: {req.message}", 1024)))
         elif self.refusal:
             conds.append((ConditionType.AWAITING_FEEDBACK, "False", Reason.FEEDBACK_REFUSED, self.refusal))
         else:

@@ -230,3 +230,19 @@ def test_usage_sums_every_run_once_and_the_budget_stops_resumes() -> None:
     assert p.create_pod is None and body["status"]["phase"] == Phase.FAILED
     assert cond(body, "Succeeded")["reason"] == Reason.BUDGET_EXCEEDED
     assert body["status"]["usage"]["totalTokens"] == 5
+
+
+def test_an_asynchronous_refusal_stays_visible_until_the_request_is_answered() -> None:
+    body = flow()
+    paused(body)
+    body["status"]["feedback"]["response"] = {"text": "ok", "requestId": "old"}
+    step(body, pod("f-0", "Succeeded", exit_code=0), at=10)
+    for at in (11, 12):  # later reconciles (e.g. caused by the operator's own status write)
+        p = step(body, pod("f-0", "Succeeded", exit_code=0), at=at)
+        assert p.events == []
+        awaiting = cond(body, "AwaitingFeedback")
+        assert awaiting["reason"] == Reason.FEEDBACK_REFUSED and "'old'" in awaiting["message"]
+        assert "refused" in body["status"]["message"]
+    body["status"]["feedback"]["response"] = {"text": "ok"}
+    p = step(body, pod("f-0", "Succeeded", exit_code=0), at=13)
+    assert p.create_pod is not None and cond(body, "AwaitingFeedback")["status"] == "False"
