@@ -225,32 +225,44 @@ class Controller:
         pods = dict(self.pods.get(key, {}))
         status = body.get("status") or {}
         runs = status.get("runs") or []
-        report = None
-        if runs and not runs[-1].get("finishedAt"):
-            active = runs[-1]["pod"]
+        report, checked = None, False
+        active = runs[-1]["pod"] if runs and not runs[-1].get("finishedAt") else None
+        if active is not None:
             if active not in pods and runs[-1].get("startedAt"):
                 # The cache says the pod is gone; make sure before counting the run as lost.
                 live = await self.kube.get(ns_path(ns, "pods", active))
                 if live is not None:
                     pods[active] = PodView.from_pod(live)
             if active in pods and pods[active].terminated:
-                report = await self._load_report(ns, name, pods[active])
-        p = plan(body, pods, report, backoff_cap=self.settings.retry_backoff_cap_seconds)
+                report, checked = await self._load_report(ns, name, active, pods[active]), True
+        p = plan(body, pods, report, backoff_cap=self.settings.retry_backoff_cap_seconds, report_checked=checked)
+        if p.need_report and active is not None:
+            report = await self._load_report(ns, name, active, pods.get(active))
+            p = plan(body, pods, report, backoff_cap=self.settings.retry_backoff_cap_seconds, report_checked=True)
         await self._apply(key, body, p)
 
-    async def _load_report(self, ns: str, name: str, pod: PodView) -> RunReport | None:
+    async def _load_report(self, ns: str, name: str, pod_name: str, pod: PodView | None) -> RunReport | None:
+        """The run's report from the state ConfigMap, or the summary in the termination message.
+
+        The ConfigMap holds the interim report (usage after every LLM call) until the final one
+        replaces it; if that final write failed, the termination message has the outcome and the
+        interim report still has every token, with the per-model breakdown.
+        """
         assert self.kube is not None
         cm = await self.kube.get(ns_path(ns, "configmaps", c.state_configmap_name(name)))
-        raw = ((cm or {}).get("binaryData") or {}).get(c.report_key(pod.name))
+        raw = ((cm or {}).get("binaryData") or {}).get(c.report_key(pod_name))
+        stored = summary = None
         try:
             if raw:
-                return RunReport.model_validate_json(gzip.decompress(base64.b64decode(raw)))
-            if pod.message and pod.message.lstrip().startswith("{"):
-                # The termination message carries a summary when the ConfigMap write failed.
-                return RunReport.model_validate_json(pod.message)
+                stored = RunReport.model_validate_json(gzip.decompress(base64.b64decode(raw)))
+            if pod is not None and pod.message and pod.message.lstrip().startswith("{"):
+                summary = RunReport.model_validate_json(pod.message)
         except (ValidationError, OSError, ValueError, binascii.Error) as e:
-            log.warning("unreadable report of %s/%s: %s", ns, pod.name, e)
-        return None
+            log.warning("unreadable report of %s/%s: %s", ns, pod_name, e)
+        if stored is not None and summary is not None and stored.reason == c.Reason.RUN_INTERRUPTED \
+                and summary.reason != c.Reason.RUN_INTERRUPTED and summary.pod == pod_name:
+            return summary.model_copy(update={"usage": stored.usage})
+        return stored or summary
 
     async def _apply(self, key: Key, body: Body, p: Plan) -> None:
         assert self.kube is not None
@@ -294,7 +306,8 @@ class Controller:
         now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
         event = {
             "apiVersion": "events.k8s.io/v1", "kind": "Event",
-            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            # Named as client-go names Events: the object's name and a hex timestamp.
+            "metadata": {"name": f"{meta['name']}.{time.time_ns():x}", "namespace": meta["namespace"]},
             "regarding": {"apiVersion": c.API_VERSION, "kind": c.KIND, "name": meta["name"],
                           "namespace": meta["namespace"], "uid": meta["uid"],
                           "resourceVersion": meta.get("resourceVersion", "")},

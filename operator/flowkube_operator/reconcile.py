@@ -109,6 +109,7 @@ class Plan:
     delete_flow: bool = False
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
     requeue_after: float | None = None
+    need_report: bool = False  # plan again with the active run's report: it ends without one
 
     def later(self, seconds: float) -> None:
         seconds = max(seconds, 0.05)
@@ -161,9 +162,14 @@ def validate_response(request: FeedbackRequest | None, text: str | None, request
     return None
 
 
+class _NeedReport(Exception):
+    pass
+
+
 class _Reconciler:
     def __init__(self, flow: Body, pods: dict[str, PodView], report: RunReport | None,
-                 now: dt.datetime, backoff_cap: int) -> None:
+                 now: dt.datetime, backoff_cap: int, report_checked: bool) -> None:
+        self.report_checked = report_checked or report is not None
         self.meta: Body = flow.get("metadata") or {}
         self.spec = FlowSpec.model_validate(flow.get("spec") or {})
         self.old = FlowStatus.model_validate(flow.get("status") or {})
@@ -181,6 +187,12 @@ class _Reconciler:
     # -- entry --------------------------------------------------------------------------------------
 
     def run(self) -> Plan:
+        try:
+            return self._run()
+        except _NeedReport:
+            return Plan(status=self.old, need_report=True)
+
+    def _run(self) -> Plan:
         st = self.st
         st.observed_generation = self.meta.get("generation")
         st.definition = definition_name(self.spec.model_dump(by_alias=True, exclude_none=True))
@@ -208,7 +220,7 @@ class _Reconciler:
                 self.plan.create_pod = self._intent(len(self.runs) - 1, run.trigger)
                 self.st.phase = Phase.PENDING
                 return
-            self._end_run(run, None, RunResult.FAILED, Reason.POD_DELETED,
+            self._end_run(run, self._report_of(run), RunResult.FAILED, Reason.POD_DELETED,
                           f"runner pod {run.pod} disappeared before it finished")
             return
         if run.started_at is None:
@@ -221,26 +233,32 @@ class _Reconciler:
         if limit is not None:
             left = limit - running_seconds(self.runs, self.now)
             if left <= 0:
+                rep = self._report_of(run)
                 self.plan.delete_pods.append(run.pod)
-                self._end_run(run, None, RunResult.FAILED, Reason.DEADLINE_EXCEEDED,
+                self._end_run(run, rep, RunResult.FAILED, Reason.DEADLINE_EXCEEDED,
                               f"the flow ran longer than activeDeadlineSeconds={limit}")
                 return
             self.plan.later(left)
 
+    def _report_of(self, run: Run) -> RunReport | None:
+        """The run's report, when it ends without its pod telling (deleted, or over the deadline):
+        the tokens of the LLM calls it made are in its interim report and must still count."""
+        if not self.report_checked:
+            raise _NeedReport
+        return self.report if self.report is not None and self.report.pod == run.pod else None
+
     def _end_from_pod(self, run: Run, pod: PodView) -> None:
         rep = self.report
-        if rep is not None and rep.pod == run.pod:
+        reason: Reason | str
+        if pod.reason == "DeadlineExceeded":
+            # Killed by its activeDeadlineSeconds: whatever the interim report says, that is why.
+            result, reason = RunResult.FAILED, Reason.DEADLINE_EXCEEDED
+            message = "the runner pod exceeded its activeDeadlineSeconds"
+        elif rep is not None and rep.pod == run.pod:
             result = rep.result
             if pod.exit_code not in (None, 0) and result != RunResult.FAILED:
                 result = RunResult.FAILED  # the process died after writing an optimistic report
-            reason: Reason | str = rep.reason
-            message = rep.message
-            if rep.flow_id:
-                self.st.flow_id = rep.flow_id
-            run.usage = rep.usage
-        elif pod.reason == "DeadlineExceeded":
-            result, reason = RunResult.FAILED, Reason.DEADLINE_EXCEEDED
-            message = "the runner pod exceeded its activeDeadlineSeconds"
+            reason, message = rep.reason, rep.message
         else:
             result, reason = RunResult.FAILED, Reason.RUN_FAILED
             message = (f"runner pod {pod.name} ended ({pod.phase}, exit code {pod.exit_code}, "
@@ -256,6 +274,14 @@ class _Reconciler:
     def _end_run(self, run: Run, rep: RunReport | None, result: RunResult, reason: Reason | str,
                  message: str, finished_at: str | None = None) -> None:
         run.result, run.reason, run.message = result, str(reason), excerpt(message, 1024)
+        if rep is not None:
+            run.usage = rep.usage  # every LLM call the run made counts, however it ended
+            if rep.flow_id:
+                self.st.flow_id = rep.flow_id
+            applied = rep.feedback_applied
+            for h in self.fb.history or []:
+                if applied is not None and h.request_id == applied.request_id and not h.outcome:
+                    h.outcome = applied.outcome  # the outcome crewAI collapsed the answer to
         run.finished_at = finished_at or fmt(self.now)
         if run.started_at is None:
             run.started_at = run.finished_at
@@ -533,6 +559,10 @@ class _Reconciler:
 
 
 def plan(flow: Body, pods: dict[str, PodView], report: RunReport | None = None, *,
-         now: dt.datetime | None = None, backoff_cap: int = 3600) -> Plan:
-    """The status the Flow should have and the actions that make it so."""
-    return _Reconciler(flow, pods, report, now or now_utc(), backoff_cap).run()
+         now: dt.datetime | None = None, backoff_cap: int = 3600, report_checked: bool = False) -> Plan:
+    """The status the Flow should have and the actions that make it so.
+
+    `report` is the active run's report when the caller has read it (`report_checked`); a plan
+    that needs it to end a run says so with `need_report`, and changes nothing until then.
+    """
+    return _Reconciler(flow, pods, report, now or now_utc(), backoff_cap, report_checked).run()

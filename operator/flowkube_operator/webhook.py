@@ -76,8 +76,9 @@ def definition_problem(spec: Body, validator_url: str, timeout: float = 10.0) ->
     definition = spec.get("definition")
     if not isinstance(definition, Mapping) or not validator_url:
         return None
-    req = urllib.request.Request(validator_url,  # noqa: S310 - operator-configured URL data=json.dumps(dict(definition)).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
+    req = urllib.request.Request(  # noqa: S310 - operator-configured URL
+        validator_url, data=json.dumps(dict(definition)).encode(),
+        headers={"Content-Type": "application/json"}, method="POST")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - operator-configured URL
             verdict = json.loads(r.read())

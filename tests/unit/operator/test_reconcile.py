@@ -22,8 +22,11 @@ def flow(**spec: Any) -> dict[str, Any]:
 
 def step(body: dict[str, Any], pods: dict[str, PodView] | None = None, report: RunReport | None = None,
          at: float = 0) -> Plan:
-    """Plan, then write the planned status back as the operator would."""
+    """Plan, then write the planned status back as the operator would (reading reports it asks for)."""
     p = plan(body, pods or {}, report, now=T0 + dt.timedelta(seconds=at))
+    if p.need_report:
+        assert p.status.dump() == (body.get("status") or {}) and p.create_pod is None
+        p = plan(body, pods or {}, report, now=T0 + dt.timedelta(seconds=at), report_checked=True)
     body["status"] = p.status.dump()
     return p
 
@@ -246,3 +249,41 @@ def test_an_asynchronous_refusal_stays_visible_until_the_request_is_answered() -
     body["status"]["feedback"]["response"] = {"text": "ok"}
     p = step(body, pod("f-0", "Succeeded", exit_code=0), at=13)
     assert p.create_pod is not None and cond(body, "AwaitingFeedback")["status"] == "False"
+
+
+def test_a_run_over_the_deadline_still_counts_the_tokens_of_its_interim_report() -> None:
+    body = flow(activeDeadlineSeconds=10)
+    step(body)
+    step(body, pod("f-0", "Running"), at=1)
+    interim = report("f-0", RunResult.FAILED, reason=Reason.RUN_INTERRUPTED, usage=usage(4, 1))
+    p = plan(body, pod("f-0", "Running"), None, now=T0 + dt.timedelta(seconds=11))
+    assert p.need_report and p.delete_pods == []  # nothing happens before the report is read
+    p = step(body, pod("f-0", "Running"), interim, at=11)
+    assert p.delete_pods == ["f-0"] and body["status"]["usage"]["totalTokens"] == 5
+    assert cond(body, "Succeeded")["reason"] == Reason.DEADLINE_EXCEEDED
+
+
+def test_a_pod_killed_by_its_deadline_is_deadline_exceeded_with_its_tokens() -> None:
+    body = flow(retries={"limit": 3})
+    step(body)
+    killed = {"f-0": PodView(name="f-0", phase="Failed", created_at=fmt(T0), exit_code=137,
+                             reason="DeadlineExceeded", finished_at=fmt(T0))}
+    interim = report("f-0", RunResult.FAILED, reason=Reason.RUN_INTERRUPTED, usage=usage(2, 2))
+    p = step(body, killed, interim, at=5)
+    assert p.create_pod is None and body["status"]["phase"] == Phase.FAILED
+    assert cond(body, "Succeeded")["reason"] == Reason.DEADLINE_EXCEEDED
+    assert body["status"]["usage"]["totalTokens"] == 4
+
+
+def test_history_records_the_outcome_crewai_collapsed_the_answer_to() -> None:
+    from flowkube_api.report import FeedbackApplied
+
+    body = flow()
+    paused(body)
+    body["status"]["feedback"]["response"] = {"text": "ship it"}
+    step(body, pod("f-0", "Succeeded", exit_code=0), at=10)
+    applied = FeedbackApplied(request_id="req-1", method="review", response="ship it", outcome="approved")
+    done = report("f-1", RunResult.SUCCEEDED, trigger=Trigger.RESUME, feedback_applied=applied)
+    step(body, {**pod("f-0", "Succeeded", exit_code=0), **pod("f-1", "Succeeded", exit_code=0, at=11)}, done, at=20)
+    (h,) = body["status"]["feedback"]["history"]
+    assert h["response"] == "ship it" and h["outcome"] == "approved"

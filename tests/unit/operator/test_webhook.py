@@ -1,0 +1,78 @@
+"""Admission decisions, without a cluster: what humans may write to status, and definition checks."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from flowkube_operator.webhook import definition_problem, review_status_write
+
+PENDING = {"status": {"phase": "AwaitingFeedback", "feedback": {"request": {"id": "r1", "method": "review"}}}}
+
+
+def with_response(resp: dict[str, Any], base: dict[str, Any] = PENDING) -> dict[str, Any]:
+    new: dict[str, Any] = json.loads(json.dumps(base))
+    new["status"].setdefault("feedback", {})["response"] = resp
+    return new
+
+
+def test_a_valid_answer_is_admitted() -> None:
+    assert review_status_write(PENDING, with_response({"text": "ok", "requestId": "r1"}), by_operator=False) is None
+
+
+@pytest.mark.parametrize(("resp", "expected"), [
+    ({"text": "ok", "requestId": "r0"}, "is not the pending request"),
+    ({"text": ""}, "non-empty"),
+    ({"text": "ok", "extra": 1}, "unknown field"),
+    ({"text": 5}, "must be a string"),
+])
+def test_bad_answers_are_refused(resp: dict[str, Any], expected: str) -> None:
+    problem = review_status_write(PENDING, with_response(resp), by_operator=False)
+    assert problem is not None and expected in problem
+
+
+def test_nothing_pending_is_refused_and_other_fields_are_the_operators() -> None:
+    idle = {"status": {"phase": "Running"}}
+    assert "no feedback request is pending" in (review_status_write(idle, with_response({"text": "x"}, idle),
+                                                                     by_operator=False) or "")
+    forged = {"status": {**PENDING["status"], "phase": "Succeeded"}}
+    assert "only status.feedback.response" in (review_status_write(PENDING, forged, by_operator=False) or "")
+    assert review_status_write(PENDING, forged, by_operator=True) is None
+
+
+@pytest.fixture
+def validator() -> Iterator[str]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            ok = bool(body.get("methods"))
+            verdict = {"valid": ok, "errors": [] if ok else [{"loc": ["methods"], "msg": "at least one method"}]}
+            data = json.dumps(verdict).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/validate"
+    server.shutdown()
+
+
+def test_definition_problems_name_the_field(validator: str) -> None:
+    assert definition_problem({"definition": {"name": "x", "methods": [{"name": "a"}]}}, validator) is None
+    problem = definition_problem({"definition": {"name": "x", "methods": []}}, validator)
+    assert problem == "invalid crewAI flow definition: spec.definition.methods: at least one method"
+
+
+def test_an_unreachable_validator_admits(validator: str) -> None:
+    assert definition_problem({"definition": {"name": "x"}}, "http://127.0.0.1:9/validate") is None
+    assert definition_problem({"flowRef": "a:B"}, validator) is None
