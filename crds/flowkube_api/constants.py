@@ -109,7 +109,7 @@ ENV_STATE_DIR = "FLOWKUBE_STATE_DIR"  # development only: a directory instead of
 
 # Keys inside the per-Flow state ConfigMap (binaryData, gzip-compressed JSON).
 STATE_KEY = "state.json.gz"
-REPORT_KEY_PREFIX = "report."  # + pod name + ".json.gz": one key per run, written once by that run
+REPORT_KEY_PREFIX = "report."  # + pod name + ".json.gz": one key per run, written only by that run
 
 EXCERPT_LIMIT = 4096  # bytes kept of outputs in status (result.output, feedback.request.output)
 STATE_LIMIT = 900 * 1024  # compressed bytes per state object; beyond it the run fails StateTooLarge

@@ -1,7 +1,10 @@
 """The run report: what one runner pod tells the operator about its run.
 
-The runner writes exactly one report per run into the Flow's state ConfigMap (binaryData key
-``report_key(pod)``, gzip-compressed JSON), and a shortened copy to the pod's termination message.
+Each run has one report in the Flow's state ConfigMap (binaryData key ``report_key(pod)``,
+gzip-compressed JSON); the runner also writes a shortened copy to the pod's termination message.
+While the run is going, that key holds an interim report (``Failed``/``RunInterrupted`` with the
+tokens counted so far, refreshed after every model call), so a runner killed without warning still
+leaves its tokens behind; the final report replaces it.
 The operator is the only writer of Flow status; it folds reports into ``status.runs[]``,
 ``status.usage``, ``status.feedback`` and ``status.result``. Field names match API.md.
 

@@ -1,4 +1,9 @@
-"""``flowkube-runner`` / ``python -m flowkube_runner``: run one Flow run from the pod environment."""
+"""``flowkube-runner`` / ``python -m flowkube_runner``.
+
+- no arguments (or ``run``): run one Flow run from the pod environment (what runner pods do);
+- ``validate-server [--host H] [--port P]``: the definition validator the operator's admission
+  webhook asks (see ``validate.py``).
+"""
 
 from __future__ import annotations
 
@@ -37,9 +42,25 @@ def _configure_logging() -> None:
     logging.basicConfig(level=logging.INFO, handlers=[handler])
 
 
-def main() -> int:
-    started_at = datetime.now(UTC)
+USAGE = "usage: flowkube-runner [run | validate-server [--host HOST] [--port PORT]]"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    command, rest = (args[0], args[1:]) if args else ("run", [])
     _configure_logging()
+    if command == "validate-server":
+        from .validate import serve
+
+        return serve(rest)
+    if command != "run" or rest:
+        print(USAGE, file=sys.stderr)
+        return c.EXIT_PERMANENT
+    return run_from_environment()
+
+
+def run_from_environment() -> int:
+    started_at = datetime.now(UTC)
     try:
         config = RunnerConfig.from_env()
     except ConfigError as e:

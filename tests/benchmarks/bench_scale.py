@@ -84,10 +84,10 @@ def main() -> None:
             print(f"operator idle: RSS {rss_mb(op.proc.pid):.0f} MB")
             done = 0
             for n in steps:
-                client = Client(cluster)
                 t0 = time.perf_counter()
 
-                async def fill(lo: int, hi: int, c: Client = client) -> None:
+                async def fill(lo: int, hi: int) -> None:
+                    c = Client(cluster)
                     try:
                         await create(c, lo, hi)
                     finally:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from flowkube_devstack.cluster import LocalCluster
+from flowkube_devstack.cluster import LocalCluster, wait_for
 from flowkube_devstack.operator import OperatorProcess
 from tests.integration.conftest import Flows
 
@@ -180,9 +180,12 @@ def test_without_the_webhook_a_bad_answer_is_refused_later_and_the_request_stays
     assert st["phase"] == "AwaitingFeedback" and st["feedback"]["request"]["id"] == "req-1"
     awaiting = next(c for c in st["conditions"] if c["type"] == "AwaitingFeedback")
     assert "refused" in awaiting["message"] and "req-stale" in awaiting["message"]
-    events = flows.cluster.kubectl("get", "events", "-n", flows.ns, "--field-selector",
-                                   "involvedObject.name=offline,reason=FeedbackRefused", "-o", "name").stdout
-    assert events.strip(), "a Warning Event records the refusal"
+    def refusal_event() -> bool:
+        return bool(flows.cluster.kubectl(
+            "get", "events", "-n", flows.ns, "--field-selector",
+            "involvedObject.name=offline,reason=FeedbackRefused,type=Warning", "-o", "name").stdout.strip())
+
+    wait_for(refusal_event, 30, "a Warning Event recording the refusal")
     assert flows.patch_status("offline", answer("approved", "req-1"))[0] == 0
     st = flows.wait_phase("offline", "Succeeded")
     assert [h["requestId"] for h in st["feedback"]["history"]] == ["req-1"]

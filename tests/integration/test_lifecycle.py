@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -31,6 +32,14 @@ def test_flow_succeeds_with_usage_output_and_a_restricted_owned_pod(flows: Flows
     sc = pod["spec"]["containers"][0]["securityContext"]
     assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"]
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+
+    def success_event() -> bool:
+        out = flows.cluster.kubectl("get", "events", "-n", flows.ns, "--field-selector",
+                                    "involvedObject.name=ok,reason=RunSucceeded", "-o", "json").stdout
+        return any("ok-0 succeeded" in (e.get("message") or e.get("note") or "")
+                   for e in json.loads(out)["items"])
+
+    wait_for(success_event, 30, "the RunSucceeded Event for `kubectl describe`")
 
 
 def test_failures_are_retried_with_backoff_then_the_flow_fails(flows: Flows) -> None:

@@ -96,6 +96,9 @@ def test_dashboard_queries_on_a_real_prometheus(flows: Flows, prom: Prometheus, 
              == reported and prom.value(f'sum(flowkube_flows{{{sel},phase="Succeeded"}})') == 3,
              60, "Prometheus to scrape the final numbers")
 
+    rate = f"sum by (definition) (rate(flowkube_flow_tokens_total{{{sel}}}[1m]))"
+    wait_for(lambda: len(prom.query(rate)) == 3, 60, "two samples of every series, so rate() has an answer")
+
     # Every expression of the shipped dashboard runs, and the ones with known answers give them.
     answers: dict[str, list[dict[str, Any]]] = {}
     for title, expr in dashboard.expressions():

@@ -421,12 +421,15 @@ def test_crewai_alone_loses_earlier_outputs_across_processes(tmp_path: Path, stu
     assert error is not None and "no such member in mapping: 'draft'" in error
 
 
-def kill_during_held_call(harness: Harness, stub: StubModel, pod: str, proc: subprocess.Popen[str]) -> Finished:
+def kill_during_held_call(
+    harness: Harness, stub: StubModel, pod: str, proc: subprocess.Popen[str], *, calls_before: int = 0
+) -> Finished:
     """SIGKILL the runner while the stub holds one of its model calls, once the interim report
-    counts every call answered before it (crewAI's event handler writes it just after each call)."""
+    counts every call of this run answered before it (crewAI's event handler writes it just after
+    each call, on its own thread). ``calls_before``: ledger entries of earlier runs."""
     try:
         assert stub.wait_held(1, timeout=120), "the model call to hold never arrived"
-        answered = len(stub.ledger())
+        answered = len(stub.ledger()) - calls_before
 
         def interim_is_current() -> bool:
             data = harness.store.get(c.report_key(pod))
@@ -452,14 +455,15 @@ def interrupted(run: Finished) -> RunReport:
 
 
 def test_sigkilled_run_leaves_a_report_with_exactly_its_tokens(harness: Harness, stub: StubModel) -> None:
-    stub.set_rules(Rules.from_json({**RULES, "rules": [{"contains": "POLISH", "hold": True, "times": 1}]}))
+    hold_polish = {"contains": "POLISH", "hold": True, "times": 1}
+    stub.set_rules(Rules.from_json({**RULES, "rules": [hold_polish, *RULES["rules"]]}))
     spec = {"definition": article_definition()}
     first = paused(harness.run(c.Trigger.KICKOFF, spec))
     assert first.feedback_request is not None
     calls_before = len(stub.ledger())
     pod, proc = harness.spawn(c.Trigger.RESUME, spec, feedback={"requestId": first.feedback_request.id, "text": "LGTM"})
 
-    report = interrupted(kill_during_held_call(harness, stub, pod, proc))
+    report = interrupted(kill_during_held_call(harness, stub, pod, proc, calls_before=calls_before))
 
     ledger = stub.ledger()[calls_before:]
     assert len(ledger) == 1, "the feedback collapse call was answered; polish was held"
@@ -570,8 +574,9 @@ def test_retry_after_a_routed_feedback_step_continues_down_the_chosen_route(harn
     spec = {"definition": article_definition()}
     first = paused(harness.run(c.Trigger.KICKOFF, spec))
     assert first.feedback_request is not None
+    calls_before = len(stub.ledger())
     pod, proc = harness.spawn(c.Trigger.RESUME, spec, feedback={"requestId": first.feedback_request.id, "text": "LGTM"})
-    interrupted(kill_during_held_call(harness, stub, pod, proc))
+    interrupted(kill_during_held_call(harness, stub, pod, proc, calls_before=calls_before))
     state = harness.state()
     assert state is not None and state["pending"] is None
     assert state["runtime"]["completedMethods"] == ["draft", "review"]

@@ -1,0 +1,102 @@
+"""Every example under examples/flows/ reaches the end state its header documents.
+
+Applied as a user would (``kubectl apply -f``), run by the real runner against the stub model
+(the operator points runner pods at it; the examples' ``openai-api`` Secret holds a stub key).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from flowkube_api.report import Usage
+from flowkube_devstack.cluster import LocalCluster
+from tests.integration.conftest import Flows
+from tests.integration.realrunner import RealRunnerStack, real_runner_stack
+
+pytestmark = pytest.mark.slow
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "flows"
+RULES = {
+    "default": "A plain reply.",
+    "rules": [{"contains": "approved", "anywhere": True, "reply": "approved"}],
+}
+RUN_TIMEOUT = 180
+
+
+@pytest.fixture(scope="module")
+def stack(cluster: LocalCluster) -> Iterator[RealRunnerStack]:
+    with real_runner_stack(cluster, RULES, "examples") as s:
+        yield s
+
+
+def example(name: str) -> tuple[Path, dict[str, Any], str]:
+    path = EXAMPLES / name
+    text = path.read_text()
+    found = re.search(r"^# Documented end state: (.+)$", text, re.MULTILINE)
+    assert found, f"{name} documents no end state"
+    return path, yaml.safe_load(text), found.group(1)
+
+
+def apply(stack: RealRunnerStack, flows: Flows, path: Path) -> None:
+    # The examples read the model key from this Secret; the stub takes any key.
+    stack.cluster.kubectl("create", "secret", "generic", "openai-api", "-n", flows.ns,
+                          "--from-literal=OPENAI_API_KEY=stub")
+    stack.cluster.kubectl("apply", "-n", flows.ns, "-f", str(path))
+
+
+def cond(status: dict[str, Any], ctype: str) -> dict[str, Any]:
+    return next(c for c in status["conditions"] if c["type"] == ctype)
+
+
+def test_every_example_is_covered() -> None:
+    assert sorted(p.name for p in EXAMPLES.glob("*.yaml")) == [
+        "budget-retries.yaml", "class-flow.yaml", "inline-feedback.yaml"]
+
+
+def test_inline_feedback(stack: RealRunnerStack, flows: Flows) -> None:
+    path, obj, documented = example("inline-feedback.yaml")
+    assert documented.startswith("AwaitingFeedback; once answered, Succeeded")
+    name, mark = obj["metadata"]["name"], len(stack.stub.ledger())
+    apply(stack, flows, path)
+
+    st = flows.wait_phase(name, "AwaitingFeedback", timeout=RUN_TIMEOUT)
+    assert st["feedback"]["request"]["output"] == "A plain reply."  # the draft, shown to the reviewer
+    assert "version 1.4.0" in stack.stub.ledger()[mark]["lastUser"]  # spec.inputs reached the state
+    stack.cluster.kubectl("patch", "flow", name, "-n", flows.ns, "--subresource=status", "--type=merge",
+                          "-p", '{"status":{"feedback":{"response":{"text":"approved"}}}}')
+    st = flows.wait_phase(name, "Succeeded", timeout=RUN_TIMEOUT)
+    assert st["feedback"]["history"][0]["response"] == "approved"
+    # "approved" routed to publish (not shelve, whose output would start with "shelved: ").
+    assert any("Polish for publication: A plain reply." in e["lastUser"] for e in stack.stub.ledger()[mark:])
+    assert st["result"]["output"] == "A plain reply."
+    assert Usage.model_validate(st["usage"]) == stack.usage_since(mark)
+
+
+def test_class_flow(stack: RealRunnerStack, flows: Flows) -> None:
+    path, obj, documented = example("class-flow.yaml")
+    assert documented.startswith("Succeeded")
+    name, mark = obj["metadata"]["name"], len(stack.stub.ledger())
+    apply(stack, flows, path)
+    st = flows.wait_phase(name, "Succeeded", timeout=RUN_TIMEOUT)
+    assert st["result"]["output"] == "A plain reply."
+    usage = Usage.model_validate(st["usage"])
+    assert usage == stack.usage_since(mark) and usage.successful_requests == 2
+
+
+def test_budget_retries(stack: RealRunnerStack, flows: Flows) -> None:
+    path, obj, documented = example("budget-retries.yaml")
+    assert documented.startswith("Failed, reason BudgetExceeded, after exactly one run")
+    name, mark = obj["metadata"]["name"], len(stack.stub.ledger())
+    apply(stack, flows, path)
+    st = flows.wait_phase(name, "Failed", timeout=RUN_TIMEOUT)
+    assert cond(st, "Succeeded")["reason"] == "BudgetExceeded"
+    assert len(st["runs"]) == 1 and obj["spec"]["retries"]["limit"] > 0
+    usage = Usage.model_validate(st["usage"])
+    assert usage == stack.usage_since(mark)
+    assert usage.total_tokens > obj["spec"]["budget"]["maxTotalTokens"]
