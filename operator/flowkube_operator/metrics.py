@@ -124,7 +124,10 @@ class FlowMetrics:
         old = self._contrib.pop(key, {})
         if agg != old:
             for sample, v in old.items():
-                self._agg[self._rollup(sample)] -= v
+                k = self._rollup(sample)
+                self._agg[k] -= v
+                if abs(self._agg[k]) < 1e-9:
+                    del self._agg[k]  # what no Flow contributes is not exported: as after a restart
             for sample, v in agg.items():
                 self._agg[self._rollup(sample)] += v
         if body is None:
@@ -149,7 +152,12 @@ class FlowMetrics:
 
     def render(self) -> str:
         by_family: dict[str, list[str]] = defaultdict(list)
-        for (sample, labels), v in sorted(self._agg.items()):
+        samples = dict(self._agg)
+        # Every phase of a namespace that has Flows, zeros included, so "0 Running" is a value.
+        for ns in {dict(labels)["namespace"] for name, labels in self._agg if name == "flowkube_flows"}:
+            for ph in Phase:
+                samples.setdefault(("flowkube_flows", (("namespace", ns), ("phase", ph.value))), 0)
+        for (sample, labels), v in sorted(samples.items()):
             by_family[_family_of(sample)].append(f"{sample}{{{_fmt_labels(labels)}}} {_num(v)}\n")
         parts: list[str] = []
         for fam, (mtype, help_text) in FAMILIES.items():

@@ -124,7 +124,17 @@ def test_dashboard_queries_on_a_real_prometheus(flows: Flows, prom: Prometheus, 
     before = flowkube_lines(scrape, ns)
     operator.kill()
     operator.start()
-    wait_for(lambda: flowkube_lines(operator.metrics(), ns) == before, 30, "the same series after restart")
+    after: list[str] = []
+
+    def same() -> bool:
+        after[:] = flowkube_lines(operator.metrics(), ns)
+        return after == before
+
+    try:
+        wait_for(same, 30, "the same series after restart")
+    except Exception as e:
+        gone, new = sorted(set(before) - set(after)), sorted(set(after) - set(before))
+        raise AssertionError(f"{e}\nonly before: {gone[:10]}\nonly after: {new[:10]}") from e
 
     # A deleted Flow's series disappear.
     flows.cluster.kubectl("delete", "flow", "simple", "-n", ns)

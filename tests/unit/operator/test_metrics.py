@@ -52,6 +52,8 @@ def test_tokens_requests_runs_and_phase_per_flow() -> None:
 
 def test_same_status_after_restart_gives_identical_output_and_deletion_removes_series() -> None:
     a, b = FlowMetrics(), FlowMetrics()
+    a.update(("team-a", "f1"), body("f1", phase="Pending"))  # a has seen the history, b only the end
+    a.update(("team-a", "f1"), body("f1", phase="Running"))
     for m in (a, b):
         m.update(("team-a", "f1"), body("f1"))
         m.update(("team-a", "f2"), body("f2", phase="Running"))
