@@ -1,5 +1,6 @@
 """`flowkube-dev`: the local stack and the project's checks.
 
+    flowkube-dev demo      start the local stack and run the inline sample flow end to end
     flowkube-dev up        start the local stack in the background and print how to use it
     flowkube-dev down      stop it
     flowkube-dev status    is it running, and where
@@ -19,7 +20,8 @@ import time
 from pathlib import Path
 
 from flowkube_devstack import build, procs
-from flowkube_devstack.cluster import ClusterError, LocalCluster
+from flowkube_devstack.demo import demo
+from flowkube_devstack.stack import dev_stack
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -38,17 +40,15 @@ def _supervise(root: Path) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
-    cluster = LocalCluster(root / "cluster")
     try:
-        cluster.start()
-        (root / "ready.json").write_text(json.dumps(cluster.describe(), indent=2))
-        while not stop:
-            time.sleep(0.5)
-    except ClusterError as e:
-        (root / "failed").write_text(str(e))
+        with dev_stack(root) as info:
+            (root / "ready.json").write_text(json.dumps(info, indent=2))
+            while not stop:
+                time.sleep(0.5)
+    except Exception as e:
+        (root / "failed").write_text(f"{type(e).__name__}: {e}")
         return 1
     finally:
-        cluster.stop()
         (root / "ready.json").unlink(missing_ok=True)
     return 0
 
@@ -95,7 +95,8 @@ def up(root: Path, timeout: float = 600.0) -> int:
 
 def _print_usage(root: Path) -> None:
     info = json.loads((root / "ready.json").read_text())
-    print(f"The local stack is up: kube-apiserver {info['server']} (Kubernetes built from source).\n"
+    print(f"The local stack is up: kube-apiserver {info['server']} (Kubernetes built from source),\n"
+          f"a local node agent, the operator (metrics: {info['metrics']}), the stub model {info['stub']}.\n"
           f"Point kubectl at it:\n\n"
           f"  export KUBECONFIG={info['kubeconfig']}\n"
           f"  export PATH={Path(info['bins']['kubectl']).parent}:$PATH\n\n"
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flowkube-dev", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    for name in ("up", "down", "status", "build"):
+    for name in ("demo", "up", "down", "status", "build"):
         sub.add_parser(name)
     t = sub.add_parser("test")
     t.add_argument("pytest_args", nargs=argparse.REMAINDER)
@@ -159,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "up":
             return up(root)
+        if args.cmd == "demo":
+            rc = up(root)
+            return rc or demo(json.loads((root / "ready.json").read_text()))
         if args.cmd == "down":
             return down(root)
         if args.cmd == "status":
