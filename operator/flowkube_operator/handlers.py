@@ -97,27 +97,28 @@ def _by_operator(userinfo: kopf.UserInfo) -> bool:
 
 
 if SETTINGS.webhook_enabled:
-    # failurePolicy Ignore: with the operator down, Flows can still be applied and answered; the
-    # operator then refuses bad input asynchronously (Event + condition) when it is back.
+    # The webhook configurations come from the chart, which sets the failure policies (documented
+    # there): Flow writes fail closed, feedback fails open and the operator then refuses bad answers
+    # asynchronously. The status handlers are async: pure checks on the answer's hot path, no thread hop.
 
     @kopf.on.validate(c.GROUP, c.VERSION, c.PLURAL, id="validate-flows", operations=["CREATE", "UPDATE"],
-                      ignore_failures=True, side_effects=False)
+                      side_effects=False)
     def validate_flow(*, spec: kopf.Spec, **_: Any) -> None:
         problem = webhook.definition_problem(spec, SETTINGS.validator_url)
         if problem:
             raise kopf.AdmissionError(problem, code=422)
 
     @kopf.on.validate(c.GROUP, c.VERSION, c.PLURAL, id="validate-flows-status", subresource="status",
-                      operations=["UPDATE"], ignore_failures=True, side_effects=False)
-    def validate_status(*, userinfo: kopf.UserInfo, **kwargs: Any) -> None:
+                      operations=["UPDATE"], side_effects=False)
+    async def validate_status(*, userinfo: kopf.UserInfo, **kwargs: Any) -> None:
         problem = webhook.review_status_write(kwargs.get("old"), kwargs.get("new"),
                                               by_operator=_by_operator(userinfo))
         if problem:
             raise kopf.AdmissionError(problem, code=422)
 
     @kopf.on.mutate(c.GROUP, c.VERSION, c.PLURAL, id="mutate-flows-status", subresource="status",
-                    operations=["UPDATE"], ignore_failures=True, side_effects=False)
-    def record_responder(*, userinfo: kopf.UserInfo, patch: kopf.Patch, **kwargs: Any) -> None:
+                    operations=["UPDATE"], side_effects=False)
+    async def record_responder(*, userinfo: kopf.UserInfo, patch: kopf.Patch, **kwargs: Any) -> None:
         if _by_operator(userinfo):
             return
         resp = webhook.inbox_response((kwargs.get("new") or {}).get("status"))
