@@ -270,22 +270,36 @@ class Controller:
         new_status = p.status.dump()
         old_status = body.get("status") or {}
         intent = p.create_pod
-        if intent is not None and body["metadata"]["uid"] not in self._ensured:
-            await self._ensure_access(body)
+        # Three steps, each one round trip: (1) the status (the run's durable record) with the
+        # runner's ServiceAccount, Role and state ConfigMap; (2) the pod, once its run is recorded,
+        # with the RoleBinding, which the API server checks against the Role made in (1).
+        access = (resources.access_objects(body) if intent is not None
+                  and body["metadata"]["uid"] not in self._ensured else [])
+        first = [o for o in access if o["kind"] != "RoleBinding"]
+        second = [o for o in access if o["kind"] == "RoleBinding"]
+        status_write = None
         if new_status != old_status:
             patch = {"metadata": {"resourceVersion": body["metadata"]["resourceVersion"]},
                      "status": merge_patch(old_status, new_status)}
-            updated = await self.kube.merge_patch(
+            status_write = self.kube.merge_patch(
                 ns_path(ns, c.PLURAL, name, group=c.GROUP, version=c.VERSION, sub="status"), patch)
-            self.flow_event("MODIFIED", updated)
+        results = await asyncio.gather(*(self.kube.create(collection_path(o), o) for o in first),
+                                       *([status_write] if status_write is not None else []))
+        if status_write is not None:
+            updated = results[-1]
+            assert updated is not None
             body = updated
+            self.flow_event("MODIFIED", body)
         if intent is not None:
             pod = resources.runner_pod(
                 body, index=intent.index, trigger=intent.trigger, settings=self.settings,
                 feedback=intent.feedback, prior_total_tokens=intent.prior_total_tokens,
                 active_deadline_seconds=intent.active_deadline_seconds,
             )
-            created = await self.kube.create(collection_path(pod), pod)
+            created, *_ = await asyncio.gather(self.kube.create(collection_path(pod), pod),
+                                               *(self.kube.create(collection_path(o), o) for o in second))
+            if access:
+                self._ensured.add(body["metadata"]["uid"])
             if created is not None:
                 selfmetrics.RUN_PODS_CREATED.labels(intent.trigger.value).inc()
                 self.pod_event("ADDED", created)
@@ -326,10 +340,3 @@ class Controller:
             await self.kube.create(path, body)
         except Exception as e:  # an Event lost is a line of history lost, never a reason to fail
             log.warning("could not post event %s: %s", body.get("reason"), e)
-
-    async def _ensure_access(self, flow: Body) -> None:
-        assert self.kube is not None
-        kube = self.kube
-        objs = [*resources.runner_access(flow), resources.state_configmap(flow)]
-        await asyncio.gather(*(kube.create(collection_path(o), o) for o in objs))
-        self._ensured.add(flow["metadata"]["uid"])

@@ -87,6 +87,11 @@ def state_configmap(flow: Body) -> Body:
     }
 
 
+def access_objects(flow: Body) -> list[Body]:
+    """Everything a Flow's runner pods need before they can run and report."""
+    return [*runner_access(flow), state_configmap(flow)]
+
+
 def definition_name(spec: Body) -> str:
     """The flow's own name: spec.definition.name, or the class name of spec.flowRef."""
     if isinstance(spec.get("definition"), dict):
