@@ -166,8 +166,9 @@ class Controller:
                 self.pods.pop(key, None)
         else:
             view = PodView.from_pod(body)
-            if pods.get(view.name) == view:
-                return
+            known = pods.get(view.name)
+            if known is not None and (known == view or known.resource_version > view.resource_version):
+                return  # the same, or older than what we know (our own create's answer can lag the watch)
             pods[view.name] = view
         if key in self.flows:
             self.queue.add(key)

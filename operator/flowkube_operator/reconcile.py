@@ -64,6 +64,7 @@ class PodView:
     reason: str | None = None
     message: str | None = None
     finished_at: str | None = None
+    resource_version: int = 0
 
     @property
     def terminated(self) -> bool:
@@ -87,6 +88,7 @@ class PodView:
             reason=status.get("reason") or reason,
             message=message or status.get("message"),
             finished_at=finished,
+            resource_version=int(meta.get("resourceVersion") or 0),
         )
 
 

@@ -1,0 +1,64 @@
+"""The controller's caches and queue, without a cluster: ordering and de-duplication."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from flowkube_operator.controller import Controller, WorkQueue, merge_patch
+from flowkube_operator.settings import Settings
+
+
+def pod(phase: str, rv: int) -> dict[str, Any]:
+    return {"metadata": {"name": "f-0", "namespace": "ns", "resourceVersion": str(rv),
+                         "labels": {"flowkube.io/flow": "f"}},
+            "status": {"phase": phase}}
+
+
+def flow(rv: int, phase: str) -> dict[str, Any]:
+    return {"metadata": {"name": "f", "namespace": "ns", "uid": "u", "resourceVersion": str(rv),
+                         "managedFields": [{"manager": "kubectl"}]},
+            "spec": {"flowRef": "a:B"}, "status": {"phase": phase}}
+
+
+def test_a_late_answer_to_our_own_create_does_not_overwrite_what_the_watch_said() -> None:
+    ctl = Controller(Settings(), on_flow_change=lambda k, b: None)
+    ctl.pod_event("MODIFIED", pod("Running", 7))
+    ctl.pod_event("ADDED", pod("Pending", 5))  # the POST's response, delivered after the watch event
+    assert ctl.pods[("ns", "f")]["f-0"].phase == "Running"
+    ctl.pod_event("DELETED", pod("Running", 9))
+    assert ("ns", "f") not in ctl.pods
+
+
+def test_older_flow_events_are_ignored_and_managed_fields_are_not_kept() -> None:
+    seen: list[Any] = []
+    ctl = Controller(Settings(), on_flow_change=lambda k, b: seen.append(b))
+    ctl.flow_event("MODIFIED", flow(10, "Running"))
+    ctl.flow_event("MODIFIED", flow(8, "Pending"))
+    assert len(seen) == 1 and b"Running" in ctl.flows[("ns", "f")][2]
+    assert b"managedFields" not in ctl.flows[("ns", "f")][2]
+    ctl.flow_event("DELETED", flow(11, "Running"))
+    assert ("ns", "f") not in ctl.flows and seen[-1] is None
+
+
+def test_merge_patch_sets_changes_and_nulls_removals() -> None:
+    old = {"phase": "Running", "feedback": {"request": {"id": "r"}, "response": {"text": "x"}}, "runs": [1]}
+    new = {"phase": "Running", "feedback": {"history": [{"id": "r"}]}, "runs": [1, 2]}
+    assert merge_patch(old, new) == {"feedback": {"request": None, "response": None, "history": [{"id": "r"}]},
+                                     "runs": [1, 2]}
+
+
+def test_work_queue_hands_a_key_to_one_worker_and_requeues_changes_made_meanwhile() -> None:
+    async def scenario() -> list[tuple[str, str]]:
+        q = WorkQueue()
+        q.add(("ns", "a"))
+        q.add(("ns", "a"))  # de-duplicated
+        key = await q.get()
+        q.add(("ns", "a"))  # changed while being processed: marked dirty, not handed out twice
+        assert q._queue.qsize() == 0
+        q.done(key)
+        again = await asyncio.wait_for(q.get(), 1)
+        q.done(again)
+        return [key, again]
+
+    assert asyncio.run(scenario()) == [("ns", "a"), ("ns", "a")]
