@@ -84,6 +84,7 @@ class OperatorProcess:
         self.webhook_port = free_port()
         self.cert_dir = cluster.root / f"{name}-webhook"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.managed = "KUBECONFIG" not in self.extra_env  # a caller with its own identity set it all up
 
     @property
     def log(self) -> Path:
@@ -99,8 +100,7 @@ class OperatorProcess:
             "FLOWKUBE_RUNNER_IMAGE": "flowkube-runner:local",
             "FLOWKUBE_RUNNER_COMMAND": f"{sys.executable} -m flowkube_runner",
         }
-        managed = "KUBECONFIG" not in self.extra_env  # a caller with its own identity set it all up
-        if managed:
+        if self.managed:
             env |= {
                 "KUBECONFIG": str(install_chart_for_local_operator(self.cluster, self.webhook_port)),
                 "FLOWKUBE_WEBHOOK_ENABLED": "true",
@@ -113,7 +113,7 @@ class OperatorProcess:
         self.proc = procs.spawn(self.name, [sys.executable, "-m", "flowkube_operator"],
                                 root=self.cluster.root, env=env)
         wait_for(self._healthy, timeout, f"operator /healthz (log: {self.log})")
-        if managed:
+        if self.managed:
             wait_for(self._ca_installed, timeout, "the operator's CA in the webhook configurations")
         return self
 
@@ -145,9 +145,14 @@ class OperatorProcess:
             return text
 
     def stop(self) -> None:
+        """Stop the operator and, as `helm uninstall` would, its webhook configurations: a later
+        test's Flows must not be refused by a webhook nobody serves (flows fail closed)."""
         if self.proc is not None:
             procs.terminate(self.proc, grace=10.0)
             self.proc = None
+        if self.managed:
+            for kind in ("validatingwebhookconfiguration", "mutatingwebhookconfiguration"):
+                self.cluster.kubectl("delete", kind, WEBHOOK_CONFIGURATION, "--ignore-not-found", check=False)
 
     def kill(self) -> None:
         """SIGKILL, as a crashed or OOM-killed operator: no cleanup, no goodbye."""
