@@ -45,6 +45,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from flowkube_api.report import Usage
+
 DEFAULT_REPLY = "stub reply"
 
 
@@ -346,3 +348,20 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def ledger_usage(entries: list[dict[str, Any]]) -> Usage:
+    """What the stub says it served, in status.usage terms (crewAI's total = prompt + completion)."""
+    total = Usage()
+    for entry in entries:
+        u = entry["usage"]
+        one = {
+            "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
+            "prompt_tokens": u["prompt_tokens"],
+            "completion_tokens": u["completion_tokens"],
+            "cached_prompt_tokens": u["prompt_tokens_details"]["cached_tokens"],
+            "reasoning_tokens": u["completion_tokens_details"]["reasoning_tokens"],
+            "successful_requests": 1,
+        }
+        total = total + Usage(**one, by_model={entry["model"]: Usage(**one).totals()})
+    return total

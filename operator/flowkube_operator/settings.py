@@ -15,7 +15,7 @@ class Settings(BaseSettings):
     watch_namespaces: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Namespaces to watch (comma-separated); empty means all."
     )
-    runner_image: str = Field(default="ghcr.io/flowkube/runner:0.1.0",
+    runner_image: str = Field(default="ghcr.io/flowkube/flowkube-runner:0.1.0",
                               description="Image of runner pods when a Flow sets no spec.image.")
     runner_command: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: ["flowkube-runner"], description="Command of the runner container (shell words)."

@@ -16,26 +16,9 @@ from flowkube_api.report import Usage
 from flowkube_devstack.cluster import LocalCluster
 from flowkube_devstack.operator import OperatorProcess
 from flowkube_devstack.stack import Validator, runner_python
-from flowkube_devstack.stubmodel import Rules, StubModel
+from flowkube_devstack.stubmodel import Rules, StubModel, ledger_usage
 
 MODEL = "gpt-4o-mini"
-
-
-def ledger_usage(entries: list[dict[str, Any]]) -> Usage:
-    """What the stub says it served, in status.usage terms (total = prompt + completion)."""
-    total = Usage()
-    for entry in entries:
-        u = entry["usage"]
-        one = {
-            "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
-            "prompt_tokens": u["prompt_tokens"],
-            "completion_tokens": u["completion_tokens"],
-            "cached_prompt_tokens": u["prompt_tokens_details"]["cached_tokens"],
-            "reasoning_tokens": u["completion_tokens_details"]["reasoning_tokens"],
-            "successful_requests": 1,
-        }
-        total = total + Usage(**one, by_model={entry["model"]: Usage(**one).totals()})
-    return total
 
 
 @dataclass

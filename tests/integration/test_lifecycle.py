@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from typing import Any
 
 import pytest
@@ -119,3 +120,32 @@ def test_operator_killed_mid_run_resumes_without_a_duplicate_pod(
     st = flows.wait_phase("survivor", "Succeeded", timeout=90)
     assert len(st["runs"]) == 1
     assert [p["metadata"]["name"] for p in flows.pods("survivor")] == ["survivor-0"]
+
+
+def test_runner_credentials_reach_only_their_own_flows_state(flows: Flows, cluster: LocalCluster,
+                                                             tmp_path: Any) -> None:
+    from flowkube_devstack.operator import token_kubeconfig
+
+    for name in ("mine", "theirs"):
+        flows.apply(name, {"flowRef": "a:B", "inputs": {"plan": [{}]}})
+    for name in ("mine", "theirs"):
+        flows.wait_phase(name, "Succeeded")
+    kubeconfig = token_kubeconfig(cluster, flows.ns, "mine-runner", tmp_path / "runner.kubeconfig", duration="10m")
+
+    def as_runner(*args: str) -> tuple[int, str]:
+        out = subprocess.run([str(cluster.bins["kubectl"]), "--kubeconfig", str(kubeconfig), "-n", flows.ns,
+                              *args], capture_output=True, text=True, timeout=60)
+        return out.returncode, out.stderr
+
+    assert as_runner("get", "configmap", "mine-state")[0] == 0
+    assert as_runner("patch", "configmap", "mine-state", "--type=merge", "-p", '{"data":{"x":"1"}}')[0] == 0
+    for args in (("get", "configmap", "theirs-state"),
+                 ("patch", "configmap", "theirs-state", "--type=merge", "-p", '{"data":{"x":"1"}}'),
+                 ("patch", "flow", "mine", "--subresource=status", "--type=merge", "-p",
+                  '{"status":{"phase":"Failed"}}'),
+                 ("get", "flow", "mine"),
+                 ("create", "configmap", "extra"),
+                 ("get", "secrets"),
+                 ("get", "pods")):
+        rc, err = as_runner(*args)
+        assert rc != 0 and "forbidden" in err.lower(), (args, err)

@@ -18,7 +18,7 @@ import pytest
 from flowkube_api import constants as c
 from flowkube_api.report import RunReport, Usage
 from flowkube_devstack.cluster import wait_for
-from flowkube_devstack.stubmodel import Rules, StubModel
+from flowkube_devstack.stubmodel import Rules, StubModel, ledger_usage
 from flowkube_runner.store import FileStore, decode_json
 
 pytestmark = pytest.mark.slow
@@ -124,23 +124,6 @@ class Harness:
     def state(self) -> dict[str, Any] | None:
         data = self.store.get(c.STATE_KEY)
         return None if data is None else dict(decode_json(data, "state"))
-
-
-def ledger_usage(entries: list[dict[str, Any]]) -> Usage:
-    """What the stub says it served, in the report's terms (crewAI's total = prompt + completion)."""
-    total = Usage()
-    for entry in entries:
-        u = entry["usage"]
-        one = {
-            "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
-            "prompt_tokens": u["prompt_tokens"],
-            "completion_tokens": u["completion_tokens"],
-            "cached_prompt_tokens": u["prompt_tokens_details"]["cached_tokens"],
-            "reasoning_tokens": u["completion_tokens_details"]["reasoning_tokens"],
-            "successful_requests": 1,
-        }
-        total = total + Usage(**one, by_model={entry["model"]: Usage(**one).totals()})
-    return total
 
 
 WRITER = {"role": "Writer", "goal": "Write well", "backstory": "A careful writer.", "settings": {"llm": MODEL}}
