@@ -13,7 +13,7 @@ import signal
 import stat
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +107,16 @@ def closed_runtime_paths() -> tuple[list[str], list[str]]:
     return [p for p in paths if not any(Path(p).is_relative_to(q) and p != q for q in paths)], top
 
 
+def runtime_keep_paths() -> list[str]:
+    """Host directories a pod's program needs, whatever its volumes cover: the agent's Python
+    environment and the project it runs from (editable installs point there). A volume mounted
+    over one of them (an emptyDir at /tmp, with the checkout under /tmp) must not hide it."""
+    wanted = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, *sys.path, str(Path.cwd()),
+                                            str(Path(__file__).resolve().parents[3]))
+              if p and Path(p).is_dir() and os.path.realpath(p) != "/"}
+    return sorted(p for p in wanted if not any(Path(p).is_relative_to(q) and p != q for q in wanted))
+
+
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
@@ -125,6 +135,7 @@ class NodeContext:
     standby: Standby
     runtime_paths: list[str]  # see closed_runtime_paths
     runtime_closed: list[str]
+    runtime_keep: list[str] = field(default_factory=runtime_keep_paths)
     shutdown_grace: float = 8.0
 
 
@@ -591,7 +602,8 @@ class PodWorker:
             "argv": argv, "env": pod_env, "cwd": spec.get("workingDir") or "/", "log": str(log_file),
             "namespaces": self.ctx.namespaces, "hostname": hostname,
             "mounts": mounts, "uid": uid, "gid": gid, "groups": groups,
-            "runtime": {"paths": self.ctx.runtime_paths, "closed": self.ctx.runtime_closed}
+            "runtime": {"paths": self.ctx.runtime_paths, "closed": self.ctx.runtime_closed,
+                        "keep": self.ctx.runtime_keep}
             if uid else {"paths": [], "closed": []},
         })
         helper = await self.ctx.standby.take()

@@ -103,9 +103,18 @@ def setup(spec: dict[str, Any], agent_pid: int) -> None:
         for path, fd in zip(spec["runtime"]["paths"], runtime, strict=True):
             os.makedirs(path, exist_ok=True)
             _bind(fd, path, read_only=True)
+        keep = [os.open(p, os.O_PATH | os.O_CLOEXEC) for p in spec["runtime"].get("keep", [])]
         for m, fd in zip(spec["mounts"], sources, strict=True):
             _ensure_target(m["target"], m["file"])
             _bind(fd, m["target"], m["readOnly"])
+        # The "image" stays whole: put back any part of the environment a volume just covered.
+        targets = [m["target"].rstrip("/") or "/" for m in spec["mounts"]]
+        for path, fd in zip(spec["runtime"].get("keep", []), keep, strict=True):
+            if any(path == t or path.startswith(t + "/") for t in targets):
+                os.makedirs(path, exist_ok=True)
+                _bind(fd, path, read_only=True)
+            else:
+                os.close(fd)
     os.makedirs(spec["cwd"], exist_ok=True)
     os.chdir(spec["cwd"])
     if spec["uid"] is not None:
