@@ -97,10 +97,11 @@ class ConfigMapStore:
     never overwrite one another and no resourceVersion round trip is needed.
     """
 
-    def __init__(self, client: httpx.Client, namespace: str, name: str, *, attempts: int = 4) -> None:
+    def __init__(self, client: httpx.Client, namespace: str, name: str, *, retry_for: float = 60.0) -> None:
         self._client = client
         self._path = f"/api/v1/namespaces/{namespace}/configmaps/{name}"
-        self._attempts = attempts
+        # Long enough to ride out an API server restart; a run's state is never dropped for less.
+        self._retry_for = retry_for
         self.name = name
         self.namespace = namespace
 
@@ -109,22 +110,21 @@ class ConfigMapStore:
         return cls(kubernetes_client(), namespace, name)
 
     def _request(self, method: str, **kwargs: Any) -> httpx.Response:
-        delay = 0.5
-        for attempt in range(1, self._attempts + 1):
+        delay = 0.25
+        deadline = time.monotonic() + self._retry_for
+        while True:
+            last_try = time.monotonic() + delay > deadline
             try:
                 response = self._client.request(method, self._path, **kwargs)
             except httpx.TransportError as e:
-                if attempt == self._attempts:
+                if last_try:
                     raise StoreError(f"{method} configmap {self.name}: {e}") from e
             else:
                 # 429/5xx are the API server shedding load or restarting; anything else is final.
-                if response.status_code < 500 and response.status_code != 429:
-                    return response
-                if attempt == self._attempts:
+                if (response.status_code < 500 and response.status_code != 429) or last_try:
                     return response
             time.sleep(delay)
-            delay *= 2
-        raise AssertionError("unreachable")
+            delay = min(delay * 2, 4.0)
 
     def get(self, key: str) -> bytes | None:
         response = self._request("GET")

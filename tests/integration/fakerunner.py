@@ -14,6 +14,7 @@ import os
 import ssl
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -29,8 +30,19 @@ def api(method: str, path: str, body: object, content_type: str = "application/m
     req = urllib.request.Request(
         f"https://{host}:{port}{path}", data=json.dumps(body).encode(), method=method,
         headers={"Authorization": f"Bearer {(SA / 'token').read_text()}", "Content-Type": content_type})
-    with urllib.request.urlopen(req, context=ctx, timeout=10):
-        pass
+    deadline = time.monotonic() + 60  # ride out an API server restart, as the real runner does
+    while True:
+        try:
+            with urllib.request.urlopen(req, context=ctx, timeout=10):
+                return
+        except urllib.error.HTTPError as e:
+            if (e.code < 500 and e.code != 429) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def main() -> int:

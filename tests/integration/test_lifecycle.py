@@ -149,3 +149,12 @@ def test_runner_credentials_reach_only_their_own_flows_state(flows: Flows, clust
                  ("get", "pods")):
         rc, err = as_runner(*args)
         assert rc != 0 and "forbidden" in err.lower(), (args, err)
+
+
+def test_api_server_restart_mid_run_loses_nothing(flows: Flows, cluster: LocalCluster) -> None:
+    flows.apply("outage", {"flowRef": "a:B", "inputs": {"plan": [{"sleep": 4, "tokens": 5}]}})
+    flows.wait_phase("outage", "Running")
+    cluster.restart_apiserver()
+    st = flows.wait_phase("outage", "Succeeded", timeout=120)
+    assert len(st["runs"]) == 1 and st["usage"]["totalTokens"] == 5
+    assert [p["metadata"]["name"] for p in flows.pods("outage")] == ["outage-0"]
