@@ -155,6 +155,8 @@ def runner_pod(
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
+    if settings.runner_image_pull_policy:
+        container["imagePullPolicy"] = settings.runner_image_pull_policy
     if spec.get("envFrom"):
         container["envFrom"] = spec["envFrom"]
     if spec.get("resources"):

@@ -17,6 +17,8 @@ class Settings(BaseSettings):
     )
     runner_image: str = Field(default="ghcr.io/flowkube/flowkube-runner:0.1.0",
                               description="Image of runner pods when a Flow sets no spec.image.")
+    runner_image_pull_policy: Literal["", "Always", "IfNotPresent", "Never"] = Field(
+        default="", description="imagePullPolicy of runner containers; empty: the Kubernetes default.")
     runner_command: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: ["flowkube-runner"], description="Command of the runner container (shell words)."
     )

@@ -287,3 +287,26 @@ def test_history_records_the_outcome_crewai_collapsed_the_answer_to() -> None:
     step(body, {**pod("f-0", "Succeeded", exit_code=0), **pod("f-1", "Succeeded", exit_code=0, at=11)}, done, at=20)
     (h,) = body["status"]["feedback"]["history"]
     assert h["response"] == "ship it" and h["outcome"] == "approved"
+
+
+def test_runner_pod_is_restricted_owned_deterministic_and_carries_the_feedback() -> None:
+    from flowkube_operator.resources import runner_pod
+    from flowkube_operator.settings import Settings
+
+    body = flow(env=[{"name": "OPENAI_API_KEY", "valueFrom": {"secretKeyRef": {"name": "k", "key": "v"}}}],
+                podTemplate={"nodeSelector": {"pool": "llm"}, "metadata": {"labels": {"team": "a"}}})
+    settings = Settings(runner_image_pull_policy="Always", runner_default_env={"OPENAI_API_KEY": "ignored",
+                                                                               "OPENAI_BASE_URL": "http://m"})
+    pod = runner_pod(body, index=2, trigger=Trigger.RESUME, settings=settings,
+                     feedback={"requestId": "r", "text": "ok", "timedOut": False})
+    assert pod["metadata"]["name"] == "f-2" and pod["metadata"]["labels"]["team"] == "a"
+    assert pod["metadata"]["ownerReferences"][0]["uid"] == "u1"
+    spec = pod["spec"]
+    assert spec["nodeSelector"] == {"pool": "llm"} and spec["restartPolicy"] == "Never"
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    (c,) = spec["containers"]
+    assert c["imagePullPolicy"] == "Always" and c["securityContext"]["readOnlyRootFilesystem"] is True
+    env = {e["name"]: e for e in c["env"]}
+    assert env["OPENAI_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "k"  # the Flow's own env wins
+    assert env["OPENAI_BASE_URL"]["value"] == "http://m"
+    assert env["FLOWKUBE_FEEDBACK"]["value"] == '{"requestId":"r","text":"ok","timedOut":false}'
