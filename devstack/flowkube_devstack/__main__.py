@@ -160,7 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("pytest_args", nargs=argparse.REMAINDER)
     s = sub.add_parser("_supervise")
     s.add_argument("--dir", type=Path, required=True)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.cmd != "test":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.cmd == "test":
+        args.pytest_args = [*extra, *args.pytest_args]
     root = stack_dir()
     try:
         if args.cmd == "up":

@@ -39,6 +39,12 @@ PER_FLOW = ("flowkube_flow_tokens_total", "flowkube_flow_llm_requests_total", "f
             "flowkube_flow_phase")
 
 
+# In rollup mode (no `flow` label) these sum over Flows; a deleted Flow's part stays, so the
+# counters never decrease while the operator runs (a restart is a counter reset, as usual).
+ROLLUP_COUNTERS = frozenset({"flowkube_flow_tokens_total", "flowkube_flow_llm_requests_total",
+                             "flowkube_flow_runs_total"})
+
+
 def _escape(v: str) -> str:
     return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
@@ -113,6 +119,7 @@ class FlowMetrics:
         self._contrib: dict[Key, dict[tuple[str, Labels], float]] = {}
         self._chunks: dict[Key, dict[str, str]] = {}
         self._agg: dict[tuple[str, Labels], float] = defaultdict(float)
+        self._refs: dict[tuple[str, Labels], int] = defaultdict(int)  # Flows contributing to each sample
 
     def __len__(self) -> int:
         return len(self._contrib)
@@ -125,11 +132,16 @@ class FlowMetrics:
         if agg != old:
             for sample, v in old.items():
                 k = self._rollup(sample)
+                if body is None and sample[0] in ROLLUP_COUNTERS:
+                    continue  # a rollup counter keeps a deleted Flow's tokens: it must never go down
                 self._agg[k] -= v
-                if abs(self._agg[k]) < 1e-9:
-                    del self._agg[k]  # what no Flow contributes is not exported: as after a restart
+                self._refs[k] -= 1
+                if self._refs[k] <= 0:
+                    del self._agg[k], self._refs[k]  # no Flow contributes: not exported, as after a restart
             for sample, v in agg.items():
-                self._agg[self._rollup(sample)] += v
+                k = self._rollup(sample)
+                self._agg[k] += v
+                self._refs[k] += 1
         if body is None:
             self._chunks.pop(key, None)
             return

@@ -419,7 +419,10 @@ class _Reconciler:
 
     def _intent(self, index: int, trigger: Trigger) -> RunIntent:
         feedback = None
-        if trigger == Trigger.RESUME and self.fb.history:
+        # A retry of a failed resume carries the same answer: the runner applies it if the request
+        # is still pending in the saved state, and ignores it if the flow had already moved on.
+        origin = next((r.trigger for r in reversed(self.runs[:index]) if r.trigger != Trigger.RETRY), None)
+        if (trigger == Trigger.RESUME or (trigger == Trigger.RETRY and origin == Trigger.RESUME)) and self.fb.history:
             h = self.fb.history[-1]
             feedback = {"requestId": h.request_id, "text": h.response or "", "timedOut": h.timed_out}
             if h.outcome:

@@ -86,8 +86,8 @@ def test_rollup_mode_drops_the_flow_label_and_sums() -> None:
     assert 'flow="' not in m.render()
     lab = 'namespace="team-a",definition="research",model="gpt-4o"'
     assert s[f'flowkube_flow_tokens_total{{{lab},type="prompt"}}'] == 11
-    m.update(("team-a", "f2"), None)
-    assert samples(m.render())[f'flowkube_flow_tokens_total{{{lab},type="prompt"}}'] == 10
+    m.update(("team-a", "f2"), body("f2", tokens=(2, 1)))  # a later run of f2: the sum follows
+    assert samples(m.render())[f'flowkube_flow_tokens_total{{{lab},type="prompt"}}'] == 12
 
 
 def test_label_values_are_escaped() -> None:
@@ -103,3 +103,24 @@ def test_promtool_accepts_the_exposition() -> None:
                                                     "respondedAt": "2026-01-01T00:01:00Z"}]))
     out = subprocess.run(["promtool", "check", "metrics"], input=m.render(), capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_histogram_buckets_stay_whole_when_one_of_two_flows_goes() -> None:
+    m = FlowMetrics()
+    slow = [{"requestedAt": "2026-01-01T00:00:00Z", "respondedAt": "2026-01-01T01:00:00Z"}]
+    fast = [{"requestedAt": "2026-01-01T00:00:00Z", "respondedAt": "2026-01-01T00:00:01Z"}]
+    m.update(("team-a", "f1"), body("f1", history=slow))
+    m.update(("team-a", "f2"), body("f2", history=fast))
+    m.update(("team-a", "f2"), None)
+    s = samples(m.render())
+    lab = 'namespace="team-a",definition="research"'
+    assert s[f'flowkube_feedback_wait_seconds_bucket{{{lab},le="1"}}'] == 0  # still exported, as zero
+    assert s[f'flowkube_feedback_wait_seconds_bucket{{{lab},le="+Inf"}}'] == 1
+
+
+def test_rollup_counters_never_decrease_when_flows_are_deleted() -> None:
+    m = FlowMetrics(per_flow=False)
+    m.update(("team-a", "f1"), body("f1", tokens=(3, 2)))
+    m.update(("team-a", "f1"), None)
+    lab = 'namespace="team-a",definition="research",model="gpt-4o"'
+    assert samples(m.render())[f'flowkube_flow_tokens_total{{{lab},type="prompt"}}'] == 3

@@ -310,3 +310,14 @@ def test_runner_pod_is_restricted_owned_deterministic_and_carries_the_feedback()
     assert env["OPENAI_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "k"  # the Flow's own env wins
     assert env["OPENAI_BASE_URL"]["value"] == "http://m"
     assert env["FLOWKUBE_FEEDBACK"]["value"] == '{"requestId":"r","text":"ok","timedOut":false}'
+
+
+def test_a_retry_of_a_failed_resume_carries_the_accepted_answer() -> None:
+    body = flow(retries={"limit": 2, "backoffSeconds": 0})
+    paused(body)
+    body["status"]["feedback"]["response"] = {"text": "ship it"}
+    step(body, pod("f-0", "Succeeded", exit_code=0), at=10)
+    pods = {**pod("f-0", "Succeeded", exit_code=0), **pod("f-1", "Failed", exit_code=137, at=11)}
+    p = step(body, pods, at=20)
+    assert p.create_pod is not None and p.create_pod.trigger == Trigger.RETRY
+    assert p.create_pod.feedback == {"requestId": "req-1", "text": "ship it", "timedOut": False}
