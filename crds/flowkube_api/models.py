@@ -172,8 +172,8 @@ class FeedbackRequest(Model):
 class FeedbackResponse(Model):
     """The inbox: the only status field humans write."""
 
-    text: str | None = None
-    request_id: str | None = None
+    text: str | None = Field(default=None, max_length=65536)
+    request_id: str | None = Field(default=None, max_length=253)
     responded_by: str | None = Field(
         default=None, description="Set by the admission webhook to the user who patched; not user-settable."
     )

@@ -236,6 +236,9 @@ class Controller:
                     pods[active] = PodView.from_pod(live)
             if active in pods and pods[active].terminated:
                 report, checked = await self._load_report(ns, name, active, pods[active]), True
+        if not self.settings.webhook_enabled:
+            # Only the mutating webhook can vouch for who answered; without it the name is unknown.
+            (((body.get("status") or {}).get("feedback") or {}).get("response") or {}).pop("respondedBy", None)
         p = plan(body, pods, report, backoff_cap=self.settings.retry_backoff_cap_seconds, report_checked=checked)
         if p.need_report and active is not None:
             report = await self._load_report(ns, name, active, pods.get(active))

@@ -112,7 +112,8 @@ if SETTINGS.webhook_enabled:
                       operations=["UPDATE"], side_effects=False)
     async def validate_status(*, userinfo: kopf.UserInfo, **kwargs: Any) -> None:
         problem = webhook.review_status_write(kwargs.get("old"), kwargs.get("new"),
-                                              by_operator=_by_operator(userinfo))
+                                              by_operator=_by_operator(userinfo),
+                                              username=str(userinfo.get("username", "")))
         if problem:
             raise kopf.AdmissionError(problem, code=422)
 

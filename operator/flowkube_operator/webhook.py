@@ -48,7 +48,8 @@ def inbox_response(status: Body | None) -> dict[str, Any] | None:
     return dict(resp) if isinstance(resp, Mapping) else None
 
 
-def review_status_write(old: Body | None, new: Body | None, *, by_operator: bool) -> str | None:
+def review_status_write(old: Body | None, new: Body | None, *, by_operator: bool,
+                        username: str = "") -> str | None:
     """Why a write to flows/status must be refused, or None. Humans may only write the inbox."""
     if by_operator:
         return None
@@ -65,6 +66,8 @@ def review_status_write(old: Body | None, new: Body | None, *, by_operator: bool
     text = resp.get("text")
     if text is not None and not isinstance(text, str):
         return "status.feedback.response.text must be a string"
+    if resp.get("respondedBy") not in (None, username):
+        return "status.feedback.response.respondedBy is recorded by flowkube (the user who patched), not set by users"
     raw_req = ((old_st or {}).get("feedback") or {}).get("request")
     req = FeedbackRequest.model_validate(raw_req) if raw_req else None
     problem = validate_response(req, text, resp.get("requestId"))

@@ -76,3 +76,11 @@ def test_definition_problems_name_the_field(validator: str) -> None:
 def test_an_unreachable_validator_admits(validator: str) -> None:
     assert definition_problem({"definition": {"name": "x"}}, "http://127.0.0.1:9/validate") is None
     assert definition_problem({"flowRef": "a:B"}, validator) is None
+
+
+def test_responded_by_cannot_be_forged() -> None:
+    forged = with_response({"text": "ok", "respondedBy": "the-boss"})
+    problem = review_status_write(PENDING, forged, by_operator=False, username="mallory")
+    assert problem is not None and "recorded by flowkube" in problem
+    honest = with_response({"text": "ok", "respondedBy": "mallory"})  # as the mutating webhook sets it
+    assert review_status_write(PENDING, honest, by_operator=False, username="mallory") is None
