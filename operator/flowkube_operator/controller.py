@@ -27,12 +27,16 @@ from flowkube_api import constants as c
 from flowkube_api.report import RunReport
 from flowkube_operator import resources, selfmetrics
 from flowkube_operator.kube import ApiError, Kube, collection_path, ns_path
-from flowkube_operator.reconcile import Plan, PodView, plan
+from flowkube_operator.reconcile import Plan, PodView, owner_uid, plan
 from flowkube_operator.settings import Settings
 
 Body = dict[str, Any]
 Key = tuple[str, str]  # (namespace, flow name)
 log = logging.getLogger("flowkube.controller")
+
+
+class ForeignObjectError(Exception):
+    """An object we would create exists, owned by another Flow (an earlier one of the same name)."""
 
 
 def merge_patch(old: Any, new: Any) -> Any:
@@ -195,6 +199,11 @@ class Controller:
             result = "ok"
             try:
                 await self.reconcile(key)
+            except ForeignObjectError as e:
+                result = "error"
+                selfmetrics.RECONCILE_ERRORS.labels("ForeignObject").inc()
+                log.info("reconcile %s/%s waits: %s", *key, e)
+                self.queue.add_after(key, 1.0)
             except ApiError as e:
                 result = "error"
                 reason = "Conflict" if e.status == 409 else f"Api{e.status}"
@@ -223,7 +232,9 @@ class Controller:
         if body is None or body.get("metadata", {}).get("deletionTimestamp"):
             return
         ns, name = key
-        pods = dict(self.pods.get(key, {}))
+        uid = body["metadata"]["uid"]
+        # Pods of an earlier Flow with the same name are not this Flow's, however named.
+        pods = {n: v for n, v in self.pods.get(key, {}).items() if v.owner_uid == uid}
         status = body.get("status") or {}
         runs = status.get("runs") or []
         report, checked = None, False
@@ -232,20 +243,21 @@ class Controller:
             if active not in pods and runs[-1].get("startedAt"):
                 # The cache says the pod is gone; make sure before counting the run as lost.
                 live = await self.kube.get(ns_path(ns, "pods", active))
-                if live is not None:
+                if live is not None and PodView.from_pod(live).owner_uid == uid:
                     pods[active] = PodView.from_pod(live)
             if active in pods and pods[active].terminated:
-                report, checked = await self._load_report(ns, name, active, pods[active]), True
+                report, checked = await self._load_report(ns, name, uid, active, pods[active]), True
         if not self.settings.webhook_enabled:
             # Only the mutating webhook can vouch for who answered; without it the name is unknown.
             (((body.get("status") or {}).get("feedback") or {}).get("response") or {}).pop("respondedBy", None)
         p = plan(body, pods, report, backoff_cap=self.settings.retry_backoff_cap_seconds, report_checked=checked)
         if p.need_report and active is not None:
-            report = await self._load_report(ns, name, active, pods.get(active))
+            report = await self._load_report(ns, name, uid, active, pods.get(active))
             p = plan(body, pods, report, backoff_cap=self.settings.retry_backoff_cap_seconds, report_checked=True)
         await self._apply(key, body, p)
 
-    async def _load_report(self, ns: str, name: str, pod_name: str, pod: PodView | None) -> RunReport | None:
+    async def _load_report(self, ns: str, name: str, uid: str, pod_name: str,
+                           pod: PodView | None) -> RunReport | None:
         """The run's report from the state ConfigMap, or the summary in the termination message.
 
         The ConfigMap holds the interim report (usage after every LLM call) until the final one
@@ -254,6 +266,8 @@ class Controller:
         """
         assert self.kube is not None
         cm = await self.kube.get(ns_path(ns, "configmaps", c.state_configmap_name(name)))
+        if cm is not None and owner_uid(cm["metadata"]) != uid:
+            cm = None  # an earlier Flow's state, about to be garbage-collected: not this run's report
         raw = ((cm or {}).get("binaryData") or {}).get(c.report_key(pod_name))
         stored = summary = None
         try:
@@ -287,7 +301,7 @@ class Controller:
                      "status": merge_patch(old_status, new_status)}
             status_write = self.kube.merge_patch(
                 ns_path(ns, c.PLURAL, name, group=c.GROUP, version=c.VERSION, sub="status"), patch)
-        results = await asyncio.gather(*(self.kube.create(collection_path(o), o) for o in first),
+        results = await asyncio.gather(*(self._create_owned(o) for o in first),
                                        *([status_write] if status_write is not None else []))
         if status_write is not None:
             updated = results[-1]
@@ -300,8 +314,7 @@ class Controller:
                 feedback=intent.feedback, prior_total_tokens=intent.prior_total_tokens,
                 active_deadline_seconds=intent.active_deadline_seconds,
             )
-            created, *_ = await asyncio.gather(self.kube.create(collection_path(pod), pod),
-                                               *(self.kube.create(collection_path(o), o) for o in second))
+            created, *_ = await asyncio.gather(self._create_owned(pod), *(self._create_owned(o) for o in second))
             if access:
                 self._ensured.add(body["metadata"]["uid"])
             if created is not None:
@@ -316,6 +329,20 @@ class Controller:
                                    {"propagationPolicy": "Background"})
         elif p.requeue_after is not None:
             self.queue.add_after(key, p.requeue_after)
+
+    async def _create_owned(self, obj: Body) -> Body | None:
+        """Create obj; None when it already exists and is ours (deterministic names make that
+        success). One left by an earlier Flow of the same name, not yet garbage-collected, raises."""
+        assert self.kube is not None
+        created = await self.kube.create(collection_path(obj), obj)
+        if created is None:
+            meta = obj["metadata"]
+            existing = await self.kube.get(f"{collection_path(obj)}/{meta['name']}")
+            mine = owner_uid(meta)
+            if existing is not None and owner_uid(existing["metadata"]) != mine:
+                raise ForeignObjectError(f"{obj['kind']} {meta['namespace']}/{meta['name']} still belongs to an "
+                                         "earlier Flow of the same name; waiting for it to be garbage-collected")
+        return created
 
     def _post_event(self, flow: Body, etype: str, reason: str, message: str) -> None:
         """Events are history for `kubectl describe`; posting one never holds up a reconcile."""

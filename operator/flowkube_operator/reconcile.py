@@ -52,6 +52,10 @@ def parse(t: str | None) -> dt.datetime | None:
     return dt.datetime.fromisoformat(t.replace("Z", "+00:00")) if t else None
 
 
+def owner_uid(meta: Body) -> str:
+    return next((r.get("uid", "") for r in meta.get("ownerReferences") or [] if r.get("controller")), "")
+
+
 @dataclass(frozen=True)
 class PodView:
     """What the reconcile needs to know of a runner pod."""
@@ -65,6 +69,7 @@ class PodView:
     message: str | None = None
     finished_at: str | None = None
     resource_version: int = 0
+    owner_uid: str = ""  # the Flow this pod belongs to (a re-created Flow of the same name is another)
 
     @property
     def terminated(self) -> bool:
@@ -89,6 +94,7 @@ class PodView:
             message=message or status.get("message"),
             finished_at=finished,
             resource_version=int(meta.get("resourceVersion") or 0),
+            owner_uid=owner_uid(meta),
         )
 
 

@@ -158,3 +158,17 @@ def test_api_server_restart_mid_run_loses_nothing(flows: Flows, cluster: LocalCl
     st = flows.wait_phase("outage", "Succeeded", timeout=120)
     assert len(st["runs"]) == 1 and st["usage"]["totalTokens"] == 5
     assert [p["metadata"]["name"] for p in flows.pods("outage")] == ["outage-0"]
+
+
+def test_a_flow_recreated_under_the_same_name_runs_afresh(flows: Flows, cluster: LocalCluster) -> None:
+    flows.apply("again", {"flowRef": "a:B", "inputs": {"plan": [{"tokens": 1, "output": "first"}]}})
+    flows.wait_phase("again", "Succeeded")
+    old_uid = flows.get("again")["metadata"]["uid"]  # type: ignore[index]
+    cluster.kubectl("delete", "flow", "again", "-n", flows.ns, "--wait=false")
+    wait_for(lambda: flows.get("again") is None, 30, "the first flow to be gone")
+    # Re-applied at once: its pod and state ConfigMap may still be the first flow's (GC is async).
+    flows.apply("again", {"flowRef": "a:B", "inputs": {"plan": [{"tokens": 9, "output": "second"}]}})
+    st = flows.wait_phase("again", "Succeeded", timeout=90)
+    assert st["usage"]["totalTokens"] == 9 and st["result"]["output"] == "second"
+    (pod,) = flows.pods("again")
+    assert pod["metadata"]["ownerReferences"][0]["uid"] != old_uid
