@@ -136,6 +136,7 @@ class Controller:
         self._on_flow_change = on_flow_change
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
+        self._failures: dict[Key, int] = {}  # consecutive failed reconciles, for backoff
         self.instance = socket.gethostname()
 
     # -- watch side (called by kopf handlers; must stay cheap) ---------------------------------------
@@ -199,6 +200,7 @@ class Controller:
             result = "ok"
             try:
                 await self.reconcile(key)
+                self._failures.pop(key, None)
             except ForeignObjectError as e:
                 result = "error"
                 selfmetrics.RECONCILE_ERRORS.labels("ForeignObject").inc()
@@ -211,8 +213,9 @@ class Controller:
                 if e.status == 409:
                     self.queue.add_after(key, 0.05)  # our view was stale; the watch brings the new one
                 else:
-                    log.warning("reconcile %s/%s failed: %s", *key, e)
-                    self.queue.add_after(key, 1.0)
+                    failures = self._failures[key] = self._failures.get(key, 0) + 1
+                    log.warning("reconcile %s/%s failed (%d in a row): %s", *key, failures, e)
+                    self.queue.add_after(key, min(60.0, 0.5 * 2 ** failures))
             except Exception as e:
                 result = "error"
                 selfmetrics.RECONCILE_ERRORS.labels(type(e).__name__).inc()
@@ -314,7 +317,13 @@ class Controller:
                 feedback=intent.feedback, prior_total_tokens=intent.prior_total_tokens,
                 active_deadline_seconds=intent.active_deadline_seconds,
             )
-            created, *_ = await asyncio.gather(self._create_owned(pod), *(self._create_owned(o) for o in second))
+            try:
+                created, *_ = await asyncio.gather(self._create_owned(pod),
+                                                   *(self._create_owned(o) for o in second))
+            except ApiError as e:
+                if e.status != 409:  # quota, an invalid podTemplate, Pod Security: say so where users look
+                    self._post_event(body, "Warning", "FailedCreate", f"runner pod {pod['metadata']['name']}: {e}")
+                raise
             if access:
                 self._ensured.add(body["metadata"]["uid"])
             if created is not None:

@@ -208,6 +208,9 @@ class _Reconciler:
         if self.fb.request is None:
             self._refuse_stray_response()  # answered before anything asked: never applied to a later request
         if st.phase in c.TERMINAL_PHASES:
+            # A runner pod still alive after the end (the operator stopped between the final status
+            # write and the delete) is stopped now: nothing it does can count any more.
+            self.plan.delete_pods += [n for n, v in self.pods.items() if not v.terminated and not v.deleting]
             self._expire()
         else:
             active = self.runs[-1] if self.runs and self.runs[-1].finished_at is None else None

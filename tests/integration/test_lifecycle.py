@@ -172,3 +172,15 @@ def test_a_flow_recreated_under_the_same_name_runs_afresh(flows: Flows, cluster:
     assert st["usage"]["totalTokens"] == 9 and st["result"]["output"] == "second"
     (pod,) = flows.pods("again")
     assert pod["metadata"]["ownerReferences"][0]["uid"] != old_uid
+
+
+def test_a_refused_runner_pod_is_reported_as_an_event(flows: Flows) -> None:
+    flows.apply("unplaceable", {"flowRef": "a:B", "podTemplate": {"priorityClassName": "no-such-class"}})
+
+    def failed_create() -> bool:
+        out = flows.cluster.kubectl("get", "events", "-n", flows.ns, "--field-selector",
+                                    "involvedObject.name=unplaceable,reason=FailedCreate", "-o", "json").stdout
+        return any("no-such-class" in (e.get("message") or e.get("note") or "") for e in json.loads(out)["items"])
+
+    wait_for(failed_create, 30, "a FailedCreate Event naming the refused priority class")
+    assert flows.status("unplaceable")["phase"] == "Pending" and flows.pods("unplaceable") == []

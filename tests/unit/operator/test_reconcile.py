@@ -321,3 +321,11 @@ def test_a_retry_of_a_failed_resume_carries_the_accepted_answer() -> None:
     p = step(body, pods, at=20)
     assert p.create_pod is not None and p.create_pod.trigger == Trigger.RETRY
     assert p.create_pod.feedback == {"requestId": "req-1", "text": "ship it", "timedOut": False}
+
+
+def test_a_finished_flow_stops_a_runner_pod_left_alive() -> None:
+    body = flow()
+    step(body)
+    step(body, pod("f-0", "Succeeded", exit_code=0), report("f-0", RunResult.SUCCEEDED), at=1)
+    p = step(body, {**pod("f-0", "Succeeded", exit_code=0), **pod("f-9", "Running")}, at=5)
+    assert p.delete_pods == ["f-9"] and body["status"]["phase"] == Phase.SUCCEEDED
