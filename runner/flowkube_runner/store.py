@@ -90,6 +90,9 @@ class FileStore:
         Path(tmp).replace(target)
 
 
+RETRYABLE_STATUS = frozenset({401, 403, 429})
+
+
 class ConfigMapStore:
     """binaryData keys of one existing ConfigMap, through the Kubernetes API.
 
@@ -120,8 +123,10 @@ class ConfigMapStore:
                 if last_try:
                     raise StoreError(f"{method} configmap {self.name}: {e}") from e
             else:
-                # 429/5xx are the API server shedding load or restarting; anything else is final.
-                if (response.status_code < 500 and response.status_code != 429) or last_try:
+                # 429/5xx: the API server is shedding load or restarting. 401/403: our RoleBinding is
+                # made with the pod and RBAC takes effect through informers, and an API server just
+                # restarted authorizes before its caches are warm. Anything else is final.
+                if (response.status_code not in RETRYABLE_STATUS and response.status_code < 500) or last_try:
                     return response
             time.sleep(delay)
             delay = min(delay * 2, 4.0)

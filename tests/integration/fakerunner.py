@@ -30,13 +30,14 @@ def api(method: str, path: str, body: object, content_type: str = "application/m
     req = urllib.request.Request(
         f"https://{host}:{port}{path}", data=json.dumps(body).encode(), method=method,
         headers={"Authorization": f"Bearer {(SA / 'token').read_text()}", "Content-Type": content_type})
-    deadline = time.monotonic() + 60  # ride out an API server restart, as the real runner does
+    # Ride out an API server restart and RBAC that is not in force yet, as the real runner does.
+    deadline = time.monotonic() + 60
     while True:
         try:
             with urllib.request.urlopen(req, context=ctx, timeout=10):
                 return
         except urllib.error.HTTPError as e:
-            if (e.code < 500 and e.code != 429) or time.monotonic() > deadline:
+            if (e.code < 500 and e.code not in (401, 403, 429)) or time.monotonic() > deadline:
                 raise
             time.sleep(0.5)
         except OSError:

@@ -187,3 +187,20 @@ def test_config_errors_name_their_reason(override: dict[str, str], reason: c.Rea
     with pytest.raises(ConfigError) as info:
         RunnerConfig.from_env(env(**override))
     assert info.value.reason is reason
+
+
+def test_configmap_store_waits_for_rbac_and_an_api_server_restart() -> None:
+    answers = [httpx.Response(403, json={"message": "forbidden"}), httpx.Response(503),
+               httpx.Response(200, json={"binaryData": {}})]
+
+    def server(request: httpx.Request) -> httpx.Response:
+        return answers.pop(0)
+
+    client = httpx.Client(transport=httpx.MockTransport(server), base_url="https://api")
+    assert ConfigMapStore(client, "ns", "demo-state", retry_for=10).get(c.STATE_KEY) is None
+    assert answers == []
+
+    denied = httpx.Client(transport=httpx.MockTransport(lambda r: httpx.Response(403, json={"message": "no"})),
+                          base_url="https://api")
+    with pytest.raises(StoreError):
+        ConfigMapStore(denied, "ns", "demo-state", retry_for=0.5).get(c.STATE_KEY)
