@@ -16,9 +16,10 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 
 def _die_with_parent() -> None:
-    # The kernel sends SIGTERM when the parent thread dies, even by SIGKILL: an interrupted or killed
-    # test run leaves no control plane behind.
-    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    # The kernel sends this when the parent thread dies, even by SIGKILL: an interrupted or killed
+    # test run leaves no control plane behind. SIGKILL, not SIGTERM: a kube-apiserver whose etcd is
+    # gone too can hang in its graceful shutdown for ever (seen). Orderly stops go through stop().
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def spawn(

@@ -1,0 +1,36 @@
+"""The launcher leaves nothing behind: a test run killed outright takes its control plane with it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flowkube_devstack import procs
+from flowkube_devstack.cluster import wait_for
+
+SCRIPT = """
+import json, sys, time
+from pathlib import Path
+from flowkube_devstack.cluster import LocalCluster
+c = LocalCluster(Path(sys.argv[1]), with_node=True).start()
+print(json.dumps(c.describe()["pids"]), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.controlplane
+def test_a_killed_parent_leaves_no_control_plane_processes(tmp_path: Path) -> None:
+    parent = subprocess.Popen([sys.executable, "-c", SCRIPT, str(tmp_path / "cluster")],
+                              stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    pids: dict[str, int] = json.loads(parent.stdout.readline())
+    assert set(pids) == {"etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "node"}
+    assert all(procs.alive(p) for p in pids.values())
+    parent.kill()  # SIGKILL: no finalizer, no atexit, nothing graceful
+    parent.wait()
+    wait_for(lambda: not any(procs.alive(p) for p in pids.values()), 30,
+             "every control-plane process to die with its parent")
