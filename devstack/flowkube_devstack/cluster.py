@@ -52,6 +52,15 @@ def wait_for(predicate: Callable[[], bool], timeout: float, what: str, interval:
         time.sleep(interval)
 
 
+def http_ok(url: str | urllib.request.Request, context: ssl.SSLContext | None = None) -> bool:
+    """True when url answers 200 now; a refused or failing endpoint is simply not ready yet."""
+    try:
+        with urllib.request.urlopen(url, context=context, timeout=2) as r:
+            return bool(r.status == 200)
+    except OSError:  # URLError and HTTPError are OSErrors
+        return False
+
+
 def write_kubeconfig(path: Path, server: str, ca: Path, client: pki.KeyPair, user: str) -> Path:
     cfg = {
         "apiVersion": "v1",
@@ -287,20 +296,11 @@ class LocalCluster:
 
     def _http_ok(self, url: str) -> bool:
         self._check_alive()
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                return bool(r.status == 200)
-        except (urllib.error.URLError, OSError):
-            return False
+        return http_ok(url)
 
     def _apiserver_ready(self) -> bool:
         self._check_alive()
-        try:
-            req = urllib.request.Request(self.server + "/readyz")
-            with urllib.request.urlopen(req, context=self._admin_ssl, timeout=2) as r:
-                return bool(r.status == 200)
-        except (urllib.error.URLError, OSError):
-            return False
+        return http_ok(self.server + "/readyz", self._admin_ssl)
 
     def _node_ready(self) -> bool:
         self._check_alive()

@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from flowkube_devstack import build, procs
-from flowkube_devstack.cluster import LocalCluster, free_port, wait_for
+from flowkube_devstack.cluster import LocalCluster, free_port, http_ok, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "flowkube"
@@ -121,11 +121,7 @@ class OperatorProcess:
         assert self.proc is not None
         if self.proc.poll() is not None:
             raise RuntimeError(f"operator exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.health_port}/healthz", timeout=2) as r:
-                return bool(r.status == 200)
-        except (urllib.error.URLError, OSError):
-            return False
+        return http_ok(f"http://127.0.0.1:{self.health_port}/healthz")
 
     def _ca_installed(self) -> bool:
         ca = (self.cert_dir / "ca.crt").read_bytes() if (self.cert_dir / "ca.crt").exists() else b""

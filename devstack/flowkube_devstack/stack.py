@@ -12,13 +12,12 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-from flowkube_devstack.cluster import LocalCluster, free_port, wait_for
+from flowkube_devstack.cluster import LocalCluster, free_port, http_ok, wait_for
 from flowkube_devstack.operator import OperatorProcess
 from flowkube_devstack.stubmodel import Rules, StubModel
 
@@ -101,11 +100,7 @@ class Validator:
         assert self.proc is not None
         if self.proc.poll() is not None:
             raise RuntimeError(f"validate-server exited {self.proc.returncode}: {self.log.read_text()[-2000:]}")
-        try:
-            with urllib.request.urlopen(self.url + "healthz", timeout=2) as r:
-                return bool(r.status == 200)
-        except OSError:
-            return False
+        return http_ok(self.url + "healthz")
 
     def stop(self) -> None:
         if self.proc is not None:

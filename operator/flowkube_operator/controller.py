@@ -246,8 +246,9 @@ class Controller:
             if active not in pods and runs[-1].get("startedAt"):
                 # The cache says the pod is gone; make sure before counting the run as lost.
                 live = await self.kube.get(ns_path(ns, "pods", active))
-                if live is not None and PodView.from_pod(live).owner_uid == uid:
-                    pods[active] = PodView.from_pod(live)
+                view = PodView.from_pod(live) if live is not None else None
+                if view is not None and view.owner_uid == uid:
+                    pods[active] = view
             if active in pods and pods[active].terminated:
                 report, checked = await self._load_report(ns, name, uid, active, pods[active]), True
         if not self.settings.webhook_enabled:

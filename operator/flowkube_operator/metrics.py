@@ -13,6 +13,7 @@ from collections import defaultdict
 from typing import Any
 
 from flowkube_api.constants import Phase, Trigger
+from flowkube_operator.resources import definition_name
 
 Body = dict[str, Any]
 Key = tuple[str, str]
@@ -63,12 +64,7 @@ def _ts(s: str | None) -> dt.datetime | None:
 
 def _definition(body: Body) -> str:
     st = body.get("status") or {}
-    if st.get("definition"):
-        return str(st["definition"])
-    spec = body.get("spec") or {}
-    if isinstance(spec.get("definition"), dict):
-        return str(spec["definition"].get("name", ""))
-    return str(spec.get("flowRef") or "").rsplit(":", 1)[-1].rsplit(".", 1)[-1]
+    return str(st.get("definition") or definition_name(body.get("spec") or {}))
 
 
 def contributions(body: Body) -> dict[tuple[str, Labels], float]:

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from flowkube_devstack import dashboard, procs
-from flowkube_devstack.cluster import LocalCluster, free_port, wait_for
+from flowkube_devstack.cluster import LocalCluster, free_port, http_ok, wait_for
 from flowkube_devstack.operator import OperatorProcess
 from tests.integration.conftest import Flows
 
@@ -43,11 +43,7 @@ class Prometheus:
         wait_for(self._ready, 60, "prometheus /-/ready")
 
     def _ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/-/ready", timeout=2) as r:
-                return bool(r.status == 200)
-        except OSError:
-            return False
+        return http_ok(f"http://127.0.0.1:{self.port}/-/ready")
 
     def query(self, expr: str) -> list[dict[str, Any]]:
         url = f"http://127.0.0.1:{self.port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
