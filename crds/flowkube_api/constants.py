@@ -101,7 +101,10 @@ ENV_NAMESPACE = "FLOWKUBE_NAMESPACE"
 ENV_POD_NAME = "FLOWKUBE_POD"
 ENV_TRIGGER = "FLOWKUBE_TRIGGER"
 ENV_SPEC = "FLOWKUBE_SPEC"  # JSON: {"definition"|"flowRef", "inputs", "budget"}
-ENV_STATE_CONFIGMAP = "FLOWKUBE_STATE_CONFIGMAP"
+ENV_STATE_URL = "FLOWKUBE_STATE_URL"  # the operator's state API (HTTPS), the runner's only way to its state
+ENV_STATE_CA = "FLOWKUBE_STATE_CA"  # PEM of the CA that signed the state API's certificate
+ENV_STATE_TOKEN_FILE = "FLOWKUBE_STATE_TOKEN_FILE"  # noqa: S105 - default STATE_TOKEN_DIR/token
+ENV_STATE_RETRY_SECONDS = "FLOWKUBE_STATE_RETRY_SECONDS"  # how long a runner waits out an operator restart
 ENV_FEEDBACK = "FLOWKUBE_FEEDBACK"  # JSON: {"requestId", "text", "timedOut", "outcome"}
 ENV_PRIOR_TOTAL_TOKENS = "FLOWKUBE_PRIOR_TOTAL_TOKENS"
 ENV_TERMINATION_LOG = "FLOWKUBE_TERMINATION_LOG"  # default /dev/termination-log
@@ -111,17 +114,19 @@ ENV_STATE_DIR = "FLOWKUBE_STATE_DIR"  # development only: a directory instead of
 STATE_KEY = "state.json.gz"
 REPORT_KEY_PREFIX = "report."  # + pod name + ".json.gz": one key per run, written only by that run
 
+# Runner pods hold no Kubernetes API credentials: only a pod-bound token for this audience, which
+# the API server itself refuses and the operator's state API accepts (TokenReview) for that pod's Flow.
+STATE_AUDIENCE = "flowkube.io/state"
+STATE_TOKEN_DIR = "/var/run/secrets/flowkube.io/state"  # noqa: S105 - a path
+STATE_API_PREFIX = "/v1/state/"  # + key: GET and PUT of one binaryData key of the caller's Flow
+STATE_KEY_PATTERN = r"[-._a-zA-Z0-9]{1,253}"  # what a ConfigMap key may be
+
 EXCERPT_LIMIT = 4096  # bytes kept of outputs in status (result.output, feedback.request.output)
 STATE_LIMIT = 900 * 1024  # compressed bytes per state object; beyond it the run fails StateTooLarge
 
 
 def state_configmap_name(flow: str) -> str:
     return f"{flow}-state"
-
-
-def runner_name(flow: str) -> str:
-    """ServiceAccount, Role and RoleBinding of a Flow's runner pods."""
-    return f"{flow}-runner"
 
 
 def run_pod_name(flow: str, index: int) -> str:

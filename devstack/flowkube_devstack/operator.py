@@ -31,7 +31,9 @@ RELEASE = "flowkube"
 SERVICE_ACCOUNT = "flowkube"  # the chart's fullname for release "flowkube"
 WEBHOOK_CONFIGURATION = f"{RELEASE}-{SYSTEM_NAMESPACE}.flowkube.io"
 _APPLIED_KINDS = {"CustomResourceDefinition", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role",
-                  "RoleBinding", "ValidatingWebhookConfiguration", "MutatingWebhookConfiguration"}
+                  "RoleBinding", "Secret", "ValidatingWebhookConfiguration", "MutatingWebhookConfiguration",
+                  "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
+STATUS_POLICY = f"{RELEASE}-{SYSTEM_NAMESPACE}.status.flowkube.io"
 
 
 def helm_binary() -> Path:
@@ -82,6 +84,7 @@ class OperatorProcess:
         self.metrics_port = free_port()
         self.health_port = free_port()
         self.webhook_port = free_port()
+        self.state_port = free_port()
         self.cert_dir = cluster.root / f"{name}-webhook"
         self.proc: subprocess.Popen[bytes] | None = None
         self.managed = "KUBECONFIG" not in self.extra_env  # a caller with its own identity set it all up
@@ -99,14 +102,17 @@ class OperatorProcess:
             "FLOWKUBE_LOG_FORMAT": "json",
             "FLOWKUBE_RUNNER_IMAGE": "flowkube-runner:local",
             "FLOWKUBE_RUNNER_COMMAND": f"{sys.executable} -m flowkube_runner",
+            # Runner processes run on this host (the local node agent): the state API is on loopback.
+            "FLOWKUBE_STATE_PORT": str(self.state_port),
+            "FLOWKUBE_WEBHOOK_HOST": "127.0.0.1",
+            "FLOWKUBE_WEBHOOK_CERT_DIR": str(self.cert_dir),
         }
         if self.managed:
             env |= {
                 "KUBECONFIG": str(install_chart_for_local_operator(self.cluster, self.webhook_port)),
                 "FLOWKUBE_WEBHOOK_ENABLED": "true",
-                "FLOWKUBE_WEBHOOK_HOST": "127.0.0.1",
                 "FLOWKUBE_WEBHOOK_PORT": str(self.webhook_port),
-                "FLOWKUBE_WEBHOOK_CERT_DIR": str(self.cert_dir),
+                "FLOWKUBE_TLS_SECRET": f"{SYSTEM_NAMESPACE}/{RELEASE}-ca",  # the chart's, as in a cluster
                 "FLOWKUBE_WEBHOOK_CONFIGURATION": WEBHOOK_CONFIGURATION,
             }
         env |= self.extra_env
@@ -141,14 +147,17 @@ class OperatorProcess:
             return text
 
     def stop(self) -> None:
-        """Stop the operator and, as `helm uninstall` would, its webhook configurations: a later
-        test's Flows must not be refused by a webhook nobody serves (flows fail closed)."""
+        """Stop the operator and, as `helm uninstall` would, its webhook configurations and status
+        policy: a later test's Flows must not be refused by a webhook nobody serves (flows fail
+        closed), nor its status writes by a policy naming another operator."""
         if self.proc is not None:
             procs.terminate(self.proc, grace=10.0)
             self.proc = None
         if self.managed:
             for kind in ("validatingwebhookconfiguration", "mutatingwebhookconfiguration"):
                 self.cluster.kubectl("delete", kind, WEBHOOK_CONFIGURATION, "--ignore-not-found", check=False)
+            for kind in ("validatingadmissionpolicybinding", "validatingadmissionpolicy"):
+                self.cluster.kubectl("delete", kind, STATUS_POLICY, "--ignore-not-found", check=False)
 
     def kill(self) -> None:
         """SIGKILL, as a crashed or OOM-killed operator: no cleanup, no goodbye."""

@@ -25,7 +25,7 @@ from pydantic import ValidationError
 
 from flowkube_api import constants as c
 from flowkube_api.report import RunReport
-from flowkube_operator import resources, selfmetrics
+from flowkube_operator import resources, selfmetrics, stateapi
 from flowkube_operator.kube import ApiError, Kube, collection_path, ns_path
 from flowkube_operator.reconcile import Plan, PodView, owner_uid, plan
 from flowkube_operator.settings import Settings
@@ -132,8 +132,9 @@ class Controller:
         self.flows: dict[Key, tuple[int, str, bytes]] = {}  # (resourceVersion, uid, JSON)
         self.pods: dict[Key, dict[str, PodView]] = {}
         self.queue = WorkQueue()
-        self._ensured: set[str] = set()  # Flow uids whose runner access objects exist
+        self.state_ca = ""  # PEM of the CA runner pods trust for the state API
         self._on_flow_change = on_flow_change
+        self.on_flow_deleted: Callable[[str], None] = lambda uid: None  # the state API forgets its caches
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
         self._failures: dict[Key, int] = {}  # consecutive failed reconciles, for backoff
@@ -147,7 +148,7 @@ class Controller:
         if event_type == "DELETED":
             self.flows.pop(key, None)
             self.pods.pop(key, None)
-            self._ensured.discard(meta.get("uid", ""))
+            self.on_flow_deleted(meta.get("uid", ""))
             self._on_flow_change(key, None)
         else:
             old = self.flows.get(key)
@@ -177,6 +178,14 @@ class Controller:
             pods[view.name] = view
         if key in self.flows:
             self.queue.add(key)
+
+    def runner_pod(self, namespace: str, pod: str) -> stateapi.Target | None:
+        """A cached runner pod by name (pod names are `<flow>-<index>`), for the state API."""
+        flow = pod.rsplit("-", 1)[0]
+        view = self.pods.get((namespace, flow), {}).get(pod)
+        if view is None or not view.uid or not view.owner_uid:
+            return None
+        return stateapi.Target(namespace=namespace, flow=flow, flow_uid=view.owner_uid, pod=pod, pod_uid=view.uid)
 
     # -- workers -------------------------------------------------------------------------------------
 
@@ -292,41 +301,26 @@ class Controller:
         new_status = p.status.dump()
         old_status = body.get("status") or {}
         intent = p.create_pod
-        # Three steps, each one round trip: (1) the status (the run's durable record) with the
-        # runner's ServiceAccount, Role and state ConfigMap; (2) the pod, once its run is recorded,
-        # with the RoleBinding, which the API server checks against the Role made in (1).
-        access = (resources.access_objects(body) if intent is not None
-                  and body["metadata"]["uid"] not in self._ensured else [])
-        first = [o for o in access if o["kind"] != "RoleBinding"]
-        second = [o for o in access if o["kind"] == "RoleBinding"]
-        status_write = None
+        # Two round trips: the status (the run's durable record), then the pod. Runner pods need
+        # nothing else made for them: their state goes through the state API (see stateapi).
         if new_status != old_status:
             patch = {"metadata": {"resourceVersion": body["metadata"]["resourceVersion"]},
                      "status": merge_patch(old_status, new_status)}
-            status_write = self.kube.merge_patch(
+            body = await self.kube.merge_patch(
                 ns_path(ns, c.PLURAL, name, group=c.GROUP, version=c.VERSION, sub="status"), patch)
-        results = await asyncio.gather(*(self._create_owned(o) for o in first),
-                                       *([status_write] if status_write is not None else []))
-        if status_write is not None:
-            updated = results[-1]
-            assert updated is not None
-            body = updated
             self.flow_event("MODIFIED", body)
         if intent is not None:
             pod = resources.runner_pod(
                 body, index=intent.index, trigger=intent.trigger, settings=self.settings,
                 feedback=intent.feedback, prior_total_tokens=intent.prior_total_tokens,
-                active_deadline_seconds=intent.active_deadline_seconds,
+                active_deadline_seconds=intent.active_deadline_seconds, state_ca=self.state_ca,
             )
             try:
-                created, *_ = await asyncio.gather(self._create_owned(pod),
-                                                   *(self._create_owned(o) for o in second))
+                created = await self._create_owned(pod)
             except ApiError as e:
                 if e.status != 409:  # quota, an invalid podTemplate, Pod Security: say so where users look
                     self._post_event(body, "Warning", "FailedCreate", f"runner pod {pod['metadata']['name']}: {e}")
                 raise
-            if access:
-                self._ensured.add(body["metadata"]["uid"])
             if created is not None:
                 selfmetrics.RUN_PODS_CREATED.labels(intent.trigger.value).inc()
                 self.pod_event("ADDED", created)

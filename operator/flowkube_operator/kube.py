@@ -153,9 +153,6 @@ def ns_path(namespace: str, plural: str, name: str | None = None, *, group: str 
 _KIND_PATHS = {
     "Pod": ("", "v1", "pods"),
     "ConfigMap": ("", "v1", "configmaps"),
-    "ServiceAccount": ("", "v1", "serviceaccounts"),
-    "Role": ("rbac.authorization.k8s.io", "v1", "roles"),
-    "RoleBinding": ("rbac.authorization.k8s.io", "v1", "rolebindings"),
 }
 
 

@@ -70,6 +70,7 @@ class PodView:
     finished_at: str | None = None
     resource_version: int = 0
     owner_uid: str = ""  # the Flow this pod belongs to (a re-created Flow of the same name is another)
+    uid: str = ""
 
     @property
     def terminated(self) -> bool:
@@ -95,6 +96,7 @@ class PodView:
             finished_at=finished,
             resource_version=int(meta.get("resourceVersion") or 0),
             owner_uid=owner_uid(meta),
+            uid=meta.get("uid") or "",
         )
 
 
@@ -133,6 +135,11 @@ def total_usage(runs: list[Run]) -> Usage:
         if r.usage is not None:
             total = total + r.usage
     return total
+
+
+# How long a pod stopped at the deadline gets to be gone before its run is ended anyway (a node that
+# is down never confirms the deletion). Pods are deleted with their default 30 s grace period.
+STOP_GRACE_SECONDS = 60.0
 
 
 def running_seconds(runs: list[Run], now: dt.datetime) -> float:
@@ -225,31 +232,50 @@ class _Reconciler:
 
     def _follow(self, run: Run) -> None:
         pod = self.pods.get(run.pod)
+        if pod is not None and run.started_at is None:
+            run.started_at = pod.created_at or fmt(self.now)
+        limit = self.spec.active_deadline_seconds
+        over = running_seconds(self.runs, self.now) - limit if limit is not None and run.started_at else None
+        if over is not None and over >= 0 and (pod is None or pod.terminated or over > STOP_GRACE_SECONDS):
+            # Over the deadline, and the pod stopped (or will not stop): end the run only now, so the
+            # report read below has every LLM call the pod completed before it was stopped.
+            if pod is not None and pod.terminated and pod.exit_code == 0:
+                self._end_from_pod(run, pod)  # it finished on its own, just as time ran out
+                return
+            if pod is not None and not pod.terminated and not pod.deleting:
+                self.plan.delete_pods.append(run.pod)
+            run.exit_code = pod.exit_code if pod is not None else None
+            self._end_run(run, self._report_of(run), RunResult.FAILED, Reason.DEADLINE_EXCEEDED,
+                          f"the flow ran longer than activeDeadlineSeconds={limit}",
+                          finished_at=pod.finished_at if pod is not None else None)
+            return
         if pod is None:
             if run.started_at is None:
                 # Recorded but never seen: the pod was not created yet (or the cache lags). Ensure it.
                 self.plan.create_pod = self._intent(len(self.runs) - 1, run.trigger)
                 self.st.phase = Phase.PENDING
                 return
-            self._end_run(run, self._report_of(run), RunResult.FAILED, Reason.POD_DELETED,
+            rep = self._report_of(run)
+            if rep is not None and rep.reason != Reason.RUN_INTERRUPTED:
+                # It finished and reported; its pod was deleted before we saw it end (the operator
+                # was down). The run stands as reported: running it again would repeat its work.
+                self._end_run(run, rep, rep.result, rep.reason, rep.message,
+                              finished_at=fmt(rep.finished_at) if rep.finished_at else None)
+                return
+            self._end_run(run, rep, RunResult.FAILED, Reason.POD_DELETED,
                           f"runner pod {run.pod} disappeared before it finished")
             return
-        if run.started_at is None:
-            run.started_at = pod.created_at or fmt(self.now)
         if pod.terminated:
             self._end_from_pod(run, pod)
             return
         self.st.phase = Phase.RUNNING if pod.phase == "Running" else Phase.PENDING
-        limit = self.spec.active_deadline_seconds
-        if limit is not None:
-            left = limit - running_seconds(self.runs, self.now)
-            if left <= 0:
-                rep = self._report_of(run)
-                self.plan.delete_pods.append(run.pod)
-                self._end_run(run, rep, RunResult.FAILED, Reason.DEADLINE_EXCEEDED,
-                              f"the flow ran longer than activeDeadlineSeconds={limit}")
-                return
-            self.plan.later(left)
+        if over is not None:
+            if over >= 0:  # stop the pod; the run ends when it has stopped (above)
+                if not pod.deleting:
+                    self.plan.delete_pods.append(run.pod)
+                self.plan.later(STOP_GRACE_SECONDS - over + 0.5)
+            else:
+                self.plan.later(-over)
 
     def _report_of(self, run: Run) -> RunReport | None:
         """The run's report, when it ends without its pod telling (deleted, or over the deadline):

@@ -20,6 +20,9 @@ CONTAINER_SECURITY = {
 }
 
 
+STATE_TOKEN_VOLUME = "flowkube-state-token"  # noqa: S105 - a volume name
+
+
 def owner_reference(flow: Body) -> Body:
     return {
         "apiVersion": c.API_VERSION,
@@ -48,48 +51,12 @@ def _meta(flow: Body, name: str, component: str) -> Body:
     }
 
 
-def runner_access(flow: Body) -> list[Body]:
-    """ServiceAccount, Role and RoleBinding: runner pods reach their own Flow's state and nothing else.
-
-    The Role names the one ConfigMap it may touch; a runner cannot create objects, read other
-    Flows' data, or write any Flow's status (only the operator does).
-    """
-    name = flow["metadata"]["name"]
-    sa = c.runner_name(name)
-    return [
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(flow, sa, c.COMPONENT_RUNNER),
-         "automountServiceAccountToken": False},
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "Role",
-            "metadata": _meta(flow, sa, c.COMPONENT_RUNNER),
-            "rules": [
-                {"apiGroups": [""], "resources": ["configmaps"],
-                 "resourceNames": [c.state_configmap_name(name)], "verbs": ["get", "patch", "update"]},
-            ],
-        },
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "RoleBinding",
-            "metadata": _meta(flow, sa, c.COMPONENT_RUNNER),
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": sa},
-            "subjects": [{"kind": "ServiceAccount", "name": sa,
-                          "namespace": flow["metadata"]["namespace"]}],
-        },
-    ]
-
-
 def state_configmap(flow: Body) -> Body:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _meta(flow, c.state_configmap_name(flow["metadata"]["name"]), c.COMPONENT_STATE),
     }
-
-
-def access_objects(flow: Body) -> list[Body]:
-    """Everything a Flow's runner pods need before they can run and report."""
-    return [*runner_access(flow), state_configmap(flow)]
 
 
 def definition_name(spec: Body) -> str:
@@ -113,10 +80,15 @@ def runner_pod(
     trigger: c.Trigger,
     settings: Settings,
     feedback: Body | None = None,
+    state_ca: str = "",
     prior_total_tokens: int = 0,
     active_deadline_seconds: int | None = None,
 ) -> Body:
-    """The runner pod of attempt `index`. Its name is deterministic, so re-creating it is a no-op."""
+    """The runner pod of attempt `index`. Its name is deterministic, so re-creating it is a no-op.
+
+    It holds no Kubernetes API credentials: only a token bound to the pod for the audience of the
+    operator's state API (see stateapi), and that API's URL and CA.
+    """
     meta = flow["metadata"]
     spec: Body = flow.get("spec") or {}
     name = meta["name"]
@@ -130,7 +102,8 @@ def runner_pod(
         {"name": c.ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": c.ENV_TRIGGER, "value": trigger.value},
         {"name": c.ENV_SPEC, "value": runner_spec_env(spec)},
-        {"name": c.ENV_STATE_CONFIGMAP, "value": c.state_configmap_name(name)},
+        {"name": c.ENV_STATE_URL, "value": settings.state_endpoint},
+        {"name": c.ENV_STATE_CA, "value": state_ca},
         {"name": c.ENV_PRIOR_TOTAL_TOKENS, "value": str(prior_total_tokens)},
         # The root filesystem is read-only; crewAI and friends write their caches under HOME.
         {"name": "HOME", "value": "/tmp"},
@@ -152,7 +125,8 @@ def runner_pod(
         "command": list(settings.runner_command),
         "env": env,
         "securityContext": CONTAINER_SECURITY,
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"},
+                         {"name": STATE_TOKEN_VOLUME, "mountPath": c.STATE_TOKEN_DIR, "readOnly": True}],
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     if settings.runner_image_pull_policy:
@@ -167,9 +141,9 @@ def runner_pod(
               c.LABEL_RUN: str(index), c.LABEL_TRIGGER: trigger.value}
     pod_spec: Body = {
         "restartPolicy": "Never",
-        "serviceAccountName": c.runner_name(name),
-        # Only the runner container gets the token; the ServiceAccount itself does not automount.
-        "automountServiceAccountToken": True,
+        # The namespace's default ServiceAccount, without its API token: the only token in the pod
+        # is bound to the pod and valid for the state API alone (the API server refuses it).
+        "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "securityContext": {
             "runAsNonRoot": True,
@@ -179,7 +153,11 @@ def runner_pod(
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "containers": [container],
-        "volumes": [{"name": "tmp", "emptyDir": {}}],
+        "volumes": [
+            {"name": "tmp", "emptyDir": {}},
+            {"name": STATE_TOKEN_VOLUME, "projected": {"sources": [{"serviceAccountToken": {
+                "audience": c.STATE_AUDIENCE, "expirationSeconds": 3600, "path": "token"}}]}},
+        ],
     }
     if active_deadline_seconds is not None:
         pod_spec["activeDeadlineSeconds"] = max(1, active_deadline_seconds)

@@ -28,3 +28,6 @@ FLOWS_CACHED = Gauge("flowkube_operator_flows_cached", "Flow objects held in the
                      registry=REGISTRY)
 RUN_PODS_CREATED = Counter("flowkube_operator_runner_pods_created_total", "Runner pods created.",
                            ["trigger"], registry=REGISTRY)
+STATE_REQUESTS = Counter("flowkube_operator_state_requests_total",
+                         "Runner pods' requests to the state API, by method and HTTP status.",
+                         ["method", "code"], registry=REGISTRY)

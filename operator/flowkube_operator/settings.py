@@ -38,23 +38,43 @@ class Settings(BaseSettings):
     )
     bind_address: str = Field(default="0.0.0.0", description="Address the HTTP endpoints listen on.")  # noqa: S104
 
+    state_port: int = Field(default=8443, ge=1, le=65535,
+                            description="Port of the state API (HTTPS) through which runner pods reach their state.")
+    state_url: str = Field(
+        default="", description="URL runner pods use for the state API; empty: derived from "
+        "FLOWKUBE_WEBHOOK_SERVICE (https://<name>.<namespace>.svc:<state port>) or FLOWKUBE_WEBHOOK_HOST.")
+
     webhook_enabled: bool = False
     webhook_port: int = 9443
     webhook_host: str = Field(default="127.0.0.1",
-                              description="Name or IP the API server uses to reach the webhook.")
+                              description="Name or IP the API server and runner pods use to reach the operator.")
     webhook_service: str = Field(default="",
-                                 description="namespace/name of the webhook Service (in-cluster).")
+                                 description="namespace/name of the operator's Service (in-cluster); its DNS "
+                                 "names go into the serving certificate of the webhooks and the state API.")
     webhook_configuration: str = Field(
         default="flowkube", description="Name of the (Validating|Mutating)WebhookConfiguration to patch."
     )
     webhook_cert_dir: str = Field(default="/tmp/flowkube-webhook",
-                                  description="Where the self-managed webhook TLS material is written.")
+                                  description="Where the self-managed TLS material (webhooks, state API) is written.")
+    tls_secret: str = Field(
+        default="", description="namespace/name of the Secret keeping the operator's CA across restarts; "
+        "empty: the CA is kept in FLOWKUBE_WEBHOOK_CERT_DIR.")
     validator_url: str = Field(
         default="", description="URL of the definition validator (runner image sidecar); empty: none."
     )
 
     log_format: Literal["json", "text"] = "json"
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    @property
+    def state_endpoint(self) -> str:
+        if self.state_url:
+            return self.state_url.rstrip("/")
+        if self.webhook_service:
+            ns, name = self.webhook_service.split("/", 1)
+            return f"https://{name}.{ns}.svc:{self.state_port}"
+        host = f"[{self.webhook_host}]" if ":" in self.webhook_host else self.webhook_host
+        return f"https://{host}:{self.state_port}"
 
     @field_validator("watch_namespaces", mode="before")
     @classmethod

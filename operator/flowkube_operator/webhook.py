@@ -8,21 +8,14 @@ The decisions themselves are pure functions, tested without a cluster.
 from __future__ import annotations
 
 import base64
-import datetime as dt
-import ipaddress
 import json
 import logging
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import kopf
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from flowkube_api.models import FeedbackRequest
 from flowkube_operator.kube import Kube
@@ -129,44 +122,3 @@ class FlowkubeWebhookServer(kopf.WebhookServer):
                 svc = kopf.WebhookClientConfigService(namespace=ns, name=name, port=443)
                 config = kopf.WebhookClientConfig(service=svc, caBundle=config.get("caBundle", ""))
             yield config
-
-
-def server_tls(cert_dir: str, host: str, service: str) -> tuple[dict[str, str], bytes]:
-    """CA and serving certificate for the webhook, valid for the host and the Service's DNS names.
-
-    Returns kopf.WebhookServer's file arguments and the CA (PEM) for the configurations' caBundle.
-    """
-    d = Path(cert_dir)
-    d.mkdir(parents=True, exist_ok=True)
-    now = dt.datetime.now(dt.UTC)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "flowkube-webhook-ca")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
-          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-          .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=3650))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .sign(ca_key, hashes.SHA256()))
-    names: list[x509.GeneralName] = []
-    try:
-        names.append(x509.IPAddress(ipaddress.ip_address(host)))
-    except ValueError:
-        names.append(x509.DNSName(host))
-    if service:
-        ns, name = service.split("/", 1)
-        names += [x509.DNSName(f"{name}.{ns}.svc"), x509.DNSName(f"{name}.{ns}.svc.cluster.local")]
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "flowkube-webhook")]))
-            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=3650))
-            .add_extension(x509.SubjectAlternativeName(names), critical=False)
-            .sign(ca_key, hashes.SHA256()))
-    files = {"cafile": d / "ca.crt", "certfile": d / "tls.crt", "pkeyfile": d / "tls.key"}
-    ca_pem = ca.public_bytes(serialization.Encoding.PEM)
-    files["cafile"].write_bytes(ca_pem)
-    files["certfile"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    files["pkeyfile"].write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                                    serialization.PrivateFormat.PKCS8,
-                                                    serialization.NoEncryption()))
-    files["pkeyfile"].chmod(0o600)
-    return {k: str(v) for k, v in files.items()}, ca_pem

@@ -17,7 +17,7 @@ from flowkube_api.report import RunReport
 
 from .config import ConfigError, RunnerConfig
 from .run import execute, publish
-from .store import ConfigMapStore, FileStore, StateStore, StoreError
+from .store import FileStore, StateApiStore, StateStore, StoreError
 
 log = logging.getLogger("flowkube_runner")
 
@@ -80,11 +80,7 @@ def run_from_environment() -> int:
 
     store: StateStore | None = None
     try:
-        store = (
-            FileStore(config.state_dir)
-            if config.state_dir
-            else ConfigMapStore.from_environment(config.namespace, config.state_configmap)
-        )
+        store = FileStore(config.state_dir) if config.state_dir else StateApiStore.from_environment()
     except StoreError as e:
         report = RunReport(
             pod=config.pod,

@@ -66,7 +66,6 @@ class RunnerConfig:
     pod: str
     trigger: c.Trigger
     spec: RunSpec
-    state_configmap: str
     feedback: Feedback | None = None
     prior_total_tokens: int = 0
     termination_log: Path = DEFAULT_TERMINATION_LOG
@@ -113,7 +112,6 @@ class RunnerConfig:
             pod=required(c.ENV_POD_NAME),
             trigger=trigger,
             spec=spec,
-            state_configmap=env.get(c.ENV_STATE_CONFIGMAP, "").strip() or c.state_configmap_name(flow),
             feedback=feedback,
             prior_total_tokens=prior,
             termination_log=cls.termination_log_from_env(env),

@@ -1,26 +1,28 @@
 """Where a Flow's durable state and run reports live: binary blobs under keys of one object.
 
-In a pod that object is the ConfigMap ``<flow>-state`` the operator pre-created; the runner's Role
-allows only get/patch/update on it, so this module never creates or lists anything. ``FileStore``
-stands in for it in unit tests and local runs.
+In a pod that object is the ConfigMap ``<flow>-state``, reached only through the operator's state
+API (``StateApiStore``). ``FileStore`` stands in for it in unit tests and local runs.
 """
 
 from __future__ import annotations
 
-import base64
 import gzip
 import json
 import os
+import re
+import ssl
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
 
+from flowkube_api import constants as c
 from flowkube_api.constants import STATE_LIMIT
 
-SERVICEACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+KEY_PATTERN = re.compile(c.STATE_KEY_PATTERN)
 
 
 class StoreError(Exception):
@@ -90,64 +92,78 @@ class FileStore:
         Path(tmp).replace(target)
 
 
-RETRYABLE_STATUS = frozenset({401, 403, 429})
+class StateApiStore:
+    """binaryData keys of the Flow's state object, through the operator's state API.
 
-
-class ConfigMapStore:
-    """binaryData keys of one existing ConfigMap, through the Kubernetes API.
-
-    JSON merge patches touch only the key written, so the state key and each run's report key
-    never overwrite one another and no resourceVersion round trip is needed.
+    The runner holds no Kubernetes API credentials. It presents its pod-bound token (audience
+    ``flowkube.io/state``); the operator authenticates it with a TokenReview, maps the pod to its
+    Flow and reads or writes that Flow's ``<flow>-state`` ConfigMap, and nothing else.
     """
 
-    def __init__(self, client: httpx.Client, namespace: str, name: str, *, retry_for: float = 60.0) -> None:
+    def __init__(self, client: httpx.Client, *, retry_for: float = 300.0, refused_for: float = 30.0) -> None:
         self._client = client
-        self._path = f"/api/v1/namespaces/{namespace}/configmaps/{name}"
-        # Long enough to ride out an API server restart; a run's state is never dropped for less.
+        # An operator restart (a Recreate rollout, a crash) takes seconds to minutes; a run's
+        # state and usage are never dropped for less. A refusal (401/403: the operator does not
+        # yet know our pod, a TokenReview raced the pod's creation) gets a shorter grace.
         self._retry_for = retry_for
-        self.name = name
-        self.namespace = namespace
+        self._refused_for = min(refused_for, retry_for)
 
     @classmethod
-    def from_environment(cls, namespace: str, name: str) -> ConfigMapStore:
-        return cls(kubernetes_client(), namespace, name)
+    def from_environment(cls, env: Mapping[str, str] | None = None) -> StateApiStore:
+        env = os.environ if env is None else env
+        url = env.get(c.ENV_STATE_URL, "").strip()
+        if not url:
+            raise StoreError(f"{c.ENV_STATE_URL} is not set: the runner needs the operator's state API")
+        ca = env.get(c.ENV_STATE_CA, "").strip()
+        try:
+            verify: ssl.SSLContext | bool = ssl.create_default_context(cadata=ca) if ca else True
+        except ssl.SSLError as e:
+            raise StoreError(f"{c.ENV_STATE_CA} is not a PEM certificate: {e}") from e
+        token = Path(env.get(c.ENV_STATE_TOKEN_FILE, "").strip() or f"{c.STATE_TOKEN_DIR}/token")
+        try:
+            retry_for = float(env.get(c.ENV_STATE_RETRY_SECONDS, "") or 300)
+        except ValueError as e:
+            raise StoreError(f"{c.ENV_STATE_RETRY_SECONDS}: {e}") from e
+        client = httpx.Client(base_url=url.rstrip("/"), verify=verify, auth=_BearerFile(token), timeout=15.0)
+        return cls(client, retry_for=retry_for)
 
-    def _request(self, method: str, **kwargs: Any) -> httpx.Response:
+    def _request(self, method: str, key: str, **kwargs: Any) -> httpx.Response:
+        if not KEY_PATTERN.fullmatch(key):
+            raise StoreError(f"invalid key {key!r}")
         delay = 0.25
-        deadline = time.monotonic() + self._retry_for
+        start = time.monotonic()
         while True:
-            last_try = time.monotonic() + delay > deadline
+            elapsed = time.monotonic() - start + delay
             try:
-                response = self._client.request(method, self._path, **kwargs)
-            except httpx.TransportError as e:
-                if last_try:
-                    raise StoreError(f"{method} configmap {self.name}: {e}") from e
+                response = self._client.request(method, c.STATE_API_PREFIX + key, **kwargs)
+            except (httpx.TransportError, OSError) as e:
+                if elapsed > self._retry_for:
+                    raise StoreError(f"{method} state {key}: state API unreachable: {e}") from e
             else:
-                # 429/5xx: the API server is shedding load or restarting. 401/403: our RoleBinding is
-                # made with the pod and RBAC takes effect through informers, and an API server just
-                # restarted authorizes before its caches are warm. Anything else is final.
-                if (response.status_code not in RETRYABLE_STATUS and response.status_code < 500) or last_try:
+                code = response.status_code
+                if code in (401, 403):
+                    if elapsed > self._refused_for:
+                        return response
+                elif (code < 500 and code not in (409, 429)) or elapsed > self._retry_for:
                     return response
             time.sleep(delay)
             delay = min(delay * 2, 4.0)
 
     def get(self, key: str) -> bytes | None:
-        response = self._request("GET")
-        if response.status_code != 200:
-            raise StoreError(f"GET configmap {self.namespace}/{self.name}: {_status_text(response)}")
-        value = (response.json().get("binaryData") or {}).get(key)
-        if value is None:
+        response = self._request("GET", key)
+        if response.status_code == 404:
             return None
-        try:
-            return base64.b64decode(value, validate=True)
-        except ValueError as e:
-            raise StateCorrupt(f"binaryData[{key}] of configmap {self.name} is not base64: {e}") from e
+        if response.status_code != 200:
+            raise StoreError(f"GET state {key}: {_status_text(response)}")
+        return response.content
 
     def put(self, key: str, value: bytes) -> None:
-        body = json.dumps({"binaryData": {key: base64.b64encode(value).decode("ascii")}})
-        response = self._request("PATCH", content=body, headers={"Content-Type": "application/merge-patch+json"})
-        if response.status_code != 200:
-            raise StoreError(f"PATCH configmap {self.namespace}/{self.name}: {_status_text(response)}")
+        response = self._request("PUT", key, content=value,
+                                 headers={"Content-Type": "application/octet-stream"})
+        if response.status_code == 413:
+            raise StateTooLarge(len(value), STATE_LIMIT)
+        if response.status_code not in (200, 204):
+            raise StoreError(f"PUT state {key}: {_status_text(response)}")
 
 
 def _status_text(response: httpx.Response) -> str:
@@ -158,76 +174,16 @@ def _status_text(response: httpx.Response) -> str:
     return f"HTTP {response.status_code} {message}".strip()
 
 
-class _ServiceAccountToken(httpx.Auth):
+class _BearerFile(httpx.Auth):
     """Re-reads the projected token per request: kubelet rotates it under a long-running pod."""
 
     def __init__(self, path: Path) -> None:
         self._path = path
 
     def auth_flow(self, request: httpx.Request) -> Any:
-        request.headers["Authorization"] = f"Bearer {self._path.read_text().strip()}"
+        try:
+            token = self._path.read_text().strip()
+        except OSError as e:
+            raise StoreError(f"no state API token at {self._path}: {e}") from e
+        request.headers["Authorization"] = f"Bearer {token}"
         yield request
-
-
-def kubernetes_client(timeout: float = 15.0) -> httpx.Client:
-    """An httpx client for the API server: in-cluster config first, else ``$KUBECONFIG``."""
-    host = os.environ.get("KUBERNETES_SERVICE_HOST")
-    if host:
-        port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
-        if ":" in host:
-            host = f"[{host}]"
-        return httpx.Client(
-            base_url=f"https://{host}:{port}",
-            verify=str(SERVICEACCOUNT_DIR / "ca.crt"),
-            auth=_ServiceAccountToken(SERVICEACCOUNT_DIR / "token"),
-            timeout=timeout,
-        )
-    kubeconfig = os.environ.get("KUBECONFIG", str(Path.home() / ".kube" / "config")).split(os.pathsep)[0]
-    return _client_from_kubeconfig(Path(kubeconfig), timeout)
-
-
-def _client_from_kubeconfig(path: Path, timeout: float) -> httpx.Client:
-    """The current context of a kubeconfig: token or client-certificate users, CA data or file."""
-    import ssl
-
-    import yaml
-
-    try:
-        config = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as e:
-        raise StoreError(f"no in-cluster config and kubeconfig {path} is unreadable: {e}") from e
-
-    def named(section: str, name: str) -> dict[str, Any]:
-        for item in config.get(section) or []:
-            if item.get("name") == name:
-                return dict(item.get(section[:-1]) or {})
-        raise StoreError(f"kubeconfig {path}: no {section[:-1]} named {name!r}")
-
-    context = named("contexts", config.get("current-context", ""))
-    cluster = named("clusters", context.get("cluster", ""))
-    user = named("users", context.get("user", ""))
-    base = path.parent
-
-    def material(data_key: str, file_key: str, source: dict[str, Any]) -> str | None:
-        """Inline ``*-data`` fields go to private temp files: ssl only loads from paths."""
-        if source.get(data_key):
-            fd, name = tempfile.mkstemp(prefix="flowkube-kube-")
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(base64.b64decode(source[data_key]))
-            return name
-        if source.get(file_key):
-            return str(base / str(source[file_key]))
-        return None
-
-    context_ssl = ssl.create_default_context(
-        cafile=material("certificate-authority-data", "certificate-authority", cluster)
-    )
-    if cluster.get("insecure-skip-tls-verify"):
-        context_ssl.check_hostname = False
-        context_ssl.verify_mode = ssl.CERT_NONE
-    cert = material("client-certificate-data", "client-certificate", user)
-    key = material("client-key-data", "client-key", user)
-    if cert and key:
-        context_ssl.load_cert_chain(cert, key)
-    headers = {"Authorization": f"Bearer {user['token']}"} if user.get("token") else {}
-    return httpx.Client(base_url=str(cluster["server"]), verify=context_ssl, headers=headers, timeout=timeout)

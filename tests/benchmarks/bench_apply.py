@@ -3,8 +3,12 @@
     .venv/bin/python -m tests.benchmarks.bench_apply [--flows 300] [--rate 10]
 
 1. Paced: N Flows applied at `rate`/s; latency from each POST to the pod's ADDED watch event.
-2. Burst: N Flows applied as fast as 16 concurrent clients can; sustained Flows/s until all
-   runner pods exist, next to a plain client creating N pods with the same concurrency.
+2. Burst: N Flows applied as fast as C concurrent clients can; sustained Flows/s until all
+   runner pods exist, next to a plain client creating N pods with the same concurrency. Run with
+   one client (a kubectl loop, a CI job) and with 16 (enough to saturate the API server here).
+3. CPU: seconds each process spent per Flow and per raw pod in the bursts, from /proc. It shows
+   where a burst's time goes and what bounds the ratio: a Flow is at least three API writes (its
+   create, its status, its pod) where a raw pod is one.
 No node agent runs, so pods stay Pending: this measures the operator and the API server only.
 """
 
@@ -13,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import ssl
 import statistics
 import tempfile
@@ -69,10 +74,22 @@ async def until(pred: Any, limit: float) -> None:
         await asyncio.sleep(0.01)
 
 
-async def run(cluster: LocalCluster, n: int, rate: float) -> dict[str, float]:
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """utime + stime of each process, from /proc (Linux)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for name, pid in pids.items():
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        out[name] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+async def run(cluster: LocalCluster, n: int, rate: float, pids: dict[str, int],
+              concurrencies: tuple[int, ...]) -> dict[str, Any]:
     client = Client(cluster)
     try:
-        for ns in ("bench-paced", "bench-burst", "bench-raw"):
+        namespaces = ["bench-paced"] + [f"bench-{k}-{c}" for c in concurrencies for k in ("burst", "raw")]
+        for ns in namespaces:
             await client.post("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
                                                      "metadata": {"name": ns}})
         await asyncio.sleep(1.0)  # let the namespaces' ServiceAccounts appear (admission needs them)
@@ -92,12 +109,13 @@ async def run(cluster: LocalCluster, n: int, rate: float) -> dict[str, float]:
         watcher.cancel()
         lat = sorted((seen[k] - sent[k]) * 1000 for k in sent)
 
-        # 2. burst through the operator, then raw pods
-        async def burst(ns: str, make: Any, path: str, expect: str) -> float:
+        # 2. bursts through the operator, then raw pods, with each process's CPU time
+        async def burst(ns: str, make: Any, path: str, concurrency: int) -> tuple[float, dict[str, float]]:
             seen_b: dict[str, float] = {}
             ready_b = asyncio.Event()
             w = asyncio.create_task(client.watch_pods(ns, seen_b, ready_b))
             await ready_b.wait()
+            cpu0 = cpu_seconds(pids)
             t0 = time.perf_counter()
             queue = list(range(n))
 
@@ -106,20 +124,25 @@ async def run(cluster: LocalCluster, n: int, rate: float) -> dict[str, float]:
                     i = queue.pop()
                     await client.post(path, make(f"b{i}"))
 
-            await asyncio.gather(*(worker() for _ in range(16)))
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
             await until(lambda: len(seen_b) >= n, 300)
+            rate_b = n / (max(seen_b.values()) - t0)
+            await asyncio.sleep(0.5)  # the scheduler's last status writes
+            cpu1 = cpu_seconds(pids)
             w.cancel()
-            return n / (max(seen_b.values()) - t0)
+            return rate_b, {k: (cpu1[k] - cpu0[k]) * 1000 / n for k in pids}
 
-        flows_per_s = await burst("bench-burst", flow, "/apis/flowkube.io/v1alpha1/namespaces/bench-burst/flows",
-                                  "-0")
-        pods_per_s = await burst("bench-raw", pod, "/api/v1/namespaces/bench-raw/pods", "")
-        return {
-            "flows": n, "rate": rate,
-            "p50_ms": statistics.median(lat), "p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))],
-            "max_ms": lat[-1], "operator_flows_per_s": flows_per_s, "raw_pods_per_s": pods_per_s,
-            "ratio": flows_per_s / pods_per_s,
-        }
+        result: dict[str, Any] = {"flows": n, "rate": rate, "p50_ms": statistics.median(lat),
+                                  "p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))], "max_ms": lat[-1],
+                                  "bursts": []}
+        for conc in concurrencies:
+            flows_per_s, flow_cpu = await burst(f"bench-burst-{conc}", flow,
+                                                f"/apis/flowkube.io/v1alpha1/namespaces/bench-burst-{conc}/flows", conc)
+            pods_per_s, pod_cpu = await burst(f"bench-raw-{conc}", pod, f"/api/v1/namespaces/bench-raw-{conc}/pods",
+                                              conc)
+            result["bursts"].append({"concurrency": conc, "flows_per_s": flows_per_s, "pods_per_s": pods_per_s,
+                                     "flow_cpu_ms": flow_cpu, "pod_cpu_ms": pod_cpu})
+        return result
     finally:
         await client.session.close()
 
@@ -128,20 +151,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--flows", type=int, default=300)
     parser.add_argument("--rate", type=float, default=10.0)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="flowkube-bench-") as tmp:
         cluster = LocalCluster(Path(tmp), with_node=False).start()
         op = OperatorProcess(cluster, env={"FLOWKUBE_LOG_LEVEL": "WARNING"})
         try:
             op.start()
-            r = asyncio.run(run(cluster, args.flows, args.rate))
+            assert op.proc is not None
+            pids = {name: p.pid for name, p in cluster.procs.items()} | {"operator": op.proc.pid}
+            r = asyncio.run(run(cluster, args.flows, args.rate, pids, tuple(args.concurrency)))
         finally:
             op.stop()
             cluster.stop()
     print(f"apply -> runner pod created, {r['flows']} Flows at {r['rate']:.0f}/s: "
           f"p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms, max {r['max_ms']:.1f} ms")
-    print(f"burst of {r['flows']}: operator {r['operator_flows_per_s']:.1f} Flows/s -> pods; "
-          f"plain client {r['raw_pods_per_s']:.1f} pods/s; ratio {r['ratio']:.0%}")
+    for b in r["bursts"]:
+        print(f"burst of {r['flows']}, {b['concurrency']} client(s): operator {b['flows_per_s']:.1f} Flows/s -> pods; "
+              f"plain client {b['pods_per_s']:.1f} pods/s; ratio {b['flows_per_s'] / b['pods_per_s']:.0%}")
+        for what, cpu in (("per Flow", b["flow_cpu_ms"]), ("per raw pod", b["pod_cpu_ms"])):
+            parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1]))
+            print(f"    CPU ms {what}: {parts}")
 
 
 if __name__ == "__main__":

@@ -85,37 +85,29 @@ def restricted_namespace(cluster: LocalCluster, namespace: str) -> str:
 
 
 def a_flow(name: str, namespace: str) -> str:
+    """An inline definition: what the Flow webhook checks (flowRef Flows do not call it)."""
+    definition = {"schema": "crewai.flow/v1", "name": "Research", "methods": {"start": {"start": True}}}
     return json.dumps({"apiVersion": c.API_VERSION, "kind": c.KIND,
                        "metadata": {"name": name, "namespace": namespace},
-                       "spec": {"flowRef": "pkg.flows:Research"}})
+                       "spec": {"definition": definition}})
 
 
-def operator_grants_are_sufficient(cluster: LocalCluster, ns: str, sa: str) -> None:
-    """The operator creates a Flow's runner Role and RoleBinding without escalate or bind."""
+def operator_grants_are_sufficient(cluster: LocalCluster, ns: str, sa: str, release: str) -> None:
+    """What the operator does, it may; nothing that would let it hand out or read credentials."""
     user = f"system:serviceaccount:{ns}:{sa}"
-    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-            "metadata": {"name": c.runner_name("demo"), "namespace": ns},
-            "rules": [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "patch", "update"],
-                       "resourceNames": [c.state_configmap_name("demo")]},
-                      {"apiGroups": [c.GROUP], "resources": [c.PLURAL], "verbs": ["get"],
-                       "resourceNames": ["demo"]}]}
-    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-               "metadata": {"name": c.runner_name("demo"), "namespace": ns},
-               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
-                           "name": c.runner_name("demo")},
-               "subjects": [{"kind": "ServiceAccount", "name": c.runner_name("demo"), "namespace": ns}]}
-    sa_obj = {"apiVersion": "v1", "kind": "ServiceAccount",
-              "metadata": {"name": c.runner_name("demo"), "namespace": ns}}
-    for obj in (sa_obj, role, binding):
-        cluster.kubectl("create", "--as", user, "-f", "-", input=json.dumps(obj))
-    for kind in ("rolebinding", "role", "serviceaccount"):
-        cluster.kubectl("delete", "--as", user, "-n", ns, kind, c.runner_name("demo"))
     for verb, resource in [("create", "pods"), ("delete", "pods"), ("watch", "pods"), ("create", "configmaps"),
-                           ("patch", f"{c.PLURAL}.{c.GROUP}"), ("create", "events"),
+                           ("patch", "configmaps"), ("patch", f"{c.PLURAL}.{c.GROUP}"), ("create", "events"),
                            ("create", "events.events.k8s.io")]:
         assert can_i(cluster, user, verb, resource, "-n", ns), (verb, resource)
     assert can_i(cluster, user, "patch", f"{c.PLURAL}.{c.GROUP}", "--subresource=status", "-n", ns)
-    for verb, resource in [("get", "secrets"), ("create", "deployments.apps"), ("update", "pods"),
+    assert can_i(cluster, user, "create", "tokenreviews.authentication.k8s.io")  # runner pods' tokens
+    for verb in ("get", "patch"):  # its CA Secret, by name
+        assert can_i(cluster, user, verb, f"secrets/{release}-flowkube-ca", "-n", ns), verb
+    for verb, resource in [("get", "secrets"), ("create", "secrets"), ("list", "configmaps"),
+                           ("create", "deployments.apps"), ("update", "pods"),
+                           ("create", "serviceaccounts"), ("create", "serviceaccounts/token"),
+                           ("create", "roles.rbac.authorization.k8s.io"),
+                           ("create", "rolebindings.rbac.authorization.k8s.io"),
                            ("create", "clusterroles.rbac.authorization.k8s.io"),
                            ("escalate", "roles.rbac.authorization.k8s.io"),
                            ("bind", "roles.rbac.authorization.k8s.io")]:
@@ -133,7 +125,7 @@ def test_rendered_manifests_apply_and_grant_what_the_operator_needs(
         cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=rendered)
         wait_for(lambda: crd_established(cluster), 60, "the Flow CRD Established")
         sa = f"{release}-flowkube"
-        operator_grants_are_sufficient(cluster, ns, sa)
+        operator_grants_are_sufficient(cluster, ns, sa, release)
         if "namespaced" in values:
             other = "default"
             assert not can_i(cluster, f"system:serviceaccount:{ns}:{sa}", "list", "pods", "-n", other)
@@ -180,6 +172,21 @@ def test_webhooks_gate_spec_and_feedback_as_documented(cluster: LocalCluster, he
                         "-p", '{"status":{"feedback":{"response":{"text":"approved"}}}}')  # Ignore
         got = json.loads(cluster.kubectl("get", "flow", "before", "-n", namespace, "-o", "json").stdout)
         assert got["status"]["feedback"]["response"] == {"text": "approved"}
+
+        # With no operator (so no status webhook), the API server's own policy still keeps users to the
+        # inbox: no rewriting the phase or the usage, no answering in someone else's name.
+        def refused(patch: str) -> str:  # server-side dry run: admission runs, nothing is written
+            out = cluster.kubectl("patch", "flow", "before", "-n", namespace, "--subresource=status",
+                                  "--type=merge", "-p", patch, "--dry-run=server", check=False)
+            return out.stderr if out.returncode != 0 else ""
+
+        wait_for(lambda: "belongs to the flowkube operator" in refused('{"status":{"phase":"Succeeded"}}'), 30,
+                 "the status policy in force", interval=0.5)
+        assert "belongs to the flowkube operator" in refused('{"status":{"usage":{"totalTokens":0}}}')
+        assert "not set by users" in refused(
+            '{"status":{"feedback":{"response":{"text":"no","respondedBy":"someone-else"}}}}')
+        cluster.kubectl("patch", "flow", "before", "-n", namespace, "--subresource=status", "--type=merge",
+                        "-p", '{"status":{"feedback":{"response":{"text":"rejected"}}}}')
         # Outside watchNamespaces no webhook applies at all.
         other = f"{namespace[:50]}-other"
         cluster.kubectl("create", "namespace", other)
@@ -310,7 +317,10 @@ def test_the_operator_runs_a_flow_with_exactly_the_charts_settings_and_rbac(
         wait_for(lambda: crd_established(cluster), 60, "the Flow CRD Established")
         kubeconfig = token_kubeconfig(cluster, namespace, full, tmp_path / "operator.kubeconfig", duration="1h")
         env = {k: v for k, v in chart_env.items() if k not in ("FLOWKUBE_HEALTH_PORT", "FLOWKUBE_METRICS_PORT")}
+        # Runner processes run on this host: they reach the state API on loopback, not via the Service.
+        state_port = free_port()
         env |= {"KUBECONFIG": str(kubeconfig), "FLOWKUBE_WEBHOOK_PORT": str(free_port()),
+                "FLOWKUBE_STATE_PORT": str(state_port), "FLOWKUBE_STATE_URL": f"https://127.0.0.1:{state_port}",
                 "FLOWKUBE_WEBHOOK_CERT_DIR": str(tmp_path / "webhook"),
                 "FLOWKUBE_RUNNER_COMMAND": f"{sys.executable} {FAKE_RUNNER}"}
         op = OperatorProcess(cluster, name=f"operator-{release}", env=env).start()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import ssl
 import subprocess
 from typing import Any
 
@@ -123,32 +124,63 @@ def test_operator_killed_mid_run_resumes_without_a_duplicate_pod(
 
 
 def test_runner_credentials_reach_only_their_own_flows_state(flows: Flows, cluster: LocalCluster,
-                                                             tmp_path: Any) -> None:
-    from flowkube_devstack.operator import token_kubeconfig
+                                                             operator: OperatorProcess, tmp_path: Any) -> None:
+    import httpx
+
+    from flowkube_api import constants as c
+    from flowkube_api.report import RunReport
 
     for name in ("mine", "theirs"):
-        flows.apply(name, {"flowRef": "a:B", "inputs": {"plan": [{}]}})
+        flows.apply(name, {"flowRef": "a:B", "inputs": {"plan": [{"tokens": 1}]}})
     for name in ("mine", "theirs"):
         flows.wait_phase(name, "Succeeded")
-    kubeconfig = token_kubeconfig(cluster, flows.ns, "mine-runner", tmp_path / "runner.kubeconfig", duration="10m")
+    (pod,) = flows.pods("mine")
+    spec = pod["spec"]
+    # No Kubernetes API credentials in the pod: no automounted token, one token for the state API only.
+    assert spec["automountServiceAccountToken"] is False and spec.get("serviceAccountName", "default") == "default"
+    tokens = [s["serviceAccountToken"] for v in spec["volumes"] for s in (v.get("projected") or {}).get("sources", [])
+              if "serviceAccountToken" in s]
+    assert tokens == [{"audience": c.STATE_AUDIENCE, "expirationSeconds": 3600, "path": "token"}]
 
-    def as_runner(*args: str) -> tuple[int, str]:
-        out = subprocess.run([str(cluster.bins["kubectl"]), "--kubeconfig", str(kubeconfig), "-n", flows.ns,
-                              *args], capture_output=True, text=True, timeout=60)
-        return out.returncode, out.stderr
+    def bound_token(pod_name: str, audience: str = c.STATE_AUDIENCE) -> str:
+        uid = cluster.kubectl("get", "pod", pod_name, "-n", flows.ns, "-o", "jsonpath={.metadata.uid}").stdout
+        return cluster.kubectl("create", "token", "default", "-n", flows.ns, f"--audience={audience}",
+                               "--bound-object-kind=Pod", f"--bound-object-name={pod_name}",
+                               f"--bound-object-uid={uid}", "--duration=10m").stdout.strip()
 
-    assert as_runner("get", "configmap", "mine-state")[0] == 0
-    assert as_runner("patch", "configmap", "mine-state", "--type=merge", "-p", '{"data":{"x":"1"}}')[0] == 0
-    for args in (("get", "configmap", "theirs-state"),
-                 ("patch", "configmap", "theirs-state", "--type=merge", "-p", '{"data":{"x":"1"}}'),
-                 ("patch", "flow", "mine", "--subresource=status", "--type=merge", "-p",
-                  '{"status":{"phase":"Failed"}}'),
-                 ("get", "flow", "mine"),
-                 ("create", "configmap", "extra"),
-                 ("get", "secrets"),
-                 ("get", "pods")):
-        rc, err = as_runner(*args)
-        assert rc != 0 and "forbidden" in err.lower(), (args, err)
+    state = httpx.Client(base_url=f"https://127.0.0.1:{operator.state_port}",
+                         verify=ssl.create_default_context(cafile=str(operator.cert_dir / "ca.crt")), timeout=10)
+
+    def call(method: str, key: str, token: str, body: bytes | None = None) -> httpx.Response:
+        return state.request(method, c.STATE_API_PREFIX + key, content=body,
+                             headers={"Authorization": f"Bearer {token}"})
+
+    mine = bound_token("mine-0")
+    got = call("GET", c.report_key("mine-0"), mine)
+    assert got.status_code == 200 and RunReport.decode(got.content).pod == "mine-0"
+    # The token names no Flow: whatever it asks for is looked up in its own Flow's state only.
+    assert call("GET", c.report_key("theirs-0"), mine).status_code == 404
+    assert call("PUT", "note", mine, b"x").status_code == 204
+    theirs_cm = json.loads(cluster.kubectl("get", "configmap", "theirs-state", "-n", flows.ns, "-o", "json").stdout)
+    assert "note" not in theirs_cm.get("binaryData", {})
+    # The API server refuses the runner's token (wrong audience) for everything.
+    (tmp_path / "empty").write_text("")
+    out = subprocess.run([str(cluster.bins["kubectl"]), "--kubeconfig", str(tmp_path / "empty"),
+                          "--server", cluster.server, "--certificate-authority", str(cluster.pki_dir / "ca.crt"),
+                          "--token", mine, "get", "configmap", "mine-state", "-n", flows.ns],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "unauthorized" in out.stderr.lower(), out.stderr
+    # Tokens for the API server's audience, and tokens of pods that are not runners, are refused.
+    assert call("GET", c.STATE_KEY, bound_token("mine-0", "https://kubernetes.default.svc")).status_code == 401
+    assert call("GET", c.STATE_KEY, "not-a-token").status_code == 401
+    bystander = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "bystander-0", "namespace": flows.ns},
+                 "spec": {"nodeName": "nowhere", "containers": [{"name": "c", "image": "x"}]}}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(bystander))
+    assert call("GET", c.STATE_KEY, bound_token("bystander-0")).status_code == 403
+    # A token dies with its pod.
+    cluster.kubectl("delete", "pod", "mine-0", "-n", flows.ns, "--grace-period=0", "--force")
+    wait_for(lambda: call("GET", c.report_key("mine-0"), mine).status_code == 401, 30,
+             "the deleted pod's token to be refused")
 
 
 def test_api_server_restart_mid_run_loses_nothing(flows: Flows, cluster: LocalCluster) -> None:

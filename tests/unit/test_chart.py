@@ -91,6 +91,18 @@ def test_crd_keep_and_install_switches(helm: Path) -> None:
     assert of_kind(render(helm, "--set", "crds.install=false"), "CustomResourceDefinition") == []
 
 
+def test_status_policy_is_generated_from_the_status_model() -> None:
+    assert chart.STATUS_POLICY_FILE.read_text() == chart.render_status_policy(), (
+        "charts/flowkube/templates/status-policy.yaml is stale: run `python -m flowkube_devstack.chart --write`")
+    from flowkube_api.models import FlowStatus
+
+    rule = chart.status_policy_rule()
+    for name, field in FlowStatus.model_fields.items():  # a new status field is protected the day it is added
+        alias = field.alias or name
+        assert alias == "feedback" or f"object.?status.?{alias} ==" in rule, alias
+    assert "response" not in rule
+
+
 def test_readme_values_table_is_current() -> None:
     assert chart.README_FILE.read_text() == chart.render_readme(), (
         "charts/flowkube/README.md values table is stale: run `python -m flowkube_devstack.chart --write`"
@@ -156,6 +168,32 @@ def test_render_is_restricted_and_least_privilege(helm: Path, values: Path) -> N
             for key in ("verbs", "resources", "apiGroups", "resourceNames"):
                 assert "*" not in rule.get(key, []), (role["metadata"]["name"], rule)
             assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"]), rule
+    _assert_no_per_flow_rbac_and_least_configmap_access(objs)
+
+
+def _operator_rules(objs: list[Obj]) -> list[Obj]:
+    roles = [o for o in of_kind(objs, "ClusterRole") + of_kind(objs, "Role")
+             if o["metadata"]["name"] == "flowkube-operator"]
+    assert roles
+    return [rule for role in roles for rule in role["rules"]]
+
+
+def _assert_no_per_flow_rbac_and_least_configmap_access(objs: list[Obj]) -> None:
+    """Runner pods hold no API credentials, so the operator makes no per-Flow RBAC: it needs no
+    ServiceAccounts, Roles or RoleBindings, and only get/create/patch on ConfigMaps (the state
+    it writes for runners, authenticated by TokenReview)."""
+    rules = _operator_rules(objs)
+    resources = {r for rule in rules for r in rule["resources"]}
+    assert not resources & {"serviceaccounts", "serviceaccounts/token", "roles", "rolebindings",
+                            "clusterroles", "clusterrolebindings"}, resources
+    assert "rbac.authorization.k8s.io" not in {g for rule in rules for g in rule["apiGroups"]}
+    for rule in rules:
+        assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"]), rule
+        if "configmaps" in rule["resources"]:
+            assert sorted(rule["verbs"]) == ["create", "get", "patch"], rule
+    grants = _grants(rules)
+    assert grants[("", "configmaps")] == {"get", "create", "patch"}
+    assert grants[("authentication.k8s.io", "tokenreviews")] == {"create"}
 
 
 def _grants(rules: list[Obj]) -> dict[tuple[str, str], set[str]]:
@@ -198,15 +236,14 @@ EXPECTED_OPERATOR_GRANTS = {
     (c.GROUP, "flows/status"): {"get", "patch", "update"},
     (c.GROUP, "flows/finalizers"): {"update"},
     ("", "pods"): {"get", "list", "watch", "create", "delete"},
-    ("", "configmaps"): {"get", "list", "watch", "create", "patch", "update", "delete"},
-    ("", "serviceaccounts"): {"get", "create", "delete"},
-    ("rbac.authorization.k8s.io", "roles"): {"get", "create", "delete"},
-    ("rbac.authorization.k8s.io", "rolebindings"): {"get", "create", "delete"},
+    # The state ConfigMap: made on first use, written for the runners, reports read. No list/watch.
+    ("", "configmaps"): {"get", "create", "patch"},
     ("", "events"): {"create", "patch"},
     ("events.k8s.io", "events"): {"create", "patch"},
 }
 CLUSTER_GRANTS = {
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
+    ("authentication.k8s.io", "tokenreviews"): {"create"},  # runner pods' tokens, at the state API
     ("admissionregistration.k8s.io", "validatingwebhookconfigurations"): {"get", "patch", "update"},
     ("admissionregistration.k8s.io", "mutatingwebhookconfigurations"): {"get", "patch", "update"},
 }
@@ -222,18 +259,29 @@ def test_operator_rbac_cluster_scope(helm: Path) -> None:
     binding = named(objs, "ClusterRoleBinding", "flowkube-operator")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "flowkube",
                                     "namespace": "flowkube-system"}]
-    assert of_kind(objs, "Role") == []
+    # Its only Role: get/patch on its own CA Secret, by name, in its own namespace (no `create`).
+    (ca_role,) = of_kind(objs, "Role")
+    assert ca_role["metadata"] == {**ca_role["metadata"], "name": "flowkube-operator-ca",
+                                   "namespace": "flowkube-system"}
+    assert ca_role["rules"] == [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["flowkube-ca"],
+                                 "verbs": ["get", "patch"]}]
+    secret = named(objs, "Secret", "flowkube-ca")
+    assert "data" not in secret  # filled in by the operator, kept by `helm upgrade`
+    env = {e["name"]: e.get("value") for e in named(objs, "Deployment", "flowkube")["spec"]["template"]["spec"][
+        "containers"][0]["env"]}
+    assert env["FLOWKUBE_TLS_SECRET"] == "flowkube-system/flowkube-ca"
 
 
 def test_operator_rbac_namespaced_scope(helm: Path) -> None:
     objs = render(helm, "-f", str(CHART / "ci" / "namespaced-values.yaml"))
     cluster_role = named(objs, "ClusterRole", "flowkube-operator")
     assert _grants(cluster_role["rules"]) == CLUSTER_GRANTS
-    roles = of_kind(objs, "Role")
+    roles = [r for r in of_kind(objs, "Role") if r["metadata"]["name"] != "flowkube-operator-ca"]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     for role in roles:
         assert _grants(role["rules"]) == EXPECTED_OPERATOR_GRANTS
-    assert sorted(b["metadata"]["namespace"] for b in of_kind(objs, "RoleBinding")) == ["team-a", "team-b"]
+    assert sorted(b["metadata"]["namespace"] for b in of_kind(objs, "RoleBinding")) == [
+        "flowkube-system", "team-a", "team-b"]
     env = env_of(next(containers(objs)))
     assert env["FLOWKUBE_WATCH_NAMESPACES"] == "team-a,team-b"
     for hook in (of_kind(objs, "ValidatingWebhookConfiguration")[0]["webhooks"]
@@ -253,7 +301,16 @@ def test_minimal_install_has_no_webhooks_validator_or_crd(helm: Path) -> None:
     assert "FLOWKUBE_VALIDATOR_URL" not in env
     role = named(objs, "ClusterRole", "flowkube-operator")
     assert ("admissionregistration.k8s.io", "validatingwebhookconfigurations") not in _grants(role["rules"])
-    assert [s["metadata"]["name"] for s in of_kind(objs, "Service")] == ["flowkube-metrics"]
+    assert sorted(s["metadata"]["name"] for s in of_kind(objs, "Service")) == ["flowkube-metrics",
+                                                                               "flowkube-webhook"]
+    # The state API is served with or without webhooks, and its certificate names the Service.
+    assert named(objs, "Service", "flowkube-webhook")["spec"]["ports"] == [
+        {"name": "state", "port": 8443, "targetPort": "state", "protocol": "TCP"}]
+    assert env["FLOWKUBE_WEBHOOK_SERVICE"] == "flowkube-system/flowkube-webhook"
+    assert env["FLOWKUBE_STATE_PORT"] == "8443"
+    assert "FLOWKUBE_WEBHOOK_CONFIGURATION" not in env
+    assert {p["name"] for p in next(containers(objs))["ports"]} == {"health", "metrics", "state"}
+    assert _grants(role["rules"])[("authentication.k8s.io", "tokenreviews")] == {"create"}
 
 
 def test_operator_settings_and_ports(helm: Path) -> None:
@@ -266,6 +323,7 @@ def test_operator_settings_and_ports(helm: Path) -> None:
         "FLOWKUBE_HEALTH_PORT": "8080",
         "FLOWKUBE_METRICS_PORT": "9090",
         "FLOWKUBE_WEBHOOK_PORT": "9443",
+        "FLOWKUBE_STATE_PORT": "8443",
         "FLOWKUBE_WEBHOOK_ENABLED": "true",
         "FLOWKUBE_WEBHOOK_SERVICE": "flowkube-system/flowkube-webhook",
         "FLOWKUBE_WEBHOOK_CONFIGURATION": "flowkube-flowkube-system.flowkube.io",
@@ -277,7 +335,7 @@ def test_operator_settings_and_ports(helm: Path) -> None:
     assert operator["image"] == "ghcr.io/flowkube/flowkube-operator:0.1.0"
     assert "command" not in operator  # the image's entrypoint, flowkube-operator
     assert {p["name"]: p["containerPort"] for p in operator["ports"]} == {
-        "health": 8080, "metrics": 9090, "webhook": 9443}
+        "health": 8080, "metrics": 9090, "state": 8443, "webhook": 9443}
     for probe in ("livenessProbe", "readinessProbe"):
         assert operator[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert validator["image"] == "ghcr.io/flowkube/flowkube-runner:0.1.0"
@@ -297,6 +355,18 @@ def test_operator_settings_and_ports(helm: Path) -> None:
     assert "FLOWKUBE_RUNNER_DEFAULT_ENV" not in env
 
 
+def test_state_port_follows_the_value(helm: Path) -> None:
+    objs = render(helm, "--set", "state.port=10443")
+    operator = next(containers(objs))
+    assert env_of(operator)["FLOWKUBE_STATE_PORT"] == "10443"
+    assert {p["name"]: p["containerPort"] for p in operator["ports"]}["state"] == 10443
+    # The operator derives the runners' URL from the Service name and its own state port, so the
+    # Service must expose the state API on that same port.
+    ports = {p["name"]: p for p in named(objs, "Service", "flowkube-webhook")["spec"]["ports"]}
+    assert ports["state"] == {"name": "state", "port": 10443, "targetPort": "state", "protocol": "TCP"}
+    assert ports["https"]["port"] == 443
+
+
 @pytest.mark.parametrize("values", CI_VALUES, ids=lambda p: p.stem)
 def test_the_operator_understands_every_setting_the_chart_gives_it(
         helm: Path, values: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -313,18 +383,26 @@ def test_the_operator_understands_every_setting_the_chart_gives_it(
     assert settings.runner_image == env["FLOWKUBE_RUNNER_IMAGE"]
     assert settings.runner_default_env == {"A": "b"}
     assert (settings.health_port, settings.metrics_port, settings.webhook_port) == (8080, 9090, 9443)
+    assert settings.state_port == 8443
     assert settings.watch_namespaces == [n for n in env["FLOWKUBE_WATCH_NAMESPACES"].split(",") if n]
     assert settings.webhook_enabled is (values.stem != "minimal-values")
+    # Always set: the state API's serving certificate and URL come from the Service.
+    ns, name = settings.webhook_service.split("/")
+    assert (ns, name) == ("flowkube-system", "flowkube-webhook")
+    service = named(objs, "Service", name)
+    state_port = next(p["port"] for p in service["spec"]["ports"] if p["name"] == "state")
+    assert settings.state_endpoint == f"https://{name}.{ns}.svc:{state_port}"
     if settings.webhook_enabled:
-        ns, name = settings.webhook_service.split("/")
-        assert (ns, name) == ("flowkube-system", "flowkube-webhook")
         assert settings.webhook_configuration == of_kind(objs, "ValidatingWebhookConfiguration")[0]["metadata"]["name"]
 
 
 def test_webhooks(helm: Path) -> None:
     objs = render(helm)
     service = named(objs, "Service", "flowkube-webhook")
-    assert service["spec"]["ports"][0]["targetPort"] == "webhook"
+    assert service["spec"]["ports"] == [
+        {"name": "state", "port": 8443, "targetPort": "state", "protocol": "TCP"},
+        {"name": "https", "port": 443, "targetPort": "webhook", "protocol": "TCP"},
+    ]
     validating = of_kind(objs, "ValidatingWebhookConfiguration")[0]["webhooks"]
     mutating = of_kind(objs, "MutatingWebhookConfiguration")[0]["webhooks"]
     table = {(h["clientConfig"]["service"]["path"], h["rules"][0]["resources"][0],
@@ -339,6 +417,13 @@ def test_webhooks(helm: Path) -> None:
         assert hook["clientConfig"]["service"]["name"] == "flowkube-webhook"
         assert hook["sideEffects"] == "None"
         assert "namespaceSelector" not in hook
+    flows = validating[0]
+    assert flows["name"] == "flows.validate.flowkube.io"
+    # Only inline definitions are validated; flowRef Flows are admitted without a round trip.
+    assert flows["matchConditions"] == [
+        {"name": "spec-written", "expression": "request.operation == 'CREATE' || object.spec != oldObject.spec"},
+        {"name": "inline-definition", "expression": "has(object.spec.definition)"},
+    ]
     for hook in validating[1:] + mutating:
         assert hook["matchConditions"] == [{
             "name": "not-the-operator",
@@ -380,6 +465,9 @@ def test_dashboards_configmap(helm: Path) -> None:
         (["--set", "rbac.scope=namespaced"], "watchNamespaces"),
         (["--set", "webhook.failurePolicy.flows=Maybe"], "webhook/failurePolicy/flows"),
         (["--set", "log.format=xml"], "log/format"),
+        (["--set", "state.port=0"], "state/port"),
+        (["--set", "state.port=9090"], "state.port 9090 is already the port of another endpoint"),
+        (["--set", "state.port=9443"], "state.port 9443 is already the port of another endpoint"),
         (["--set", "serviceAccount.create=false"], "serviceAccount.name is required"),
         (["--set", "extraEnv[0].name=X", "--set", "extraEnv[0].value=1"], "extraEnv/0/value"),
     ],

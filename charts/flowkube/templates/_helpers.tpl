@@ -70,6 +70,16 @@ system:serviceaccount:{{ .Release.Namespace }}:{{ include "flowkube.serviceAccou
 {{- include "flowkube.fullname" . }}-webhook
 {{- end }}
 
+{{/* The status ValidatingAdmissionPolicy and its binding (cluster-scoped: carries the release namespace). */}}
+{{- define "flowkube.statusPolicyName" -}}
+{{- include "flowkube.fullname" . }}-{{ .Release.Namespace }}.status.flowkube.io
+{{- end }}
+
+{{/* The Secret keeping the operator's CA across restarts (templates/ca-secret.yaml). */}}
+{{- define "flowkube.caSecretName" -}}
+{{- include "flowkube.fullname" . }}-ca
+{{- end }}
+
 {{/* Name of both webhook configurations (cluster-scoped, so it carries the release namespace). */}}
 {{- define "flowkube.webhookConfigurationName" -}}
 {{- printf "%s-%s.flowkube.io" (include "flowkube.fullname" .) .Release.Namespace | trunc 253 }}
@@ -79,6 +89,13 @@ system:serviceaccount:{{ .Release.Namespace }}:{{ include "flowkube.serviceAccou
 {{- define "flowkube.validate" -}}
 {{- if and (eq .Values.rbac.scope "namespaced") (empty .Values.watchNamespaces) }}
 {{- fail "rbac.scope=namespaced needs watchNamespaces: the operator may only read Flows where it holds a Role" }}
+{{- end }}
+{{- /* int: values.yaml numbers are floats, --set ones integers. */}}
+{{- $others := list (int .Values.health.port) (int .Values.metrics.port) }}
+{{- if .Values.webhook.enabled }}{{ $others = append $others (int .Values.webhook.port) }}{{ end }}
+{{- if .Values.validator.enabled }}{{ $others = append $others (int .Values.validator.port) }}{{ end }}
+{{- if has (int .Values.state.port) $others }}
+{{- fail (printf "state.port %v is already the port of another endpoint of the operator pod" .Values.state.port) }}
 {{- end }}
 {{- end }}
 

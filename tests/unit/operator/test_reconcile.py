@@ -194,7 +194,9 @@ def test_waiting_for_feedback_does_not_count_against_the_deadline() -> None:
     p = step(body, pods, at=5050)
     assert body["status"]["phase"] == Phase.RUNNING and p.requeue_after == 45
     p = step(body, pods, at=5100)
-    assert p.delete_pods == ["f-1"] and body["status"]["phase"] == Phase.FAILED
+    assert p.delete_pods == ["f-1"] and body["status"]["phase"] == Phase.RUNNING  # stopping it
+    step(body, pod("f-0", "Succeeded", exit_code=0), at=5102)  # f-1 is gone
+    assert body["status"]["phase"] == Phase.FAILED
     assert cond(body, "Succeeded")["reason"] == Reason.DEADLINE_EXCEEDED
 
 
@@ -225,6 +227,24 @@ def test_pod_deleted_from_outside_counts_as_a_failed_attempt() -> None:
     assert p.create_pod is not None and p.create_pod.trigger == Trigger.RETRY
 
 
+def test_a_run_that_reported_before_its_pod_vanished_stands_as_reported() -> None:
+    # The operator was down while the pod finished, reported and was deleted: no second run.
+    body = flow(retries={"limit": 1, "backoffSeconds": 0})
+    step(body)
+    step(body, pod("f-0", "Running"), at=1)
+    p = step(body, {}, report("f-0", RunResult.SUCCEEDED, usage=usage(3, 2), output="done"), at=9)
+    assert p.create_pod is None and body["status"]["phase"] == Phase.SUCCEEDED
+    assert body["status"]["runs"][0]["result"] == RunResult.SUCCEEDED
+    assert body["status"]["usage"]["totalTokens"] == 5 and body["status"]["result"]["output"] == "done"
+    # An interim report (the run was cut short) is a lost pod: a failed attempt, retried.
+    body = flow(retries={"limit": 1, "backoffSeconds": 0})
+    step(body)
+    step(body, pod("f-0", "Running"), at=1)
+    p = step(body, {}, report("f-0", RunResult.FAILED, reason=Reason.RUN_INTERRUPTED, usage=usage(1, 1)), at=2)
+    assert body["status"]["runs"][0]["reason"] == Reason.POD_DELETED and body["status"]["usage"]["totalTokens"] == 2
+    assert p.create_pod is not None and p.create_pod.trigger == Trigger.RETRY
+
+
 def test_usage_sums_every_run_once_and_the_budget_stops_resumes() -> None:
     body = flow(budget={"maxTotalTokens": 5})
     paused(body)  # 5 tokens in the first run
@@ -251,16 +271,34 @@ def test_an_asynchronous_refusal_stays_visible_until_the_request_is_answered() -
     assert p.create_pod is not None and cond(body, "AwaitingFeedback")["status"] == "False"
 
 
-def test_a_run_over_the_deadline_still_counts_the_tokens_of_its_interim_report() -> None:
+def test_a_run_over_the_deadline_ends_once_its_pod_is_gone_with_every_token() -> None:
     body = flow(activeDeadlineSeconds=10)
     step(body)
     step(body, pod("f-0", "Running"), at=1)
+    # At the deadline the pod is stopped, but the run stays open: the pod may still finish an LLM
+    # call and write a newer interim report before it is gone.
+    p = step(body, pod("f-0", "Running"), at=11)
+    assert p.delete_pods == ["f-0"] and body["status"]["runs"][0].get("finishedAt") is None
+    stopping = {"f-0": PodView(name="f-0", phase="Running", created_at=fmt(T0), deleting=True)}
+    p = step(body, stopping, at=12)
+    assert p.delete_pods == [] and body["status"]["phase"] == Phase.RUNNING  # not deleted twice
+    late = report("f-0", RunResult.FAILED, reason=Reason.RUN_INTERRUPTED, usage=usage(4, 3))
+    p = step(body, {}, late, at=13)
+    assert body["status"]["usage"]["totalTokens"] == 7 and body["status"]["phase"] == Phase.FAILED
+    assert cond(body, "Succeeded")["reason"] == Reason.DEADLINE_EXCEEDED and p.create_pod is None
+
+
+def test_a_pod_that_will_not_stop_at_the_deadline_ends_its_run_anyway() -> None:
+    body = flow(activeDeadlineSeconds=10)
+    step(body)
+    step(body, pod("f-0", "Running"), at=1)
+    step(body, pod("f-0", "Running"), at=11)
+    stuck = {"f-0": PodView(name="f-0", phase="Running", created_at=fmt(T0), deleting=True)}
     interim = report("f-0", RunResult.FAILED, reason=Reason.RUN_INTERRUPTED, usage=usage(4, 1))
-    p = plan(body, pod("f-0", "Running"), None, now=T0 + dt.timedelta(seconds=11))
-    assert p.need_report and p.delete_pods == []  # nothing happens before the report is read
-    p = step(body, pod("f-0", "Running"), interim, at=11)
-    assert p.delete_pods == ["f-0"] and body["status"]["usage"]["totalTokens"] == 5
-    assert cond(body, "Succeeded")["reason"] == Reason.DEADLINE_EXCEEDED
+    p = step(body, stuck, interim, at=40)
+    assert body["status"]["phase"] == Phase.RUNNING and p.requeue_after is not None
+    step(body, stuck, interim, at=80)  # the node never confirmed the deletion
+    assert body["status"]["phase"] == Phase.FAILED and body["status"]["usage"]["totalTokens"] == 5
 
 
 def test_a_pod_killed_by_its_deadline_is_deadline_exceeded_with_its_tokens() -> None:

@@ -80,7 +80,6 @@ class Harness:
                 c.ENV_POD_NAME: pod,
                 c.ENV_TRIGGER: str(trigger),
                 c.ENV_SPEC: json.dumps(spec),
-                c.ENV_STATE_CONFIGMAP: c.state_configmap_name(self.flow),
                 c.ENV_PRIOR_TOTAL_TOKENS: str(prior_total_tokens),
                 "FLOWKUBE_STATE_DIR": str(self.state_dir),
                 "FLOWKUBE_TERMINATION_LOG": str(self.root / f"{pod}.termination"),

@@ -16,8 +16,8 @@ from flowkube_api import constants as c
 from flowkube_api.report import FeedbackRequest, RunReport, TokenUsage, Usage, excerpt
 from flowkube_runner.config import ConfigError, RunnerConfig
 from flowkube_runner.store import (
-    ConfigMapStore,
     FileStore,
+    StateApiStore,
     StateCorrupt,
     StateTooLarge,
     StoreError,
@@ -109,11 +109,11 @@ def test_file_store(tmp_path: Path) -> None:
         store.put("../escape", b"x")
 
 
-class FakeApiServer:
-    """Just enough of the API server for one ConfigMap: GET and JSON merge patch."""
+class FakeStateApi:
+    """The operator's state API as the runner sees it: GET/PUT of one key, bearer token required."""
 
     def __init__(self) -> None:
-        self.binary: dict[str, str] = {"other": base64.b64encode(b"keep").decode()}
+        self.values: dict[str, bytes] = {"other": b"keep"}
         self.requests: list[httpx.Request] = []
         self.fail_next = 0
 
@@ -121,34 +121,54 @@ class FakeApiServer:
         self.requests.append(request)
         if self.fail_next:
             self.fail_next -= 1
-            return httpx.Response(503, json={"message": "etcd leader changed"})
-        if request.url.path != "/api/v1/namespaces/ns/configmaps/demo-state":
-            return httpx.Response(404, json={"message": "not found"})
-        if request.method == "PATCH":
-            assert request.headers["content-type"] == "application/merge-patch+json"
-            patch: dict[str, Any] = json.loads(request.content)
-            self.binary.update(patch["binaryData"])
-        return httpx.Response(200, json={"metadata": {"name": "demo-state"}, "binaryData": self.binary})
+            return httpx.Response(503, json={"message": "the operator is starting; retry"})
+        assert request.headers["authorization"] == "Bearer pod-token"
+        key = request.url.path.removeprefix(c.STATE_API_PREFIX)
+        if request.method == "PUT":
+            self.values[key] = request.content
+            return httpx.Response(204)
+        if key not in self.values:
+            return httpx.Response(404, json={"message": "no such key"})
+        return httpx.Response(200, content=self.values[key])
 
 
-def test_configmap_store_patches_only_its_key(monkeypatch: pytest.MonkeyPatch) -> None:
+def state_store(tmp_path: Path, transport: Any, **kwargs: Any) -> StateApiStore:
+    (tmp_path / "token").write_text("pod-token\n")
+    store = StateApiStore.from_environment({c.ENV_STATE_URL: "https://operator:8443",
+                                            c.ENV_STATE_TOKEN_FILE: str(tmp_path / "token")})
+    store._client = httpx.Client(transport=httpx.MockTransport(transport), base_url="https://operator:8443",
+                                 auth=store._client.auth)
+    for k, v in kwargs.items():
+        setattr(store, f"_{k}", v)
+    return store
+
+
+def test_state_api_store_reads_and_writes_keys_with_the_pod_token(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("flowkube_runner.store.time.sleep", lambda _s: None)
-    server = FakeApiServer()
-    client = httpx.Client(transport=httpx.MockTransport(server), base_url="https://api")
-    store = ConfigMapStore(client, "ns", "demo-state")
+    server = FakeStateApi()
+    store = state_store(tmp_path, server)
     assert store.get(c.STATE_KEY) is None
     store.put(c.STATE_KEY, b"\x00state")
     assert store.get(c.STATE_KEY) == b"\x00state"
-    assert base64.b64decode(server.binary["other"]) == b"keep"
+    assert server.values["other"] == b"keep"
     server.fail_next = 2
-    assert store.get(c.STATE_KEY) == b"\x00state"  # transient 503s are retried
-    assert {r.method for r in server.requests} == {"GET", "PATCH"}
+    assert store.get(c.STATE_KEY) == b"\x00state"  # an operator restart's 503s are waited out
+    with pytest.raises(StoreError, match="invalid key"):
+        store.get("../x")
 
 
-def test_configmap_store_reports_missing_object() -> None:
-    client = httpx.Client(transport=httpx.MockTransport(FakeApiServer()), base_url="https://api")
-    with pytest.raises(StoreError, match="404"):
-        ConfigMapStore(client, "ns", "gone").get(c.STATE_KEY)
+def test_state_api_store_configuration_errors_are_clear() -> None:
+    with pytest.raises(StoreError, match=c.ENV_STATE_URL):
+        StateApiStore.from_environment({})
+    with pytest.raises(StoreError, match=c.ENV_STATE_CA):
+        StateApiStore.from_environment({c.ENV_STATE_URL: "https://x", c.ENV_STATE_CA: "not a certificate"})
+
+
+def test_state_api_store_too_large_is_state_too_large(tmp_path: Path) -> None:
+    store = state_store(tmp_path, lambda r: httpx.Response(413, json={"message": "too large"}))
+    with pytest.raises(StateTooLarge):
+        store.put(c.STATE_KEY, b"x")
 
 
 def env(**extra: str) -> dict[str, str]:
@@ -170,7 +190,6 @@ def test_config_from_env() -> None:
     assert config.spec.budget.max_total_tokens == 5
     assert config.feedback is not None and config.feedback.request_id == "r-1"
     assert config.prior_total_tokens == 7
-    assert config.state_configmap == "demo-state"
     assert config.termination_log == Path("/dev/termination-log")
 
 
@@ -189,18 +208,20 @@ def test_config_errors_name_their_reason(override: dict[str, str], reason: c.Rea
     assert info.value.reason is reason
 
 
-def test_configmap_store_waits_for_rbac_and_an_api_server_restart() -> None:
-    answers = [httpx.Response(403, json={"message": "forbidden"}), httpx.Response(503),
-               httpx.Response(200, json={"binaryData": {}})]
+def test_state_api_store_waits_out_an_operator_restart_but_not_a_refusal(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("flowkube_runner.store.time.sleep", lambda _s: None)
+    answers: list[Any] = [httpx.ConnectError("refused"), httpx.Response(503), httpx.Response(429),
+                          httpx.Response(409, json={"message": "earlier Flow's state"}), httpx.Response(404)]
 
     def server(request: httpx.Request) -> httpx.Response:
-        return answers.pop(0)
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer  # type: ignore[no-any-return]
 
-    client = httpx.Client(transport=httpx.MockTransport(server), base_url="https://api")
-    assert ConfigMapStore(client, "ns", "demo-state", retry_for=10).get(c.STATE_KEY) is None
+    assert state_store(tmp_path, server, retry_for=10).get(c.STATE_KEY) is None
     assert answers == []
-
-    denied = httpx.Client(transport=httpx.MockTransport(lambda r: httpx.Response(403, json={"message": "no"})),
-                          base_url="https://api")
-    with pytest.raises(StoreError):
-        ConfigMapStore(denied, "ns", "demo-state", retry_for=0.5).get(c.STATE_KEY)
+    with pytest.raises(StoreError, match="403"):
+        state_store(tmp_path, lambda r: httpx.Response(403, json={"message": "not a runner pod"}),
+                    retry_for=10, refused_for=0.5).get(c.STATE_KEY)

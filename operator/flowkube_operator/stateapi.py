@@ -1,0 +1,267 @@
+"""The state API: the only way a runner pod reaches its Flow's durable state.
+
+Runner pods hold no Kubernetes API credentials. Each gets a pod-bound ServiceAccount token for
+the audience `flowkube.io/state`, which the API server itself refuses. A runner sends it to
+`GET|PUT /v1/state/<key>`; the operator authenticates it with a TokenReview, reads the pod it is
+bound to from the review, checks that pod is a runner pod of a live Flow, and reads or writes one
+binaryData key of that Flow's `<flow>-state` ConfigMap. No request can name another Flow, and a
+token stops working when its pod is deleted.
+
+This replaces a ServiceAccount, Role and RoleBinding per Flow (three writes, two of them RBAC
+escalation checks, on every Flow's first run) with one TokenReview per runner pod.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import re
+import ssl
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from flowkube_api import constants as c
+from flowkube_operator import resources, selfmetrics
+from flowkube_operator.kube import ApiError, Kube, ns_path
+from flowkube_operator.reconcile import owner_uid
+
+Body = dict[str, Any]
+log = logging.getLogger("flowkube.state")
+
+POD_NAME_EXTRA = "authentication.kubernetes.io/pod-name"
+POD_UID_EXTRA = "authentication.kubernetes.io/pod-uid"
+SA_PREFIX = "system:serviceaccount:"
+CACHE_SECONDS = 60.0
+CACHE_LIMIT = 20_000
+BODY_LIMIT = 2 * 1024 * 1024
+KEY_PATTERN = re.compile(c.STATE_KEY_PATTERN)
+
+
+@dataclass(frozen=True)
+class Caller:
+    """The pod a token is bound to, as the API server vouched for it."""
+
+    namespace: str
+    pod: str
+    pod_uid: str
+
+
+@dataclass(frozen=True)
+class Target:
+    """The one Flow whose state a caller may touch."""
+
+    namespace: str
+    flow: str
+    flow_uid: str
+    pod: str
+    pod_uid: str
+
+
+class StateError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def caller_from_review(review: Body) -> Caller | None:
+    """The pod a successful TokenReview names, or None (not authenticated, not a pod-bound token)."""
+    status = review.get("status") or {}
+    if not status.get("authenticated") or c.STATE_AUDIENCE not in (status.get("audiences") or []):
+        return None
+    user = status.get("user") or {}
+    username = str(user.get("username") or "")
+    extra = user.get("extra") or {}
+    pods, uids = extra.get(POD_NAME_EXTRA) or [], extra.get(POD_UID_EXTRA) or []
+    if not username.startswith(SA_PREFIX) or len(pods) != 1 or len(uids) != 1:
+        return None
+    namespace = username[len(SA_PREFIX):].split(":", 1)[0]
+    return Caller(namespace=namespace, pod=str(pods[0]), pod_uid=str(uids[0]))
+
+
+def target_of_pod(pod: Body) -> Target | None:
+    """The Flow a runner pod belongs to: our labels and a Flow controller reference, or None."""
+    meta = pod.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    if labels.get(c.LABEL_MANAGED_BY) != c.MANAGED_BY or labels.get(c.LABEL_COMPONENT) != c.COMPONENT_RUNNER:
+        return None
+    ref = next((r for r in meta.get("ownerReferences") or []
+                if r.get("controller") and r.get("kind") == c.KIND and r.get("apiVersion") == c.API_VERSION), None)
+    if ref is None or ref.get("name") != labels.get(c.LABEL_FLOW):
+        return None
+    return Target(namespace=meta.get("namespace", ""), flow=str(ref["name"]), flow_uid=str(ref.get("uid", "")),
+                  pod=meta.get("name", ""), pod_uid=meta.get("uid", ""))
+
+
+# The controller's pod cache: (namespace, pod name) -> the pod's Target, if it knows the pod.
+PodLookup = Callable[[str, str], Target | None]
+
+
+class StateApi:
+    def __init__(self, kube: Callable[[], Kube | None], cached_pod: PodLookup) -> None:
+        self._kube = kube
+        self._cached_pod = cached_pod
+        self._tokens: dict[str, tuple[float, Target]] = {}  # sha256(token) -> (valid until, target)
+        self._cm_uids: dict[str, str] = {}  # Flow uid -> uid of its state ConfigMap
+
+    def _client(self) -> Kube:
+        kube = self._kube()
+        if kube is None:
+            raise StateError(503, "the operator is starting; retry")
+        return kube
+
+    # -- authentication ------------------------------------------------------------------------------
+
+    async def authenticate(self, authorization: str) -> Target:
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise StateError(401, "a bearer token (the pod's flowkube.io/state token) is required")
+        digest = hashlib.sha256(token.strip().encode()).hexdigest()
+        now = time.monotonic()
+        hit = self._tokens.get(digest)
+        if hit is not None and hit[0] > now:
+            cached = self._cached_pod(hit[1].namespace, hit[1].pod)
+            if cached is not None and cached.pod_uid == hit[1].pod_uid:
+                return hit[1]
+            self._tokens.pop(digest, None)  # the pod is gone (or the cache lags): review again
+        target = await self._review(token.strip())
+        if len(self._tokens) >= CACHE_LIMIT:
+            self._tokens = {k: v for k, v in self._tokens.items() if v[0] > now}
+            if len(self._tokens) >= CACHE_LIMIT:
+                self._tokens.clear()
+        self._tokens[digest] = (now + CACHE_SECONDS, target)
+        return target
+
+    async def _review(self, token: str) -> Target:
+        kube = self._client()
+        try:
+            review = await kube.request("POST", "/apis/authentication.k8s.io/v1/tokenreviews", {
+                "apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
+                "spec": {"token": token, "audiences": [c.STATE_AUDIENCE]}})
+        except ApiError as e:
+            raise StateError(503 if e.status >= 500 or e.status == 429 else 500,
+                             f"token review failed: {e}") from e
+        caller = caller_from_review(review)
+        if caller is None:
+            raise StateError(401, f"not a pod-bound token for audience {c.STATE_AUDIENCE}")
+        target = self._cached_pod(caller.namespace, caller.pod)
+        if target is None or target.pod_uid != caller.pod_uid:
+            pod = await kube.get(ns_path(caller.namespace, "pods", caller.pod))
+            target = target_of_pod(pod) if pod is not None else None
+        if target is None or target.pod_uid != caller.pod_uid:
+            raise StateError(403, f"pod {caller.namespace}/{caller.pod} is not a flowkube runner pod")
+        return target
+
+    # -- the Flow's state ConfigMap ------------------------------------------------------------------
+
+    def forget_flow(self, flow_uid: str) -> None:
+        self._cm_uids.pop(flow_uid, None)
+
+    async def _own_configmap(self, t: Target) -> Body | None:
+        """The Flow's state ConfigMap; None if absent. One left by an earlier Flow of the same
+        name (garbage collection is asynchronous) is not this Flow's: a conflict, retried."""
+        cm = await self._client().get(ns_path(t.namespace, "configmaps", c.state_configmap_name(t.flow)))
+        if cm is None:
+            return None
+        if owner_uid(cm["metadata"]) != t.flow_uid:
+            raise StateError(409, f"configmap {c.state_configmap_name(t.flow)} still belongs to an earlier "
+                                  "Flow of the same name; retry once it is garbage-collected")
+        self._cm_uids[t.flow_uid] = cm["metadata"]["uid"]
+        return cm
+
+    async def get(self, t: Target, key: str) -> bytes | None:
+        cm = await self._own_configmap(t)
+        value = ((cm or {}).get("binaryData") or {}).get(key)
+        return base64.b64decode(value) if value is not None else None
+
+    async def put(self, t: Target, key: str, value: bytes) -> None:
+        kube = self._client()
+        data = {key: base64.b64encode(value).decode("ascii")}
+        path = ns_path(t.namespace, "configmaps", c.state_configmap_name(t.flow))
+        for _ in range(3):
+            uid = self._cm_uids.get(t.flow_uid)
+            if uid is None and await self._own_configmap(t) is None:
+                flow = {"metadata": {"name": t.flow, "namespace": t.namespace, "uid": t.flow_uid}}
+                created = await kube.create(ns_path(t.namespace, "configmaps"),
+                                            {**resources.state_configmap(flow), "binaryData": data})
+                if created is not None:
+                    self._cm_uids[t.flow_uid] = created["metadata"]["uid"]
+                    return
+                continue  # made by a concurrent write: patch it
+            uid = self._cm_uids.get(t.flow_uid)
+            try:
+                # The uid is a precondition: never write into a same-named ConfigMap of another Flow.
+                await kube.merge_patch(path, {"metadata": {"uid": uid}, "binaryData": data})
+                return
+            except ApiError as e:
+                if e.status == 404 or (e.status == 409 and "UID" in str(e)):
+                    self.forget_flow(t.flow_uid)
+                    continue
+                raise
+        raise StateError(409, f"configmap {c.state_configmap_name(t.flow)} keeps changing owner; retry")
+
+    # -- HTTP ----------------------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=BODY_LIMIT)
+        app.router.add_get(c.STATE_API_PREFIX + "{key}", self._handle(self._get))
+        app.router.add_put(c.STATE_API_PREFIX + "{key}", self._handle(self._put))
+        return app
+
+    def _handle(self, fn: Callable[[web.Request, Target, str], Awaitable[web.Response]]
+                ) -> Callable[[web.Request], Awaitable[web.Response]]:
+        async def handler(request: web.Request) -> web.Response:
+            code = 500
+            try:
+                key = request.match_info["key"]
+                if not KEY_PATTERN.fullmatch(key):
+                    raise StateError(400, f"invalid key {key!r}")
+                target = await self.authenticate(request.headers.get("Authorization", ""))
+                response = await fn(request, target, key)
+            except StateError as e:
+                response = _error(e.status, str(e))
+            except ApiError as e:
+                status = 413 if e.status == 422 and "Too long" in str(e) else (
+                    503 if e.status >= 500 or e.status == 429 else 502)
+                if status != 413:
+                    log.warning("state API: %s", e)
+                response = _error(status, str(e))
+            except Exception as e:
+                log.exception("state API failed")
+                response = _error(500, f"internal error: {type(e).__name__}")
+            code = response.status
+            selfmetrics.STATE_REQUESTS.labels(request.method, str(code)).inc()
+            return response
+
+        return handler
+
+    async def _get(self, _: web.Request, t: Target, key: str) -> web.Response:
+        value = await self.get(t, key)
+        if value is None:
+            return _error(404, f"no {key} in the state of flow {t.namespace}/{t.flow}")
+        return web.Response(body=value, content_type="application/octet-stream")
+
+    async def _put(self, request: web.Request, t: Target, key: str) -> web.Response:
+        value = await request.read()
+        if len(value) > c.STATE_LIMIT:
+            return _error(413, f"{len(value)} bytes is over the {c.STATE_LIMIT}-byte limit of one value")
+        await self.put(t, key, value)
+        return web.Response(status=204)
+
+    async def serve(self, host: str, port: int, cert: str, key: str) -> web.AppRunner:
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(cert, key)
+        runner = web.AppRunner(self.app(), access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, host, port, ssl_context=ctx).start()
+        log.info("serving the state API on https://%s:%s", host, port)
+        return runner
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.Response(status=status, text=json.dumps({"message": message}), content_type="application/json")
