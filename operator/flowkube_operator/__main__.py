@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
         quiet=settings.log_level in ("WARNING", "ERROR"),
     )
     logging.getLogger().setLevel(settings.log_level)
-    handlers.prepare_tls()
+    asyncio.run(handlers.prepare_tls())  # before kopf: its servers start with their files in place
     namespaces = settings.watch_namespaces
     liveness = f"http://{settings.bind_address}:{settings.health_port}/healthz" if settings.health_port else None
     with contextlib.suppress(KeyboardInterrupt):

@@ -25,7 +25,7 @@ from pydantic import ValidationError
 
 from flowkube_api import constants as c
 from flowkube_api.report import RunReport
-from flowkube_operator import resources, selfmetrics, stateapi
+from flowkube_operator import resources, selfmetrics
 from flowkube_operator.kube import ApiError, Kube, collection_path, ns_path
 from flowkube_operator.reconcile import Plan, PodView, owner_uid, plan
 from flowkube_operator.settings import Settings
@@ -133,6 +133,8 @@ class Controller:
         self.pods: dict[Key, dict[str, PodView]] = {}
         self.queue = WorkQueue()
         self.state_ca = ""  # PEM of the CA runner pods trust for the state API
+        self._active: dict[Key, str] = {}  # Flow -> the pod of its running attempt
+        self._active_pods: dict[tuple[str, str], tuple[str, str]] = {}  # (ns, pod) -> (flow, flow uid)
         self._on_flow_change = on_flow_change
         self.on_flow_deleted: Callable[[str], None] = lambda uid: None  # the state API forgets its caches
         self._tasks: list[asyncio.Task[None]] = []
@@ -149,12 +151,14 @@ class Controller:
             self.flows.pop(key, None)
             self.pods.pop(key, None)
             self.on_flow_deleted(meta.get("uid", ""))
+            self._track_active(key, "", None)
             self._on_flow_change(key, None)
         else:
             old = self.flows.get(key)
             if old is not None and old[0] > _rv(body) and old[1] == meta.get("uid"):
                 return  # an event older than what our own write already told us
             self.flows[key] = (_rv(body), meta.get("uid", ""), json.dumps(_slim(body), separators=(",", ":")).encode())
+            self._track_active(key, meta.get("uid", ""), body)
             self._on_flow_change(key, body)
             self.queue.add(key)
         selfmetrics.FLOWS_CACHED.set(len(self.flows))
@@ -179,13 +183,26 @@ class Controller:
         if key in self.flows:
             self.queue.add(key)
 
-    def runner_pod(self, namespace: str, pod: str) -> stateapi.Target | None:
-        """A cached runner pod by name (pod names are `<flow>-<index>`), for the state API."""
-        flow = pod.rsplit("-", 1)[0]
-        view = self.pods.get((namespace, flow), {}).get(pod)
-        if view is None or not view.uid or not view.owner_uid:
+    def _track_active(self, key: Key, uid: str, body: Body | None) -> None:
+        """Which pod is each Flow's running attempt (the unfinished last run), for the state API."""
+        runs = ((body or {}).get("status") or {}).get("runs") or []
+        pod = runs[-1].get("pod") if runs and isinstance(runs[-1], dict) and not runs[-1].get("finishedAt") else None
+        old = self._active.pop(key, None)
+        if old is not None:
+            self._active_pods.pop((key[0], old), None)
+        if pod:
+            self._active[key] = pod
+            self._active_pods[(key[0], pod)] = (key[1], uid)
+
+    def active_run(self, namespace: str, pod: str) -> tuple[str, str, str] | None:
+        """(flow, flow uid, pod uid or "" if its watch event is not in yet) when `pod` is a Flow's
+        running attempt; None otherwise. O(1): the state API asks on every request."""
+        hit = self._active_pods.get((namespace, pod))
+        if hit is None:
             return None
-        return stateapi.Target(namespace=namespace, flow=flow, flow_uid=view.owner_uid, pod=pod, pod_uid=view.uid)
+        flow, uid = hit
+        view = self.pods.get((namespace, flow), {}).get(pod)
+        return flow, uid, view.uid if view is not None and view.owner_uid == uid else ""
 
     # -- workers -------------------------------------------------------------------------------------
 

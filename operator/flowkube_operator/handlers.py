@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
+from urllib.parse import urlsplit
 
 import kopf
 from aiohttp import web
@@ -23,34 +25,30 @@ SETTINGS = Settings()
 FLOW_METRICS = FlowMetrics(per_flow=SETTINGS.metrics_per_flow)
 _state: dict[str, Any] = {}
 CONTROLLER = Controller(SETTINGS, on_flow_change=FLOW_METRICS.update)
-STATE_API = StateApi(lambda: _state.get("kube"), CONTROLLER.runner_pod)
+STATE_API = StateApi(lambda: _state.get("kube"), CONTROLLER.active_run)
 CONTROLLER.on_flow_deleted = STATE_API.forget_flow
 
 
-def prepare_tls() -> tls.ServingTLS:
-    """The CA (kept across restarts) and a fresh serving certificate; before kopf starts, so both
-    servers start with their files in place. Runner pods are told the CA; webhooks get it as caBundle."""
+async def prepare_tls() -> tls.ServingTLS:
+    """The CA (kept across restarts) and a fresh serving certificate. Runner pods are told the CA;
+    the webhook configurations get it as caBundle. `main` runs this before kopf starts, so both
+    servers find their files in place."""
     if SETTINGS.tls_secret:
-        import asyncio
-
         ks = kopf.OperatorSettings()
         info = (kopf.login_with_service_account(logger=log, settings=ks)
                 or kopf.login_with_kubeconfig(logger=log, settings=ks))
         if info is None:
             raise RuntimeError("no credentials to read the CA Secret " + SETTINGS.tls_secret)
-
-        async def read() -> tls.CA:
-            kube = Kube(info)
-            try:
-                return await tls.ca_from_secret(kube, SETTINGS.tls_secret)
-            finally:
-                await kube.close()
-
-        ca = asyncio.run(read())
+        kube = Kube(info)
+        try:
+            ca = await tls.ca_from_secret(kube, SETTINGS.tls_secret)
+        finally:
+            await kube.close()
     else:
+        if os.environ.get("KUBERNETES_SERVICE_HOST"):
+            log.warning("FLOWKUBE_TLS_SECRET is not set: the CA lives in %s and a new pod makes a new one, "
+                        "which running runner pods will not trust", SETTINGS.webhook_cert_dir)
         ca = tls.ca_from_dir(SETTINGS.webhook_cert_dir)
-    from urllib.parse import urlsplit
-
     hosts = [SETTINGS.webhook_host, urlsplit(SETTINGS.state_endpoint).hostname or ""]
     serving = tls.issue(ca, SETTINGS.webhook_cert_dir, hosts, SETTINGS.webhook_service)
     _state["tls"] = serving
@@ -85,7 +83,7 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.networking.request_timeout = 30
-    serving: tls.ServingTLS = _state.get("tls") or prepare_tls()
+    serving: tls.ServingTLS = _state.get("tls") or await prepare_tls()
     if SETTINGS.webhook_enabled:
         settings.admission.server = webhook.FlowkubeWebhookServer(
             addr=SETTINGS.bind_address, port=SETTINGS.webhook_port, host=SETTINGS.webhook_host,

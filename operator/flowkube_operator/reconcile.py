@@ -234,14 +234,24 @@ class _Reconciler:
         pod = self.pods.get(run.pod)
         if pod is not None and run.started_at is None:
             run.started_at = pod.created_at or fmt(self.now)
+        if pod is None and run.started_at is None:
+            # Recorded but never seen: the pod was not created yet (or the cache lags). Ensure it.
+            self.plan.create_pod = self._intent(len(self.runs) - 1, run.trigger)
+            self.st.phase = Phase.PENDING
+            return
+        final = None  # a pod gone without our seeing it end may have left its final report
+        if pod is None:
+            rep = self._report_of(run)
+            final = rep if rep is not None and rep.reason != Reason.RUN_INTERRUPTED else None
+        # The deadline is judged at the moment the run ended, if it did, not when we look.
+        ended = parse(pod.finished_at) if pod is not None and pod.terminated else (final.finished_at if final else None)
         limit = self.spec.active_deadline_seconds
-        over = running_seconds(self.runs, self.now) - limit if limit is not None and run.started_at else None
-        if over is not None and over >= 0 and (pod is None or pod.terminated or over > STOP_GRACE_SECONDS):
+        over = running_seconds(self.runs, ended or self.now) - limit if limit is not None else None
+        finished_ok = pod is not None and pod.terminated and pod.exit_code == 0
+        if over is not None and over >= 0 and not finished_ok and (
+                pod is None or pod.terminated or over > STOP_GRACE_SECONDS):
             # Over the deadline, and the pod stopped (or will not stop): end the run only now, so the
             # report read below has every LLM call the pod completed before it was stopped.
-            if pod is not None and pod.terminated and pod.exit_code == 0:
-                self._end_from_pod(run, pod)  # it finished on its own, just as time ran out
-                return
             if pod is not None and not pod.terminated and not pod.deleting:
                 self.plan.delete_pods.append(run.pod)
             run.exit_code = pod.exit_code if pod is not None else None
@@ -250,19 +260,14 @@ class _Reconciler:
                           finished_at=pod.finished_at if pod is not None else None)
             return
         if pod is None:
-            if run.started_at is None:
-                # Recorded but never seen: the pod was not created yet (or the cache lags). Ensure it.
-                self.plan.create_pod = self._intent(len(self.runs) - 1, run.trigger)
-                self.st.phase = Phase.PENDING
-                return
-            rep = self._report_of(run)
-            if rep is not None and rep.reason != Reason.RUN_INTERRUPTED:
+            if final is not None:
                 # It finished and reported; its pod was deleted before we saw it end (the operator
                 # was down). The run stands as reported: running it again would repeat its work.
-                self._end_run(run, rep, rep.result, rep.reason, rep.message,
-                              finished_at=fmt(rep.finished_at) if rep.finished_at else None)
+                run.exit_code = final.exit_code
+                self._end_run(run, final, final.result, final.reason, final.message,
+                              finished_at=fmt(final.finished_at) if final.finished_at else None)
                 return
-            self._end_run(run, rep, RunResult.FAILED, Reason.POD_DELETED,
+            self._end_run(run, self._report_of(run), RunResult.FAILED, Reason.POD_DELETED,
                           f"runner pod {run.pod} disappeared before it finished")
             return
         if pod.terminated:

@@ -13,6 +13,7 @@ escalation checks, on every Flow's first run) with one TokenReview per runner po
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import json
@@ -38,6 +39,8 @@ POD_NAME_EXTRA = "authentication.kubernetes.io/pod-name"
 POD_UID_EXTRA = "authentication.kubernetes.io/pod-uid"
 SA_PREFIX = "system:serviceaccount:"
 CACHE_SECONDS = 60.0
+REFUSED_CACHE_SECONDS = 5.0
+REVIEW_CONCURRENCY = 16
 CACHE_LIMIT = 20_000
 BODY_LIMIT = 2 * 1024 * 1024
 KEY_PATTERN = re.compile(c.STATE_KEY_PATTERN)
@@ -98,16 +101,37 @@ def target_of_pod(pod: Body) -> Target | None:
                   pod=meta.get("name", ""), pod_uid=meta.get("uid", ""))
 
 
-# The controller's pod cache: (namespace, pod name) -> the pod's Target, if it knows the pod.
-PodLookup = Callable[[str, str], Target | None]
+# The controller's view: for (namespace, pod name), the Flow whose running attempt that pod is, as
+# (flow name, flow uid, the pod's uid if its watch event has been seen, else ""); None otherwise.
+ActiveRun = Callable[[str, str], tuple[str, str, str] | None]
+
+
+def claims(token: str) -> dict[str, Any]:
+    """The JWT's payload, unverified: only to turn junk away before a TokenReview is spent on it."""
+    try:
+        payload = token.split(".")[1]
+        decoded = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+    except (IndexError, ValueError):
+        return {}
+    return decoded if isinstance(decoded, dict) else {}
+
+
+def plausible(token: str) -> bool:
+    """A pod-bound ServiceAccount token for our audience, by its (unverified) claims."""
+    found = claims(token)
+    aud = found.get("aud")
+    audiences = aud if isinstance(aud, list) else [aud]
+    pod = (found.get("kubernetes.io") or {}).get("pod") if isinstance(found.get("kubernetes.io"), dict) else None
+    return c.STATE_AUDIENCE in audiences and isinstance(pod, dict)
 
 
 class StateApi:
-    def __init__(self, kube: Callable[[], Kube | None], cached_pod: PodLookup) -> None:
+    def __init__(self, kube: Callable[[], Kube | None], active_run: ActiveRun) -> None:
         self._kube = kube
-        self._cached_pod = cached_pod
-        self._tokens: dict[str, tuple[float, Target]] = {}  # sha256(token) -> (valid until, target)
+        self._active_run = active_run
+        self._tokens: dict[str, tuple[float, Target | StateError]] = {}  # sha256(token) -> (until, outcome)
         self._cm_uids: dict[str, str] = {}  # Flow uid -> uid of its state ConfigMap
+        self._reviews = asyncio.Semaphore(REVIEW_CONCURRENCY)
 
     def _client(self) -> Kube:
         kube = self._kube()
@@ -115,47 +139,90 @@ class StateApi:
             raise StateError(503, "the operator is starting; retry")
         return kube
 
-    # -- authentication ------------------------------------------------------------------------------
+    # -- authentication and authorization ------------------------------------------------------------
+
+    def _running(self, t: Target) -> bool:
+        """Is t's pod (still) the running attempt of its Flow?"""
+        active = self._active_run(t.namespace, t.pod)
+        return active is not None and active[:2] == (t.flow, t.flow_uid) and active[2] in ("", t.pod_uid)
 
     async def authenticate(self, authorization: str) -> Target:
         scheme, _, token = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
             raise StateError(401, "a bearer token (the pod's flowkube.io/state token) is required")
-        digest = hashlib.sha256(token.strip().encode()).hexdigest()
+        if not plausible(token):
+            raise StateError(401, f"not a pod-bound token for audience {c.STATE_AUDIENCE}")
+        digest = hashlib.sha256(token.encode()).hexdigest()
         now = time.monotonic()
         hit = self._tokens.get(digest)
         if hit is not None and hit[0] > now:
-            cached = self._cached_pod(hit[1].namespace, hit[1].pod)
-            if cached is not None and cached.pod_uid == hit[1].pod_uid:
+            if isinstance(hit[1], StateError):
+                raise hit[1]  # refused a moment ago: no second TokenReview for it yet
+            if self._running(hit[1]):
                 return hit[1]
-            self._tokens.pop(digest, None)  # the pod is gone (or the cache lags): review again
-        target = await self._review(token.strip())
+        try:
+            outcome: Target | StateError = await self._authorize(token)
+            until = now + CACHE_SECONDS
+        except StateError as e:
+            if e.status not in (401, 403):
+                raise
+            outcome, until = e, now + REFUSED_CACHE_SECONDS
         if len(self._tokens) >= CACHE_LIMIT:
             self._tokens = {k: v for k, v in self._tokens.items() if v[0] > now}
             if len(self._tokens) >= CACHE_LIMIT:
                 self._tokens.clear()
-        self._tokens[digest] = (now + CACHE_SECONDS, target)
-        return target
+        self._tokens[digest] = (until, outcome)
+        if isinstance(outcome, StateError):
+            raise outcome
+        return outcome
 
-    async def _review(self, token: str) -> Target:
+    async def _authorize(self, token: str) -> Target:
         kube = self._client()
-        try:
-            review = await kube.request("POST", "/apis/authentication.k8s.io/v1/tokenreviews", {
-                "apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
-                "spec": {"token": token, "audiences": [c.STATE_AUDIENCE]}})
-        except ApiError as e:
-            raise StateError(503 if e.status >= 500 or e.status == 429 else 500,
-                             f"token review failed: {e}") from e
+        async with self._reviews:
+            try:
+                review = await kube.request("POST", "/apis/authentication.k8s.io/v1/tokenreviews", {
+                    "apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
+                    "spec": {"token": token, "audiences": [c.STATE_AUDIENCE]}})
+            except ApiError as e:
+                log.warning("state API: token review failed: %s", e)
+                raise StateError(503 if e.status >= 500 or e.status == 429 else 500,
+                                 f"token review failed (HTTP {e.status}); see the operator's log") from e
         caller = caller_from_review(review)
         if caller is None:
-            raise StateError(401, f"not a pod-bound token for audience {c.STATE_AUDIENCE}")
-        target = self._cached_pod(caller.namespace, caller.pod)
-        if target is None or target.pod_uid != caller.pod_uid:
-            pod = await kube.get(ns_path(caller.namespace, "pods", caller.pod))
-            target = target_of_pod(pod) if pod is not None else None
-        if target is None or target.pod_uid != caller.pod_uid:
-            raise StateError(403, f"pod {caller.namespace}/{caller.pod} is not a flowkube runner pod")
-        return target
+            raise StateError(401, f"not a valid pod-bound token for audience {c.STATE_AUDIENCE}")
+        refused = StateError(403, f"pod {caller.namespace}/{caller.pod} is not the running attempt of a Flow")
+        active = self._active_run(caller.namespace, caller.pod)
+        if active is not None and active[2]:
+            flow, flow_uid, pod_uid = active
+        else:  # the caches lag (a restarted operator, a pod just made): ask the API server
+            try:
+                found = await self._live_target(kube, caller)
+            except ApiError as e:
+                log.warning("state API: reading %s/%s: %s", caller.namespace, caller.pod, e)
+                raise StateError(503, "could not read the pod or its Flow; retry") from e
+            if found is None or (active is not None and active[:2] != (found.flow, found.flow_uid)):
+                raise refused
+            flow, flow_uid, pod_uid = found.flow, found.flow_uid, found.pod_uid
+        if pod_uid != caller.pod_uid:
+            raise refused
+        return Target(namespace=caller.namespace, flow=flow, flow_uid=flow_uid, pod=caller.pod,
+                      pod_uid=caller.pod_uid)
+
+    @staticmethod
+    async def _live_target(kube: Kube, caller: Caller) -> Target | None:
+        """The caller's pod and Flow as the API server has them: a runner pod, controlled by a Flow
+        whose last run is this pod and is not finished."""
+        pod = await kube.get(ns_path(caller.namespace, "pods", caller.pod))
+        target = target_of_pod(pod) if pod is not None else None
+        if target is None:
+            return None
+        flow = await kube.get(ns_path(caller.namespace, c.PLURAL, target.flow, group=c.GROUP, version=c.VERSION))
+        if flow is None or flow["metadata"].get("uid") != target.flow_uid:
+            return None
+        runs = (flow.get("status") or {}).get("runs") or []
+        running = bool(runs) and runs[-1].get("pod") == caller.pod and not runs[-1].get("finishedAt")
+        return target if running else None
 
     # -- the Flow's state ConfigMap ------------------------------------------------------------------
 
@@ -199,7 +266,9 @@ class StateApi:
                 await kube.merge_patch(path, {"metadata": {"uid": uid}, "binaryData": data})
                 return
             except ApiError as e:
-                if e.status == 404 or (e.status == 409 and "UID" in str(e)):
+                # A uid that does not match is refused as an immutable field (422) or a failed
+                # precondition (409): the ConfigMap was replaced; look again.
+                if e.status == 404 or (e.status in (409, 422) and "uid" in str(e).lower()):
                     self.forget_flow(t.flow_uid)
                     continue
                 raise
@@ -220,17 +289,22 @@ class StateApi:
             try:
                 key = request.match_info["key"]
                 if not KEY_PATTERN.fullmatch(key):
-                    raise StateError(400, f"invalid key {key!r}")
+                    raise StateError(400, "invalid key")
                 target = await self.authenticate(request.headers.get("Authorization", ""))
+                if key not in (c.STATE_KEY, c.report_key(target.pod)):
+                    raise StateError(403, f"a run may use only {c.STATE_KEY} and its own report key")
                 response = await fn(request, target, key)
             except StateError as e:
                 response = _error(e.status, str(e))
+            except web.HTTPException as e:  # e.g. a body over the size limit
+                response = _error(e.status, e.reason)
             except ApiError as e:
-                status = 413 if e.status == 422 and "Too long" in str(e) else (
-                    503 if e.status >= 500 or e.status == 429 else 502)
-                if status != 413:
-                    log.warning("state API: %s", e)
-                response = _error(status, str(e))
+                if e.status == 422 and "too long" in str(e).lower():
+                    response = _error(413, "the Flow's state is over the 1 MiB limit of a ConfigMap")
+                else:
+                    log.warning("state API: %s", e)  # details stay in the operator's log
+                    response = _error(503 if e.status >= 500 or e.status == 429 else 502,
+                                      f"the API server answered HTTP {e.status}; see the operator's log")
             except Exception as e:
                 log.exception("state API failed")
                 response = _error(500, f"internal error: {type(e).__name__}")
@@ -247,6 +321,8 @@ class StateApi:
         return web.Response(body=value, content_type="application/octet-stream")
 
     async def _put(self, request: web.Request, t: Target, key: str) -> web.Response:
+        if (request.content_length or 0) > c.STATE_LIMIT:
+            return _error(413, f"{request.content_length} bytes is over the {c.STATE_LIMIT}-byte limit of one value")
         value = await request.read()
         if len(value) > c.STATE_LIMIT:
             return _error(413, f"{len(value)} bytes is over the {c.STATE_LIMIT}-byte limit of one value")

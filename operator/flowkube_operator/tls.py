@@ -14,12 +14,11 @@ import ipaddress
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from flowkube_operator.kube import ApiError, Kube, ns_path
 
@@ -45,6 +44,14 @@ def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
                              serialization.NoEncryption())
 
 
+def _key_usage(*, cert_sign: bool) -> x509.KeyUsage:
+    # Strict verifiers (Python 3.13's default context sets VERIFY_X509_STRICT) require key usage and
+    # key identifiers on both certificates.
+    return x509.KeyUsage(digital_signature=not cert_sign, content_commitment=False, key_encipherment=False,
+                         data_encipherment=False, key_agreement=False, key_cert_sign=cert_sign,
+                         crl_sign=cert_sign, encipher_only=False, decipher_only=False)
+
+
 def new_ca() -> CA:
     now = dt.datetime.now(dt.UTC)
     key = ec.generate_private_key(ec.SECP256R1())
@@ -53,6 +60,8 @@ def new_ca() -> CA:
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=3650))
             .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(_key_usage(cert_sign=True), critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
             .sign(key, hashes.SHA256()))
     return CA(cert.public_bytes(serialization.Encoding.PEM), _pem_key(key))
 
@@ -84,8 +93,13 @@ def issue(ca: CA, cert_dir: str, hosts: Iterable[str], service: str) -> ServingT
     cert = (x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "flowkube-operator")]))
             .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=365))
+            .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(ca_cert.not_valid_after_utc)
             .add_extension(x509.SubjectAlternativeName(serving_names(hosts, service)), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(_key_usage(cert_sign=False), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
             .sign(ca_key, hashes.SHA256()))
     files = {"cafile": d / CA_CERT, "certfile": d / "tls.crt", "keyfile": d / "tls.key"}
     files["cafile"].write_bytes(ca.cert_pem)
@@ -110,28 +124,35 @@ def ca_from_dir(cert_dir: str) -> CA:
 
 
 async def ca_from_secret(kube: Kube, secret: str) -> CA:
-    """The CA kept in Secret `namespace/name`, made on first use (a racing replica's wins)."""
+    """The CA kept in Secret `namespace/name`, made on first use. The chart creates the Secret empty
+    and grants get/patch on it alone; without a chart, the Secret is created (if RBAC allows)."""
     ns, name = secret.split("/", 1)
     path = ns_path(ns, "secrets", name)
-    for _ in range(3):
+    for _ in range(5):
         existing = await kube.get(path)
         data = (existing or {}).get("data") or {}
         if data.get(CA_CERT) and data.get(CA_KEY):
             return CA(base64.b64decode(data[CA_CERT]), base64.b64decode(data[CA_KEY]))
+        if data.get(CA_CERT) or data.get(CA_KEY):
+            raise RuntimeError(f"the CA Secret {secret} holds only one of {CA_CERT} and {CA_KEY}; "
+                               "delete both keys to have a new CA made (running runner pods then fail)")
         ca = new_ca()
-        meta: dict[str, Any] = {"name": name, "namespace": ns,
-                                "labels": {"app.kubernetes.io/managed-by": "flowkube-operator"}}
-        data = {CA_CERT: base64.b64encode(ca.cert_pem).decode(), CA_KEY: base64.b64encode(ca.key_pem).decode()}
-        body = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": meta, "data": data}
-        if existing is None:
-            if await kube.create(ns_path(ns, "secrets"), body) is not None:
+        encoded = {CA_CERT: base64.b64encode(ca.cert_pem).decode(), CA_KEY: base64.b64encode(ca.key_pem).decode()}
+        try:
+            if existing is None:
+                body = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+                        "metadata": {"name": name, "namespace": ns}, "data": encoded}
+                if await kube.create(ns_path(ns, "secrets"), body) is not None:
+                    return ca
+            else:  # there, but empty (the chart made it): fill it in, unless someone else just did
+                await kube.merge_patch(path, {"metadata": {"resourceVersion": existing["metadata"]["resourceVersion"]},
+                                              "data": encoded})
                 return ca
-        else:  # there, but empty (made by hand or by the chart): fill it in
-            meta["resourceVersion"] = existing["metadata"]["resourceVersion"]
-            try:
-                await kube.merge_patch(path, {"metadata": meta, "data": data})
-                return ca
-            except ApiError as e:
-                if e.status != 409:
-                    raise
+        except ApiError as e:
+            if e.status == 403:
+                raise RuntimeError(f"the operator may not read or fill the CA Secret {secret} ({e}); the chart "
+                                   "creates it and grants get/patch on it: was it deleted, or is rbac.create off?"
+                                   ) from e
+            if e.status != 409:
+                raise
     raise RuntimeError(f"could not read or create the CA Secret {secret}")

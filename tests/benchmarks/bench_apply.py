@@ -6,9 +6,11 @@
 2. Burst: N Flows applied as fast as C concurrent clients can; sustained Flows/s until all
    runner pods exist, next to a plain client creating N pods with the same concurrency. Run with
    one client (a kubectl loop, a CI job) and with 16 (enough to saturate the API server here).
-3. CPU: seconds each process spent per Flow and per raw pod in the bursts, from /proc. It shows
-   where a burst's time goes and what bounds the ratio: a Flow is at least three API writes (its
-   create, its status, its pod) where a raw pod is one.
+3. CPU: milliseconds each process spent per Flow and per raw pod in the bursts, from /proc: where a
+   burst's time goes.
+0. Before the operator starts: the API server's CPU per write of each kind a Flow needs (its
+   create, one status update, its pod), one client, nobody watching. A Flow needs all three where a
+   raw pod is one, which bounds the ratio on a host where the API server is the bottleneck.
 No node agent runs, so pods stay Pending: this measures the operator and the API server only.
 """
 
@@ -28,6 +30,8 @@ from typing import Any
 import aiohttp
 import yaml
 
+from flowkube_api import constants as c
+from flowkube_api import crd
 from flowkube_devstack.cluster import LocalCluster
 from flowkube_devstack.operator import OperatorProcess
 
@@ -63,7 +67,22 @@ def flow(name: str) -> dict[str, Any]:
 
 def pod(name: str) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
-            "spec": {"restartPolicy": "Never", "containers": [{"name": "c", "image": "x", "command": ["true"]}]}}
+            # Like a runner pod, without the namespace's API token (runner pods carry only their own).
+            "spec": {"restartPolicy": "Never", "automountServiceAccountToken": False,
+                     "containers": [{"name": "c", "image": "x", "command": ["true"]}]}}
+
+
+async def namespace(client: Client, ns: str) -> None:
+    """Create ns and wait for its default ServiceAccount (pod admission needs it)."""
+    await client.post("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+    deadline = time.perf_counter() + 30
+    while True:
+        async with client.session.get(f"{client.server}/api/v1/namespaces/{ns}/serviceaccounts/default") as r:
+            if r.status == 200:
+                return
+        if time.perf_counter() > deadline:
+            raise TimeoutError(f"no default ServiceAccount in {ns}")
+        await asyncio.sleep(0.05)
 
 
 async def until(pred: Any, limit: float) -> None:
@@ -72,6 +91,57 @@ async def until(pred: Any, limit: float) -> None:
         if time.perf_counter() > deadline:
             raise TimeoutError("benchmark did not finish in time")
         await asyncio.sleep(0.01)
+
+
+PENDING_STATUS = {"status": {"phase": "Pending", "observedGeneration": 1, "definition": "Noop", "runs": [
+    {"pod": "x-0", "trigger": "kickoff"}], "conditions": [
+    {"type": t, "status": "Unknown", "reason": "RunPending", "message": "waiting for the runner pod",
+     "lastTransitionTime": "2026-01-01T00:00:00Z"} for t in ("Accepted", "Running", "Succeeded")]}}
+
+
+async def write_costs(cluster: LocalCluster, n: int, pids: dict[str, int]) -> dict[str, float]:
+    """API server CPU ms per write, one kind at a time (no operator yet: nobody acts on the Flows)."""
+    client = Client(cluster)
+    ns = "bench-costs"
+    try:
+        await namespace(client, ns)
+
+        async def status(name: str) -> None:
+            async with client.session.patch(
+                    f"{client.server}/apis/flowkube.io/v1alpha1/namespaces/{ns}/flows/{name}/status",
+                    json=PENDING_STATUS, headers={"Content-Type": "application/merge-patch+json"}) as r:
+                if r.status >= 300:
+                    raise RuntimeError(f"status of {name}: {r.status} {await r.text()}")
+
+        kinds: dict[str, Any] = {
+            "Flow create": lambda i: client.post(f"/apis/flowkube.io/v1alpha1/namespaces/{ns}/flows", flow(f"c{i}")),
+            "Flow status update": lambda i: status(f"c{i}"),
+            "pod create": lambda i: client.post(f"/api/v1/namespaces/{ns}/pods", pod(f"c{i}")),
+        }
+        costs = {}
+        for kind, write in kinds.items():
+            before = cpu_seconds(pids)["kube-apiserver"]
+            for i in range(n):
+                await write(i)
+            await asyncio.sleep(0.5)  # the scheduler's answer to the pods
+            costs[kind] = (cpu_seconds(pids)["kube-apiserver"] - before) * 1000 / n
+        # Gone before the operator starts: it must not spend the next phases acting on them.
+        for path in (f"/apis/flowkube.io/v1alpha1/namespaces/{ns}/flows", f"/api/v1/namespaces/{ns}/pods"):
+            async with client.session.delete(client.server + path, params={"gracePeriodSeconds": "0"}) as r:
+                r.raise_for_status()
+
+            async def left(path: str = path) -> int:
+                async with client.session.get(client.server + path) as r:
+                    return len((await r.json())["items"])
+
+            deadline = time.perf_counter() + 60
+            while await left():
+                if time.perf_counter() > deadline:
+                    raise TimeoutError(f"{path} not emptied")
+                await asyncio.sleep(0.1)
+        return costs
+    finally:
+        await client.session.close()
 
 
 def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
@@ -90,9 +160,7 @@ async def run(cluster: LocalCluster, n: int, rate: float, pids: dict[str, int],
     try:
         namespaces = ["bench-paced"] + [f"bench-{k}-{c}" for c in concurrencies for k in ("burst", "raw")]
         for ns in namespaces:
-            await client.post("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
-                                                     "metadata": {"name": ns}})
-        await asyncio.sleep(1.0)  # let the namespaces' ServiceAccounts appear (admission needs them)
+            await namespace(client, ns)
 
         # 1. paced
         seen: dict[str, float] = {}
@@ -157,13 +225,21 @@ def main() -> None:
         cluster = LocalCluster(Path(tmp), with_node=False).start()
         op = OperatorProcess(cluster, env={"FLOWKUBE_LOG_LEVEL": "WARNING"})
         try:
+            cluster.kubectl("apply", "--server-side", "-f", str(crd.CRD_FILE))
+            cluster.kubectl("wait", "--for=condition=Established", f"crd/{c.PLURAL}.{c.GROUP}", "--timeout=60s")
+            pids = {name: p.pid for name, p in cluster.procs.items()}
+            costs = asyncio.run(write_costs(cluster, args.flows, pids))
             op.start()
             assert op.proc is not None
-            pids = {name: p.pid for name, p in cluster.procs.items()} | {"operator": op.proc.pid}
+            pids["operator"] = op.proc.pid
             r = asyncio.run(run(cluster, args.flows, args.rate, pids, tuple(args.concurrency)))
         finally:
             op.stop()
             cluster.stop()
+    print("API server CPU per write, one client, no operator: "
+          + ", ".join(f"{k} {v:.2f} ms" for k, v in costs.items()))
+    print(f"    a Flow needs all three where a raw pod is one: ratio at most "
+          f"{costs['pod create'] / sum(costs.values()):.0%} where the API server is the bottleneck")
     print(f"apply -> runner pod created, {r['flows']} Flows at {r['rate']:.0f}/s: "
           f"p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms, max {r['max_ms']:.1f} ms")
     for b in r["bursts"]:

@@ -2,20 +2,25 @@
 
     .venv/bin/python -m tests.benchmarks.bench_scale [--steps 1000,10000]
 
-Each Flow carries usage for two models and three runs in its status (written by this script as an
-admin, the way finished Flows look). No node agent runs; Flows are suspended so no pods are made.
+Each Flow carries usage for two models and three runs in its status, the way finished Flows look,
+written by this script with the operator's own ServiceAccount token (the chart's status policy lets
+no one else write those fields). No node agent runs; Flows are suspended so no pods are made.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import ssl
 import statistics
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+import aiohttp
+import yaml
 
 from flowkube_devstack.cluster import LocalCluster, wait_for
 from flowkube_devstack.operator import OperatorProcess
@@ -30,7 +35,7 @@ def usage(n: int) -> dict[str, Any]:
     return {**{k: v * 2 for k, v in one.items()}, "byModel": {"gpt-4o-mini": one, "claude-sonnet": one}}
 
 
-async def create(client: Client, start: int, stop: int) -> None:
+async def create(client: Client, operator: aiohttp.ClientSession, start: int, stop: int) -> None:
     async def one(i: int) -> None:
         name = f"f{i:05d}"
         base = f"/apis/flowkube.io/v1alpha1/namespaces/{NS}/flows"
@@ -41,8 +46,8 @@ async def create(client: Client, start: int, stop: int) -> None:
                              "runs": [{"pod": f"{name}-{k}", "trigger": t, "result": r, "usage": usage(i)}
                                       for k, (t, r) in enumerate([("kickoff", "Failed"), ("retry", "Paused"),
                                                                   ("resume", "Succeeded")])]}}
-        async with client.session.patch(client.server + f"{base}/{name}/status", json=status,
-                                        headers={"Content-Type": "application/merge-patch+json"}) as r:
+        async with operator.patch(client.server + f"{base}/{name}/status", json=status,
+                                  headers={"Content-Type": "application/merge-patch+json"}) as r:
             if r.status >= 300:
                 raise RuntimeError(await r.text())
 
@@ -82,16 +87,23 @@ def main() -> None:
             assert op.proc is not None
             cluster.kubectl("create", "namespace", NS)
             print(f"operator idle: RSS {rss_mb(op.proc.pid):.0f} MB")
+            kubeconfig = yaml.safe_load((cluster.root / "operator.kubeconfig").read_text())
+            token = kubeconfig["users"][0]["user"]["token"]
             done = 0
             for n in steps:
                 t0 = time.perf_counter()
 
                 async def fill(lo: int, hi: int) -> None:
                     c = Client(cluster)
+                    # Only the token: with the admin's client certificate the API server would see the admin.
+                    ctx = ssl.create_default_context(cafile=str(cluster.pki_dir / "ca.crt"))
+                    operator = aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"},
+                                                     connector=aiohttp.TCPConnector(ssl=ctx, limit=32))
                     try:
-                        await create(c, lo, hi)
+                        await create(c, operator, lo, hi)
                     finally:
                         await c.session.close()
+                        await operator.close()
 
                 asyncio.run(fill(done, n))
                 done = n

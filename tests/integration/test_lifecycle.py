@@ -128,12 +128,11 @@ def test_runner_credentials_reach_only_their_own_flows_state(flows: Flows, clust
     import httpx
 
     from flowkube_api import constants as c
-    from flowkube_api.report import RunReport
 
-    for name in ("mine", "theirs"):
-        flows.apply(name, {"flowRef": "a:B", "inputs": {"plan": [{"tokens": 1}]}})
-    for name in ("mine", "theirs"):
-        flows.wait_phase(name, "Succeeded")
+    flows.apply("theirs", {"flowRef": "a:B", "inputs": {"plan": [{"tokens": 1}]}})
+    flows.wait_phase("theirs", "Succeeded")
+    flows.apply("mine", {"flowRef": "a:B", "inputs": {"plan": [{"sleep": 120}]}})
+    flows.wait_phase("mine", "Running")
     (pod,) = flows.pods("mine")
     spec = pod["spec"]
     # No Kubernetes API credentials in the pod: no automounted token, one token for the state API only.
@@ -156,13 +155,15 @@ def test_runner_credentials_reach_only_their_own_flows_state(flows: Flows, clust
                              headers={"Authorization": f"Bearer {token}"})
 
     mine = bound_token("mine-0")
-    got = call("GET", c.report_key("mine-0"), mine)
-    assert got.status_code == 200 and RunReport.decode(got.content).pod == "mine-0"
-    # The token names no Flow: whatever it asks for is looked up in its own Flow's state only.
-    assert call("GET", c.report_key("theirs-0"), mine).status_code == 404
-    assert call("PUT", "note", mine, b"x").status_code == 204
+    assert call("PUT", c.STATE_KEY, mine, b"mine").status_code == 204
+    assert call("GET", c.STATE_KEY, mine).content == b"mine"
+    # The token names no Flow: it reaches its own Flow's state key and its own run's report, no more.
+    assert call("GET", c.report_key("theirs-0"), mine).status_code == 403
+    assert call("PUT", c.report_key("mine-1"), mine, b"x").status_code == 403
     theirs_cm = json.loads(cluster.kubectl("get", "configmap", "theirs-state", "-n", flows.ns, "-o", "json").stdout)
-    assert "note" not in theirs_cm.get("binaryData", {})
+    assert c.STATE_KEY not in theirs_cm.get("binaryData", {}) and c.report_key("theirs-0") in theirs_cm["binaryData"]
+    # A finished run's pod is still there, but its token no longer opens anything.
+    assert call("GET", c.STATE_KEY, bound_token("theirs-0")).status_code == 403
     # The API server refuses the runner's token (wrong audience) for everything.
     (tmp_path / "empty").write_text("")
     out = subprocess.run([str(cluster.bins["kubectl"]), "--kubeconfig", str(tmp_path / "empty"),
@@ -177,9 +178,9 @@ def test_runner_credentials_reach_only_their_own_flows_state(flows: Flows, clust
                  "spec": {"nodeName": "nowhere", "containers": [{"name": "c", "image": "x"}]}}
     cluster.kubectl("apply", "-f", "-", input=json.dumps(bystander))
     assert call("GET", c.STATE_KEY, bound_token("bystander-0")).status_code == 403
-    # A token dies with its pod.
+    # A token dies with its pod (and its run).
     cluster.kubectl("delete", "pod", "mine-0", "-n", flows.ns, "--grace-period=0", "--force")
-    wait_for(lambda: call("GET", c.report_key("mine-0"), mine).status_code == 401, 30,
+    wait_for(lambda: call("GET", c.STATE_KEY, mine).status_code in (401, 403), 30,
              "the deleted pod's token to be refused")
 
 

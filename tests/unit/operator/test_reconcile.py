@@ -288,6 +288,17 @@ def test_a_run_over_the_deadline_ends_once_its_pod_is_gone_with_every_token() ->
     assert cond(body, "Succeeded")["reason"] == Reason.DEADLINE_EXCEEDED and p.create_pod is None
 
 
+def test_a_run_that_ended_before_the_deadline_is_judged_by_when_it_ended() -> None:
+    # The operator was away: it sees a failure that happened at 5 s only at 30 s, past the 10 s limit.
+    body = flow(activeDeadlineSeconds=10, retries={"limit": 1, "backoffSeconds": 0})
+    step(body)
+    step(body, pod("f-0", "Running"), at=1)
+    failed = pod("f-0", "Failed", exit_code=3)  # finished at 5 s
+    p = step(body, failed, report("f-0", RunResult.FAILED, reason=Reason.FLOW_ERROR, exit_code=3), at=30)
+    assert body["status"]["runs"][0]["reason"] == Reason.FLOW_ERROR  # not DeadlineExceeded: retried
+    assert p.create_pod is not None and p.create_pod.trigger == Trigger.RETRY
+
+
 def test_a_pod_that_will_not_stop_at_the_deadline_ends_its_run_anyway() -> None:
     body = flow(activeDeadlineSeconds=10)
     step(body)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +18,29 @@ from cryptography import x509
 from flowkube_api import constants as c
 from flowkube_operator import tls
 from flowkube_operator.kube import ApiError
-from flowkube_operator.stateapi import Caller, StateApi, StateError, Target, caller_from_review, target_of_pod
+from flowkube_operator.stateapi import (
+    Caller,
+    StateApi,
+    StateError,
+    Target,
+    caller_from_review,
+    plausible,
+    target_of_pod,
+)
 
 FLOW_UID = "flow-uid"
+
+
+def jwt(name: str, audience: str = c.STATE_AUDIENCE, pod: bool = True) -> str:
+    """A token shaped like a pod-bound ServiceAccount token (unsigned: the TokenReview is faked)."""
+    claims: dict[str, Any] = {"aud": [audience], "sub": name}
+    if pod:
+        claims["kubernetes.io"] = {"namespace": "ns", "pod": {"name": name, "uid": "u"}}
+
+    def part(d: dict[str, Any]) -> str:
+        return base64.urlsafe_b64encode(json.dumps(d).encode()).decode().rstrip("=")
+
+    return f"{part({'alg': 'RS256'})}.{part(claims)}.c2ln"
 POD = Target(namespace="ns", flow="demo", flow_uid=FLOW_UID, pod="demo-0", pod_uid="pod-uid")
 
 
@@ -60,11 +81,14 @@ def test_target_of_pod_is_the_flow_that_controls_a_runner_pod() -> None:
 
 
 class FakeKube:
-    """TokenReviews by token, one pod, and ConfigMaps with JSON merge patch and uid preconditions."""
+    """TokenReviews by token, pods, Flows, and ConfigMaps with JSON merge patch (a uid that does not
+    match is an immutable-field error, 422, as the API server answers a PATCH)."""
 
     def __init__(self) -> None:
-        self.reviews = {"good": review(), "other-pod": review(pod="x-0", uid="x")}
+        self.reviews = {jwt("good"): review(), jwt("other-pod"): review(pod="x-0", uid="x")}
         self.pods: dict[str, dict[str, Any]] = {"demo-0": runner_pod()}
+        self.flows: dict[str, dict[str, Any]] = {"demo": {"metadata": {"name": "demo", "uid": FLOW_UID},
+                                                          "status": {"runs": [{"pod": "demo-0"}]}}}
         self.configmaps: dict[str, dict[str, Any]] = {}
         self.calls: list[tuple[str, str]] = []
 
@@ -76,7 +100,7 @@ class FakeKube:
     async def get(self, path: str) -> dict[str, Any] | None:
         self.calls.append(("GET", path))
         kind, name = path.split("/")[-2:]
-        return (self.pods if kind == "pods" else self.configmaps).get(name)
+        return {"pods": self.pods, "flows": self.flows, "configmaps": self.configmaps}[kind].get(name)
 
     async def create(self, path: str, body: dict[str, Any]) -> dict[str, Any] | None:
         self.calls.append(("POST", path))
@@ -92,33 +116,56 @@ class FakeKube:
         if cm is None:
             raise ApiError(404, {"message": "not found"}, "PATCH", path)
         if patch["metadata"]["uid"] != cm["metadata"]["uid"]:
-            raise ApiError(409, {"message": "Precondition failed: UID in precondition"}, "PATCH", path)
+            raise ApiError(422, {"message": "metadata.uid: Invalid value: field is immutable"}, "PATCH", path)
         cm.setdefault("binaryData", {}).update(patch["binaryData"])
         return cm
 
 
-def api(kube: FakeKube, cached: dict[tuple[str, str], Target] | None = None) -> StateApi:
-    return StateApi(lambda: kube, lambda ns, pod: (cached or {}).get((ns, pod)))  # type: ignore[arg-type,return-value]
+def api(kube: FakeKube, active: dict[tuple[str, str], tuple[str, str, str]] | None = None) -> StateApi:
+    return StateApi(lambda: kube, lambda ns, pod: (active or {}).get((ns, pod)))  # type: ignore[arg-type,return-value]
 
 
-def test_authentication_reviews_a_token_once_and_again_when_its_pod_is_gone() -> None:
+def test_only_plausible_tokens_reach_a_token_review() -> None:
+    assert plausible(jwt("good"))
+    assert not plausible(jwt("good", audience="https://kubernetes.default.svc"))
+    assert not plausible(jwt("good", pod=False))
+    assert not plausible("not-a-jwt") and not plausible("a.b.c")
+
+
+def test_a_token_is_accepted_only_while_its_pod_is_the_running_attempt() -> None:
     kube = FakeKube()
-    cache = {("ns", "demo-0"): POD}
-    state = api(kube, cache)
+    active = {("ns", "demo-0"): ("demo", FLOW_UID, "pod-uid")}
+    state = api(kube, active)
 
     async def scenario() -> None:
-        assert await state.authenticate("Bearer good") == POD
-        assert await state.authenticate("Bearer good") == POD
-        assert [m for m, _ in kube.calls] == ["POST"]  # one review; the pod came from the cache
-        cache.clear()
-        del kube.pods["demo-0"]
+        assert await state.authenticate(f"Bearer {jwt('good')}") == POD
+        assert await state.authenticate(f"Bearer {jwt('good')}") == POD
+        assert [m for m, _ in kube.calls] == ["POST"]  # one review, and the controller's caches
+        active.clear()  # the run ended: the Flow's status recorded it finished
+        kube.flows["demo"]["status"]["runs"][0]["finishedAt"] = "2026-11-22T00:00:00Z"
         with pytest.raises(StateError) as refused:
-            await state.authenticate("Bearer good")
+            await state.authenticate(f"Bearer {jwt('good')}")
         assert refused.value.status == 403
-        for header, status in (("", 401), ("Basic x", 401), ("Bearer forged", 401), ("Bearer other-pod", 403)):
+        calls = len(kube.calls)
+        with pytest.raises(StateError):
+            await state.authenticate(f"Bearer {jwt('good')}")
+        assert len(kube.calls) == calls  # a refusal is remembered briefly: no review storm
+        for header, status in (("", 401), ("Basic x", 401), ("Bearer junk", 401), (f"Bearer {jwt('forged')}", 401),
+                               (f"Bearer {jwt('other-pod')}", 403)):
             with pytest.raises(StateError) as e:
                 await state.authenticate(header)
             assert e.value.status == status, header
+
+    asyncio.run(scenario())
+
+
+def test_a_restarted_operator_asks_the_api_server_about_a_pod_it_has_not_seen() -> None:
+    kube = FakeKube()
+    state = api(kube)  # empty caches
+
+    async def scenario() -> None:
+        assert await state.authenticate(f"Bearer {jwt('good')}") == POD
+        assert ("GET", "/api/v1/namespaces/ns/pods/demo-0") in kube.calls
 
     asyncio.run(scenario())
 
@@ -136,13 +183,17 @@ def test_put_creates_the_owned_configmap_then_patches_only_its_key() -> None:
         assert {k: base64.b64decode(v) for k, v in cm["binaryData"].items()} == {
             c.STATE_KEY: b"one", "report.demo-0.json.gz": b"two"}
         assert await state.get(POD, c.STATE_KEY) == b"one"
+        # Replaced behind our back (a restore): the stale uid is refused, looked up again, written.
+        kube.configmaps["demo-state"]["metadata"]["uid"] = "restored"
+        await state.put(POD, c.STATE_KEY, b"after-restore")
+        assert base64.b64decode(kube.configmaps["demo-state"]["binaryData"][c.STATE_KEY]) == b"after-restore"
         # An earlier Flow's ConfigMap of the same name is never written: a conflict, retried later.
         kube.configmaps["demo-state"]["metadata"]["ownerReferences"][0]["uid"] = "earlier-flow"
         state.forget_flow(FLOW_UID)
         with pytest.raises(StateError) as e:
             await state.put(POD, c.STATE_KEY, b"three")
         assert e.value.status == 409
-        assert base64.b64decode(kube.configmaps["demo-state"]["binaryData"][c.STATE_KEY]) == b"one"
+        assert base64.b64decode(kube.configmaps["demo-state"]["binaryData"][c.STATE_KEY]) == b"after-restore"
 
     asyncio.run(scenario())
 
@@ -157,3 +208,31 @@ def test_the_ca_survives_restarts_and_the_serving_certificate_names_every_host(t
     assert {str(n.value) for n in sans} == {"127.0.0.1", "operator.example", "fk.flowkube-system.svc",
                                             "fk.flowkube-system.svc.cluster.local"}
     assert cert.issuer == x509.load_pem_x509_certificate(ca.cert_pem).subject
+
+
+def test_a_strict_verifier_accepts_the_serving_certificate(tmp_path: Path) -> None:
+    # Python 3.13's default context verifies strictly (key usage, key identifiers): runner images on
+    # any supported Python must accept the state API's certificate.
+    import ssl
+
+    serving = tls.issue(tls.new_ca(), str(tmp_path), ["operator.example"], "")
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(serving.certfile, serving.keyfile)
+    client = ssl.create_default_context(cafile=serving.cafile)
+    client.verify_flags |= ssl.VERIFY_X509_STRICT
+    c_in, c_out, s_in, s_out = ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO()
+    cli = client.wrap_bio(c_in, c_out, server_hostname="operator.example")
+    srv = server.wrap_bio(s_in, s_out, server_side=True)
+    done = {"client": False, "server": False}
+    for _ in range(10):
+        for name, end, out, peer_in in (("client", cli, c_out, s_in), ("server", srv, s_out, c_in)):
+            if not done[name]:
+                try:
+                    end.do_handshake()
+                    done[name] = True
+                except ssl.SSLWantReadError:
+                    pass
+            peer_in.write(out.read())
+        if all(done.values()):
+            break
+    assert all(done.values())
