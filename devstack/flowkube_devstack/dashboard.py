@@ -105,6 +105,9 @@ def build() -> dict[str, Any]:
                         _q("sum(flowkube_operator_workqueue_depth)", "queued"),
                         _q("sum(flowkube_operator_reconciles_in_flight)", "in flight"),
                         _q("sum(flowkube_operator_workqueue_delayed)", "scheduled")))
+        .with_panel(_ts("Runner state API requests per second by status", "reqps",
+                        _q("sum by (method, code) (rate(flowkube_operator_state_requests_total[$__rate_interval]))",
+                           "{{method}} {{code}}")))
     )
     result: dict[str, Any] = json.loads(json.dumps(d.build(), cls=JSONEncoder))
     return result
