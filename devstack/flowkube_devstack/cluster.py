@@ -19,7 +19,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -235,10 +235,29 @@ class LocalCluster:
         self.procs["kube-apiserver"] = procs.spawn("kube-apiserver", self._apiserver_argv, root=self.root)
 
     def _start_controllers(self) -> None:
-        cm_cfg = write_kubeconfig(self.root / "controller-manager.kubeconfig", self.server, self.ca,
-                                  self.controller_manager, "system:kube-controller-manager")
+        self._start_controller_manager()
         sched_cfg = write_kubeconfig(self.root / "scheduler.kubeconfig", self.server, self.ca,
                                      self.scheduler, "system:kube-scheduler")
+        self.procs["kube-scheduler"] = procs.spawn("kube-scheduler", [
+            str(self.bins["kube-scheduler"]),
+            f"--kubeconfig={sched_cfg}", f"--authentication-kubeconfig={sched_cfg}",
+            f"--authorization-kubeconfig={sched_cfg}",
+            "--leader-elect=false", "--bind-address=127.0.0.1", f"--secure-port={free_port()}",
+            "--v=1",
+        ], root=self.root)
+
+    @contextlib.contextmanager
+    def controller_manager_stopped(self) -> Iterator[None]:
+        """No garbage collection (nor any other kube-controller-manager loop) inside the block."""
+        procs.terminate(self.procs.pop("kube-controller-manager"), grace=5.0)
+        try:
+            yield
+        finally:
+            self._start_controller_manager()
+
+    def _start_controller_manager(self) -> None:
+        cm_cfg = write_kubeconfig(self.root / "controller-manager.kubeconfig", self.server, self.ca,
+                                  self.controller_manager, "system:kube-controller-manager")
         self.procs["kube-controller-manager"] = procs.spawn("kube-controller-manager", [
             str(self.bins["kube-controller-manager"]),
             f"--kubeconfig={cm_cfg}", f"--authentication-kubeconfig={cm_cfg}",
@@ -248,13 +267,6 @@ class LocalCluster:
             "--use-service-account-credentials=true",
             f"--cluster-signing-cert-file={self.ca}", f"--cluster-signing-key-file={self.pki_dir / 'ca.key'}",
             "--concurrent-gc-syncs=10",
-            "--v=1",
-        ], root=self.root)
-        self.procs["kube-scheduler"] = procs.spawn("kube-scheduler", [
-            str(self.bins["kube-scheduler"]),
-            f"--kubeconfig={sched_cfg}", f"--authentication-kubeconfig={sched_cfg}",
-            f"--authorization-kubeconfig={sched_cfg}",
-            "--leader-elect=false", "--bind-address=127.0.0.1", f"--secure-port={free_port()}",
             "--v=1",
         ], root=self.root)
 

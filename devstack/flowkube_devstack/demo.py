@@ -58,7 +58,17 @@ class Demo:
         print(f"\n== A Flow with a human-feedback step ({EXAMPLE.relative_to(REPO)})")
         if self.kubectl("get", "namespace", NAMESPACE, show=False, check=False) == "":
             self.kubectl("create", "namespace", NAMESPACE)
-        self.kubectl("delete", "flow", FLOW, "-n", NAMESPACE, "--ignore-not-found", "--wait=true", show=False)
+        # A rerun replaces the Flow under the same name. Deleted in the background, its pods are
+        # left to the garbage collector, which can miss that deletion for good: its informer
+        # relists (after a watch break, e.g. the operator's chart updating the CRD right after a
+        # restart) and sees only an update of demo/release-notes to the new uid. The new Flow then
+        # waits forever for the old pods. In the foreground, the old Flow is not gone until the GC
+        # has removed its pods and state ConfigMap; anything left by an earlier, missed deletion
+        # (every object with this label now belongs to a deleted Flow) is deleted here.
+        self.kubectl("delete", "flow", FLOW, "-n", NAMESPACE, "--ignore-not-found", "--cascade=foreground",
+                     "--wait=true", "--timeout=100s", show=False)
+        self.kubectl("delete", "pods,configmaps", "-n", NAMESPACE, "-l", f"flowkube.io/flow={FLOW}",
+                     "--ignore-not-found", "--wait=true", "--timeout=100s", show=False)
         # The example reads its model key from this Secret; the local stack's model is a stub.
         secret = self.kubectl("create", "secret", "generic", "openai-api", "-n", NAMESPACE,
                               "--from-literal=OPENAI_API_KEY=stub-key", "--dry-run=client", "-o", "yaml",

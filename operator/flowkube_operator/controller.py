@@ -26,8 +26,8 @@ from pydantic import ValidationError
 from flowkube_api import constants as c
 from flowkube_api.report import RunReport
 from flowkube_operator import resources, selfmetrics
-from flowkube_operator.kube import ApiError, Kube, collection_path, ns_path
-from flowkube_operator.reconcile import Plan, PodView, owner_uid, plan
+from flowkube_operator.kube import ApiError, Kube, collection_path, delete_if_same, ns_path
+from flowkube_operator.reconcile import Plan, PodView, orphaned_by_namesake, owner_uid, plan
 from flowkube_operator.settings import Settings
 
 Body = dict[str, Any]
@@ -358,11 +358,16 @@ class Controller:
         created = await self.kube.create(collection_path(obj), obj)
         if created is None:
             meta = obj["metadata"]
-            existing = await self.kube.get(f"{collection_path(obj)}/{meta['name']}")
+            path = f"{collection_path(obj)}/{meta['name']}"
+            existing = await self.kube.get(path)
             mine = owner_uid(meta)
             if existing is not None and owner_uid(existing["metadata"]) != mine:
+                if orphaned_by_namesake(existing["metadata"], meta["ownerReferences"][0]["name"], mine):
+                    # Garbage of a deleted Flow of this name: remove it rather than wait on the
+                    # garbage collector, which can miss it for good.
+                    await self.kube.delete(path, delete_if_same(existing["metadata"]["uid"]))
                 raise ForeignObjectError(f"{obj['kind']} {meta['namespace']}/{meta['name']} still belongs to an "
-                                         "earlier Flow of the same name; waiting for it to be garbage-collected")
+                                         "earlier Flow of the same name; waiting for it to be gone")
         return created
 
     def _post_event(self, flow: Body, etype: str, reason: str, message: str) -> None:

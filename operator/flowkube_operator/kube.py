@@ -139,6 +139,12 @@ class Kube:
                 raise
 
 
+def delete_if_same(uid: str) -> Body:
+    """DeleteOptions that delete an object only if it is still the one with this uid."""
+    return {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"uid": uid},
+            "propagationPolicy": "Background"}
+
+
 def ns_path(namespace: str, plural: str, name: str | None = None, *, group: str = "",
             version: str = "v1", sub: str | None = None) -> str:
     base = f"/apis/{group}/{version}" if group else f"/api/{version}"

@@ -56,6 +56,15 @@ def owner_uid(meta: Body) -> str:
     return next((r.get("uid", "") for r in meta.get("ownerReferences") or [] if r.get("controller")), "")
 
 
+def orphaned_by_namesake(meta: Body, flow_name: str, flow_uid: str) -> bool:
+    """Is this object controlled by an earlier Flow of the same name? Names are unique, so that Flow
+    is gone and the object is garbage the garbage collector has not removed yet (or never will: when
+    a Flow is deleted and re-created during a break in its watch, its relist sees one update)."""
+    ref = next((r for r in meta.get("ownerReferences") or [] if r.get("controller")), None)
+    return (ref is not None and ref.get("kind") == c.KIND and ref.get("apiVersion") == c.API_VERSION
+            and ref.get("name") == flow_name and bool(ref.get("uid")) and ref.get("uid") != flow_uid)
+
+
 @dataclass(frozen=True)
 class PodView:
     """What the reconcile needs to know of a runner pod."""

@@ -29,8 +29,8 @@ from aiohttp import web
 
 from flowkube_api import constants as c
 from flowkube_operator import resources, selfmetrics
-from flowkube_operator.kube import ApiError, Kube, ns_path
-from flowkube_operator.reconcile import owner_uid
+from flowkube_operator.kube import ApiError, Kube, delete_if_same, ns_path
+from flowkube_operator.reconcile import orphaned_by_namesake, owner_uid
 
 Body = dict[str, Any]
 log = logging.getLogger("flowkube.state")
@@ -232,8 +232,13 @@ class StateApi:
     async def _own_configmap(self, t: Target) -> Body | None:
         """The Flow's state ConfigMap; None if absent. One left by an earlier Flow of the same
         name (garbage collection is asynchronous) is not this Flow's: a conflict, retried."""
-        cm = await self._client().get(ns_path(t.namespace, "configmaps", c.state_configmap_name(t.flow)))
+        path = ns_path(t.namespace, "configmaps", c.state_configmap_name(t.flow))
+        cm = await self._client().get(path)
         if cm is None:
+            return None
+        if orphaned_by_namesake(cm["metadata"], t.flow, t.flow_uid):
+            # An earlier Flow's, which the garbage collector has not removed (and may never): remove it.
+            await self._client().delete(path, delete_if_same(cm["metadata"]["uid"]))
             return None
         if owner_uid(cm["metadata"]) != t.flow_uid:
             raise StateError(409, f"configmap {c.state_configmap_name(t.flow)} still belongs to an earlier "

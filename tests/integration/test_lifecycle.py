@@ -207,6 +207,37 @@ def test_a_flow_recreated_under_the_same_name_runs_afresh(flows: Flows, cluster:
     assert pod["metadata"]["ownerReferences"][0]["uid"] != old_uid
 
 
+def test_garbage_the_collector_missed_does_not_hold_up_a_flow_of_the_same_name(
+        flows: Flows, cluster: LocalCluster) -> None:
+    # The garbage collector can miss a Flow deleted and re-created under the same name during a break in
+    # its watch (its relist sees one update) and never remove the old Flow's pods and state. Stand-in
+    # for that miss: a stopped kube-controller-manager, and a pod and state left by a Flow "ghost".
+    from flowkube_api import constants as c
+
+    gone = {"apiVersion": c.API_VERSION, "kind": c.KIND, "name": "ghost", "controller": True,
+            "blockOwnerDeletion": True, "uid": "00000000-0000-4000-8000-000000000000"}
+    labels = {c.LABEL_MANAGED_BY: c.MANAGED_BY, c.LABEL_FLOW: "ghost", c.LABEL_COMPONENT: c.COMPONENT_RUNNER}
+    leftovers = [
+        {"apiVersion": "v1", "kind": "Pod",
+         "metadata": {"name": "ghost-0", "labels": labels, "ownerReferences": [gone]},
+         "spec": {"restartPolicy": "Never", "automountServiceAccountToken": False, "containers": [{
+             "name": "runner", "image": "x", "command": ["true"], "securityContext": {
+                 "allowPrivilegeEscalation": False, "runAsNonRoot": True, "runAsUser": 65532,
+                 "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}}]}},
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "ghost-state", "ownerReferences": [gone]},
+         "data": {"left": "behind"}},
+    ]
+    with cluster.controller_manager_stopped():
+        cluster.kubectl("apply", "-n", flows.ns, "-f", "-", input="\n---\n".join(json.dumps(o) for o in leftovers))
+        flows.apply("ghost", {"flowRef": "a:B", "inputs": {"plan": [{"tokens": 2}]}})
+        st = flows.wait_phase("ghost", "Succeeded", timeout=90)
+        uid = flows.get("ghost")["metadata"]["uid"]  # type: ignore[index]
+        (pod,) = flows.pods("ghost")
+        assert pod["metadata"]["ownerReferences"][0]["uid"] == uid and st["usage"]["totalTokens"] == 2
+        cm = json.loads(cluster.kubectl("get", "configmap", "ghost-state", "-n", flows.ns, "-o", "json").stdout)
+        assert cm["metadata"]["ownerReferences"][0]["uid"] == uid and "left" not in (cm.get("data") or {})
+
+
 def test_a_refused_runner_pod_is_reported_as_an_event(flows: Flows) -> None:
     flows.apply("unplaceable", {"flowRef": "a:B", "podTemplate": {"priorityClassName": "no-such-class"}})
 

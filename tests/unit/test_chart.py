@@ -180,7 +180,7 @@ def _operator_rules(objs: list[Obj]) -> list[Obj]:
 
 def _assert_no_per_flow_rbac_and_least_configmap_access(objs: list[Obj]) -> None:
     """Runner pods hold no API credentials, so the operator makes no per-Flow RBAC: it needs no
-    ServiceAccounts, Roles or RoleBindings, and only get/create/patch on ConfigMaps (the state
+    ServiceAccounts, Roles or RoleBindings, and only get/create/patch/delete on ConfigMaps (the state
     it writes for runners, authenticated by TokenReview)."""
     rules = _operator_rules(objs)
     resources = {r for rule in rules for r in rule["resources"]}
@@ -190,9 +190,9 @@ def _assert_no_per_flow_rbac_and_least_configmap_access(objs: list[Obj]) -> None
     for rule in rules:
         assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"]), rule
         if "configmaps" in rule["resources"]:
-            assert sorted(rule["verbs"]) == ["create", "get", "patch"], rule
+            assert sorted(rule["verbs"]) == ["create", "delete", "get", "patch"], rule
     grants = _grants(rules)
-    assert grants[("", "configmaps")] == {"get", "create", "patch"}
+    assert grants[("", "configmaps")] == {"get", "create", "patch", "delete"}
     assert grants[("authentication.k8s.io", "tokenreviews")] == {"create"}
 
 
@@ -237,7 +237,7 @@ EXPECTED_OPERATOR_GRANTS = {
     (c.GROUP, "flows/finalizers"): {"update"},
     ("", "pods"): {"get", "list", "watch", "create", "delete"},
     # The state ConfigMap: made on first use, written for the runners, reports read. No list/watch.
-    ("", "configmaps"): {"get", "create", "patch"},
+    ("", "configmaps"): {"get", "create", "patch", "delete"},
     ("", "events"): {"create", "patch"},
     ("events.k8s.io", "events"): {"create", "patch"},
 }

@@ -110,6 +110,12 @@ class FakeKube:
         self.configmaps[name] = {**body, "metadata": {**body["metadata"], "uid": f"cm-{len(self.calls)}"}}
         return self.configmaps[name]
 
+    async def delete(self, path: str, body: dict[str, Any] | None = None) -> None:
+        self.calls.append(("DELETE", path))
+        name = path.rsplit("/", 1)[1]
+        assert body is not None and body["preconditions"]["uid"] == self.configmaps[name]["metadata"]["uid"]
+        del self.configmaps[name]
+
     async def merge_patch(self, path: str, patch: dict[str, Any]) -> dict[str, Any]:
         self.calls.append(("PATCH", path))
         cm = self.configmaps.get(path.rsplit("/", 1)[1])
@@ -187,13 +193,20 @@ def test_put_creates_the_owned_configmap_then_patches_only_its_key() -> None:
         kube.configmaps["demo-state"]["metadata"]["uid"] = "restored"
         await state.put(POD, c.STATE_KEY, b"after-restore")
         assert base64.b64decode(kube.configmaps["demo-state"]["binaryData"][c.STATE_KEY]) == b"after-restore"
-        # An earlier Flow's ConfigMap of the same name is never written: a conflict, retried later.
+        # An earlier Flow's ConfigMap of the same name (the garbage collector missed it) is never
+        # written into: it is deleted, and this Flow's state starts afresh.
         kube.configmaps["demo-state"]["metadata"]["ownerReferences"][0]["uid"] = "earlier-flow"
+        state.forget_flow(FLOW_UID)
+        assert await state.get(POD, c.STATE_KEY) is None and "demo-state" not in kube.configmaps
+        await state.put(POD, c.STATE_KEY, b"fresh")
+        assert kube.configmaps["demo-state"]["metadata"]["ownerReferences"][0]["uid"] == FLOW_UID
+        # A ConfigMap of that name that some other controller owns is left alone: a conflict.
+        kube.configmaps["demo-state"]["metadata"]["ownerReferences"] = [
+            {"apiVersion": "apps/v1", "kind": "Deployment", "name": "demo", "uid": "d", "controller": True}]
         state.forget_flow(FLOW_UID)
         with pytest.raises(StateError) as e:
             await state.put(POD, c.STATE_KEY, b"three")
-        assert e.value.status == 409
-        assert base64.b64decode(kube.configmaps["demo-state"]["binaryData"][c.STATE_KEY]) == b"after-restore"
+        assert e.value.status == 409 and "demo-state" in kube.configmaps
 
     asyncio.run(scenario())
 
