@@ -147,17 +147,22 @@ class Controller:
     def flow_event(self, event_type: str, body: Body) -> None:
         meta = body.get("metadata") or {}
         key = (meta.get("namespace", ""), meta.get("name", ""))
+        cached = self.flows.get(key)
         if event_type == "DELETED":
+            self.on_flow_deleted(meta.get("uid", ""))
+            if cached is not None and cached[1] != meta.get("uid"):
+                return  # an earlier Flow of this name (kopf handles each uid apart, in no set order)
             self.flows.pop(key, None)
             self.pods.pop(key, None)
-            self.on_flow_deleted(meta.get("uid", ""))
             self._track_active(key, "", None)
             self._on_flow_change(key, None)
         else:
-            old = self.flows.get(key)
-            if old is not None and old[0] > _rv(body) and old[1] == meta.get("uid"):
-                return  # an event older than what our own write already told us
-            self.flows[key] = (_rv(body), meta.get("uid", ""), json.dumps(_slim(body), separators=(",", ":")).encode())
+            if cached is not None and cached[0] > _rv(body):
+                # Older than what we know: a late answer to our own write, or a late event of an
+                # earlier Flow of this name (resourceVersions are comparable across objects here).
+                return
+            self.flows[key] = (_rv(body), meta.get("uid", ""),
+                               json.dumps(_slim(body), separators=(",", ":")).encode())
             self._track_active(key, meta.get("uid", ""), body)
             self._on_flow_change(key, body)
             self.queue.add(key)
@@ -362,13 +367,21 @@ class Controller:
             existing = await self.kube.get(path)
             mine = owner_uid(meta)
             if existing is not None and owner_uid(existing["metadata"]) != mine:
-                if orphaned_by_namesake(existing["metadata"], meta["ownerReferences"][0]["name"], mine):
+                flow = meta["ownerReferences"][0]["name"]
+                if orphaned_by_namesake(existing["metadata"], flow, mine) and await self._flow_is(
+                        meta["namespace"], flow, mine):
                     # Garbage of a deleted Flow of this name: remove it rather than wait on the
                     # garbage collector, which can miss it for good.
                     await self.kube.delete(path, delete_if_same(existing["metadata"]["uid"]))
                 raise ForeignObjectError(f"{obj['kind']} {meta['namespace']}/{meta['name']} still belongs to an "
                                          "earlier Flow of the same name; waiting for it to be gone")
         return created
+
+    async def _flow_is(self, namespace: str, name: str, uid: str) -> bool:
+        """Is the live Flow of this name the one with this uid? (Caches can hold a namesake's event.)"""
+        assert self.kube is not None
+        live = await self.kube.get(ns_path(namespace, c.PLURAL, name, group=c.GROUP, version=c.VERSION))
+        return live is not None and live["metadata"].get("uid") == uid
 
     def _post_event(self, flow: Body, etype: str, reason: str, message: str) -> None:
         """Events are history for `kubectl describe`; posting one never holds up a reconcile."""

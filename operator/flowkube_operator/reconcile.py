@@ -61,7 +61,7 @@ def orphaned_by_namesake(meta: Body, flow_name: str, flow_uid: str) -> bool:
     is gone and the object is garbage the garbage collector has not removed yet (or never will: when
     a Flow is deleted and re-created during a break in its watch, its relist sees one update)."""
     ref = next((r for r in meta.get("ownerReferences") or [] if r.get("controller")), None)
-    return (ref is not None and ref.get("kind") == c.KIND and ref.get("apiVersion") == c.API_VERSION
+    return (ref is not None and ref.get("kind") == c.KIND and str(ref.get("apiVersion")).split("/")[0] == c.GROUP
             and ref.get("name") == flow_name and bool(ref.get("uid")) and ref.get("uid") != flow_uid)
 
 
@@ -256,7 +256,9 @@ class _Reconciler:
         ended = parse(pod.finished_at) if pod is not None and pod.terminated else (final.finished_at if final else None)
         limit = self.spec.active_deadline_seconds
         over = running_seconds(self.runs, ended or self.now) - limit if limit is not None else None
-        finished_ok = pod is not None and pod.terminated and pod.exit_code == 0
+        # A run that finished on its own just as time ran out stands as it finished.
+        finished_ok = ((pod is not None and pod.terminated and pod.exit_code == 0)
+                       or (pod is None and final is not None and final.exit_code == 0))
         if over is not None and over >= 0 and not finished_ok and (
                 pod is None or pod.terminated or over > STOP_GRACE_SECONDS):
             # Over the deadline, and the pod stopped (or will not stop): end the run only now, so the
@@ -266,7 +268,8 @@ class _Reconciler:
             run.exit_code = pod.exit_code if pod is not None else None
             self._end_run(run, self._report_of(run), RunResult.FAILED, Reason.DEADLINE_EXCEEDED,
                           f"the flow ran longer than activeDeadlineSeconds={limit}",
-                          finished_at=pod.finished_at if pod is not None else None)
+                          finished_at=pod.finished_at if pod is not None else (
+                              fmt(final.finished_at) if final is not None and final.finished_at else None))
             return
         if pod is None:
             if final is not None:

@@ -144,7 +144,7 @@ class StateApi:
     def _running(self, t: Target) -> bool:
         """Is t's pod (still) the running attempt of its Flow?"""
         active = self._active_run(t.namespace, t.pod)
-        return active is not None and active[:2] == (t.flow, t.flow_uid) and active[2] in ("", t.pod_uid)
+        return active is not None and active == (t.flow, t.flow_uid, t.pod_uid)
 
     async def authenticate(self, authorization: str) -> Target:
         scheme, _, token = authorization.partition(" ")
@@ -237,9 +237,11 @@ class StateApi:
         if cm is None:
             return None
         if orphaned_by_namesake(cm["metadata"], t.flow, t.flow_uid):
-            # An earlier Flow's, which the garbage collector has not removed (and may never): remove it.
-            await self._client().delete(path, delete_if_same(cm["metadata"]["uid"]))
-            return None
+            live = await self._client().get(ns_path(t.namespace, c.PLURAL, t.flow, group=c.GROUP, version=c.VERSION))
+            if live is not None and live["metadata"].get("uid") == t.flow_uid:
+                # An earlier Flow's, which the garbage collector has not removed (and may never): remove it.
+                await self._client().delete(path, delete_if_same(cm["metadata"]["uid"]))
+                return None
         if owner_uid(cm["metadata"]) != t.flow_uid:
             raise StateError(409, f"configmap {c.state_configmap_name(t.flow)} still belongs to an earlier "
                                   "Flow of the same name; retry once it is garbage-collected")

@@ -41,6 +41,20 @@ def test_older_flow_events_are_ignored_and_managed_fields_are_not_kept() -> None
     assert ("ns", "f") not in ctl.flows and seen[-1] is None
 
 
+def test_late_events_of_an_earlier_flow_of_the_same_name_leave_the_new_one_alone() -> None:
+    # kopf handles each uid on its own, so a deleted Flow's last events can come after its
+    # namesake's: they must not replace it in the caches (nor, through them, its pods or state).
+    ctl = Controller(Settings(), on_flow_change=lambda k, b: None)
+    new = flow(20, "Running")
+    new["metadata"]["uid"] = "new"
+    new["status"]["runs"] = [{"pod": "f-0", "trigger": "kickoff"}]
+    ctl.flow_event("ADDED", new)
+    ctl.flow_event("MODIFIED", flow(12, "Succeeded"))  # the earlier Flow "u", late
+    ctl.flow_event("DELETED", flow(13, "Succeeded"))
+    assert ctl.flows[("ns", "f")][1] == "new"
+    assert ctl.active_run("ns", "f-0") == ("f", "new", "")
+
+
 def test_merge_patch_sets_changes_and_nulls_removals() -> None:
     old = {"phase": "Running", "feedback": {"request": {"id": "r"}, "response": {"text": "x"}}, "runs": [1]}
     new = {"phase": "Running", "feedback": {"history": [{"id": "r"}]}, "runs": [1, 2]}
