@@ -1,6 +1,7 @@
 """A scripted stand-in for the runner, for operator lifecycle tests only (not shipped, not crewAI).
 
-It behaves as the Flow's `spec.inputs.plan[run index]` says — sleep, exit code, result, tokens,
+It behaves as the Flow's `spec.inputs.plan[run index]` says — sleep (with an interim report every
+`interim` seconds, one more token each, as after each LLM call), exit code, result, tokens,
 feedback request — and reports exactly like the real runner: a gzip RunReport in the Flow's state,
 written through the operator's state API with the pod's bound token (the runner's own client).
 The real runner is exercised end to end by the runner and feedback tests.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -27,9 +29,33 @@ def main() -> int:
     step = plan[min(index, len(plan) - 1)]
     if step.get("touch"):
         Path(step["touch"]).write_text(pod)
-    if step.get("sleep"):
-        time.sleep(float(step["sleep"]))
+    store = StateApiStore.from_environment()
     tokens = int(step.get("tokens", 0))
+    if step.get("interim"):
+        # As the real runner after each LLM call: the usage so far, as an interrupted run's report.
+        deadline = time.monotonic() + float(step.get("sleep", 0))
+        stopped = False
+        if step.get("finish_on_term"):
+            # Stopped mid-call, a runner still completes (and reports) what is in flight, then exits.
+            def finish(*_: object) -> None:
+                nonlocal deadline, stopped
+                stopped = True
+                deadline = min(deadline, time.monotonic() + float(step["finish_on_term"]))
+
+            signal.signal(signal.SIGTERM, finish)
+        while time.monotonic() < deadline:
+            time.sleep(float(step["interim"]))
+            tokens += 1
+            t = TokenUsage(prompt_tokens=tokens, total_tokens=tokens, successful_requests=tokens)
+            store.put(c.report_key(pod), RunReport(
+                pod=pod, flow=os.environ[c.ENV_FLOW_NAME], trigger=os.environ[c.ENV_TRIGGER], result="Failed",
+                reason=c.Reason.RUN_INTERRUPTED, message="interrupted", exit_code=c.EXIT_RETRYABLE,
+                usage=Usage(**t.model_dump(), by_model={"stub-model": t})).encode())
+        if stopped:
+            print(f"calls={tokens}", flush=True)  # what the model "charged" in all, for the test
+            return 143
+    elif step.get("sleep"):
+        time.sleep(float(step["sleep"]))
     t = TokenUsage(prompt_tokens=tokens, total_tokens=tokens, successful_requests=1 if tokens else 0)
     result = step.get("result", "Succeeded")
     exit_code = int(step.get("exit", 0 if result != "Failed" else c.EXIT_RETRYABLE))
@@ -42,7 +68,7 @@ def main() -> int:
         output=step.get("output"), feedback_request=fr,
     )
     if not step.get("no_report"):
-        StateApiStore.from_environment().put(c.report_key(pod), report.encode())
+        store.put(c.report_key(pod), report.encode())
     return exit_code
 
 

@@ -72,12 +72,22 @@ def test_permanent_failure_is_not_retried(flows: Flows) -> None:
     assert "No module named" in st["message"]
 
 
-def test_active_deadline_stops_the_flow(flows: Flows) -> None:
-    flows.apply("slow", {"flowRef": "a:B", "activeDeadlineSeconds": 2, "retries": {"limit": 3},
-                         "inputs": {"plan": [{"sleep": 120}]}})
+def test_active_deadline_stops_the_flow_and_counts_every_token_it_reported(
+        flows: Flows, cluster: LocalCluster) -> None:
+    # The pod makes a "call" and reports its usage every 0.1 s, and completes calls for 1 s more once
+    # it is told to stop, then logs how many it made. The run ends only once the pod is gone, so every
+    # call is in the status, not just those reported when the deadline passed.
+    flows.apply("slow", {"flowRef": "a:B", "activeDeadlineSeconds": 2, "retries": {"limit": 3}, "inputs": {
+        "plan": [{"sleep": 120, "interim": 0.1, "finish_on_term": 1}]}})
+    flows.wait_phase("slow", "Running")
+    (pod,) = flows.pods("slow")
     st = flows.wait_phase("slow", "Failed", timeout=60)
     assert cond(st, "Succeeded")["reason"] == "DeadlineExceeded"
     assert len(st["runs"]) == 1
+    # The pod is gone; the local node agent keeps its log (kubelet-like, under the node's directory).
+    log = cluster.root / "node" / "pods" / pod["metadata"]["uid"] / "logs" / "runner" / "0.log"
+    made = int(log.read_text().rsplit("calls=", 1)[1].split()[0])
+    assert made >= 20 and st["usage"]["totalTokens"] == made, (made, st["usage"])
 
 
 def test_suspend_and_unsuspend(flows: Flows, cluster: LocalCluster) -> None:
