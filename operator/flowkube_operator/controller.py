@@ -26,8 +26,8 @@ from pydantic import ValidationError
 from flowkube_api import constants as c
 from flowkube_api.report import RunReport
 from flowkube_operator import resources, selfmetrics
-from flowkube_operator.kube import ApiError, Kube, collection_path, delete_if_same, ns_path
-from flowkube_operator.reconcile import Plan, PodView, orphaned_by_namesake, owner_uid, plan
+from flowkube_operator.kube import ApiError, Kube, collection_path, delete_namesake_garbage, flow_path, ns_path
+from flowkube_operator.reconcile import Plan, PodView, owner_uid, plan
 from flowkube_operator.settings import Settings
 
 Body = dict[str, Any]
@@ -329,7 +329,7 @@ class Controller:
             patch = {"metadata": {"resourceVersion": body["metadata"]["resourceVersion"]},
                      "status": merge_patch(old_status, new_status)}
             body = await self.kube.merge_patch(
-                ns_path(ns, c.PLURAL, name, group=c.GROUP, version=c.VERSION, sub="status"), patch)
+                flow_path(ns, name, sub="status"), patch)
             self.flow_event("MODIFIED", body)
         if intent is not None:
             pod = resources.runner_pod(
@@ -351,7 +351,7 @@ class Controller:
         for etype, reason, message in p.events:
             self._post_event(body, etype, reason, message)
         if p.delete_flow:
-            await self.kube.delete(ns_path(ns, c.PLURAL, name, group=c.GROUP, version=c.VERSION),
+            await self.kube.delete(flow_path(ns, name),
                                    {"propagationPolicy": "Background"})
         elif p.requeue_after is not None:
             self.queue.add_after(key, p.requeue_after)
@@ -367,21 +367,10 @@ class Controller:
             existing = await self.kube.get(path)
             mine = owner_uid(meta)
             if existing is not None and owner_uid(existing["metadata"]) != mine:
-                flow = meta["ownerReferences"][0]["name"]
-                if orphaned_by_namesake(existing["metadata"], flow, mine) and await self._flow_is(
-                        meta["namespace"], flow, mine):
-                    # Garbage of a deleted Flow of this name: remove it rather than wait on the
-                    # garbage collector, which can miss it for good.
-                    await self.kube.delete(path, delete_if_same(existing["metadata"]["uid"]))
+                await delete_namesake_garbage(self.kube, path, existing, meta["ownerReferences"][0]["name"], mine)
                 raise ForeignObjectError(f"{obj['kind']} {meta['namespace']}/{meta['name']} still belongs to an "
                                          "earlier Flow of the same name; waiting for it to be gone")
         return created
-
-    async def _flow_is(self, namespace: str, name: str, uid: str) -> bool:
-        """Is the live Flow of this name the one with this uid? (Caches can hold a namesake's event.)"""
-        assert self.kube is not None
-        live = await self.kube.get(ns_path(namespace, c.PLURAL, name, group=c.GROUP, version=c.VERSION))
-        return live is not None and live["metadata"].get("uid") == uid
 
     def _post_event(self, flow: Body, etype: str, reason: str, message: str) -> None:
         """Events are history for `kubectl describe`; posting one never holds up a reconcile."""

@@ -18,7 +18,9 @@ from urllib.parse import quote
 import aiohttp
 import kopf
 
+from flowkube_api import constants as c
 from flowkube_operator import selfmetrics
+from flowkube_operator.reconcile import orphaned_by_namesake
 
 Body = dict[str, Any]
 
@@ -143,6 +145,25 @@ def delete_if_same(uid: str) -> Body:
     """DeleteOptions that delete an object only if it is still the one with this uid."""
     return {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"uid": uid},
             "propagationPolicy": "Background"}
+
+
+async def delete_namesake_garbage(kube: Kube, path: str, obj: Body, flow: str, flow_uid: str) -> bool:
+    """Delete obj (at path) if it is garbage of a deleted Flow named `flow`: controlled by a Flow of
+    that name with another uid, while the live Flow of that name is the one with flow_uid (a cache
+    can hold a namesake's late event, so the live Flow is read). The garbage collector can miss such
+    objects for good. Returns whether it deleted obj."""
+    meta = obj["metadata"]
+    if not orphaned_by_namesake(meta, flow, flow_uid):
+        return False
+    live = await kube.get(flow_path(meta["namespace"], flow))
+    if live is None or live["metadata"].get("uid") != flow_uid:
+        return False
+    await kube.delete(path, delete_if_same(meta["uid"]))
+    return True
+
+
+def flow_path(namespace: str, name: str | None = None, sub: str | None = None) -> str:
+    return ns_path(namespace, c.PLURAL, name, group=c.GROUP, version=c.VERSION, sub=sub)
 
 
 def ns_path(namespace: str, plural: str, name: str | None = None, *, group: str = "",

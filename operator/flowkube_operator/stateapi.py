@@ -29,8 +29,8 @@ from aiohttp import web
 
 from flowkube_api import constants as c
 from flowkube_operator import resources, selfmetrics
-from flowkube_operator.kube import ApiError, Kube, delete_if_same, ns_path
-from flowkube_operator.reconcile import orphaned_by_namesake, owner_uid
+from flowkube_operator.kube import ApiError, Kube, delete_namesake_garbage, flow_path, ns_path
+from flowkube_operator.reconcile import owner_uid
 
 Body = dict[str, Any]
 log = logging.getLogger("flowkube.state")
@@ -217,7 +217,7 @@ class StateApi:
         target = target_of_pod(pod) if pod is not None else None
         if target is None:
             return None
-        flow = await kube.get(ns_path(caller.namespace, c.PLURAL, target.flow, group=c.GROUP, version=c.VERSION))
+        flow = await kube.get(flow_path(caller.namespace, target.flow))
         if flow is None or flow["metadata"].get("uid") != target.flow_uid:
             return None
         runs = (flow.get("status") or {}).get("runs") or []
@@ -236,12 +236,8 @@ class StateApi:
         cm = await self._client().get(path)
         if cm is None:
             return None
-        if orphaned_by_namesake(cm["metadata"], t.flow, t.flow_uid):
-            live = await self._client().get(ns_path(t.namespace, c.PLURAL, t.flow, group=c.GROUP, version=c.VERSION))
-            if live is not None and live["metadata"].get("uid") == t.flow_uid:
-                # An earlier Flow's, which the garbage collector has not removed (and may never): remove it.
-                await self._client().delete(path, delete_if_same(cm["metadata"]["uid"]))
-                return None
+        if await delete_namesake_garbage(self._client(), path, cm, t.flow, t.flow_uid):
+            return None
         if owner_uid(cm["metadata"]) != t.flow_uid:
             raise StateError(409, f"configmap {c.state_configmap_name(t.flow)} still belongs to an earlier "
                                   "Flow of the same name; retry once it is garbage-collected")
