@@ -249,3 +249,26 @@ def test_a_strict_verifier_accepts_the_serving_certificate(tmp_path: Path) -> No
         if all(done.values()):
             break
     assert all(done.values())
+
+
+def test_the_http_edge_refuses_bad_requests_with_clear_statuses() -> None:
+    from aiohttp.test_utils import TestClient, TestServer
+
+    state = api(FakeKube(), {("ns", "demo-0"): ("demo", FLOW_UID, "pod-uid")})
+    auth = {"Authorization": f"Bearer {jwt('good')}"}
+
+    async def scenario() -> None:
+        async with TestClient(TestServer(state.app())) as client:
+            assert (await client.get(c.STATE_API_PREFIX + c.STATE_KEY)).status == 401  # no token
+            assert (await client.get(c.STATE_API_PREFIX + "bad%20key", headers=auth)).status == 400
+            other = await client.put(c.STATE_API_PREFIX + c.report_key("demo-1"), data=b"x", headers=auth)
+            assert other.status == 403  # another run's report
+            big = await client.put(c.STATE_API_PREFIX + c.STATE_KEY, data=b"x" * (c.STATE_LIMIT + 1), headers=auth)
+            assert big.status == 413 and "limit" in (await big.json())["message"]
+            huge = await client.put(c.STATE_API_PREFIX + c.STATE_KEY, data=b"x" * (3 * 1024 * 1024), headers=auth)
+            assert huge.status == 413
+            ok = await client.put(c.STATE_API_PREFIX + c.STATE_KEY, data=b"fine", headers=auth)
+            assert ok.status == 204
+            assert await (await client.get(c.STATE_API_PREFIX + c.STATE_KEY, headers=auth)).read() == b"fine"
+
+    asyncio.run(scenario())
