@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from flowkube_devstack import build, procs
+from flowkube_devstack import build, images, procs
 from flowkube_devstack.demo import demo
 from flowkube_devstack.stack import dev_stack
 
@@ -67,7 +67,10 @@ def up(root: Path, timeout: float = 600.0) -> int:
         print(f"flowkube: the local stack is already running (pid {pid})", file=sys.stderr)
         _print_usage(root)
         return 0
-    build.control_plane()  # build in the foreground, so the user sees progress and errors
+    # Build in the foreground, so the user sees progress and errors.
+    build.control_plane(node=True)
+    build.ensure(build.helm())
+    images.ensure_all()
     root.mkdir(parents=True, exist_ok=True)
     for f in ("ready.json", "failed"):
         (root / f).unlink(missing_ok=True)
@@ -96,7 +99,8 @@ def up(root: Path, timeout: float = 600.0) -> int:
 def _print_usage(root: Path) -> None:
     info = json.loads((root / "ready.json").read_text())
     print(f"The local stack is up: kube-apiserver {info['server']} (Kubernetes built from source),\n"
-          f"a local node agent, the operator (metrics: {info['metrics']}), the stub model {info['stub']}.\n"
+          f"a real node (kubelet, containerd, kube-proxy, CoreDNS), the operator installed by its Helm chart\n"
+          f"(metrics: {info['metrics']}), the stub model {info['stub']}.\n"
           f"Point kubectl at it:\n\n"
           f"  export KUBECONFIG={info['kubeconfig']}\n"
           f"  export PATH={Path(info['bins']['kubectl']).parent}:$PATH\n\n"
@@ -140,9 +144,10 @@ def run_tests(pytest_args: list[str]) -> int:
             return 1
     # Built (or verified) before pytest, so a cold build is not charged to one test's timeout.
     if "not controlplane" not in " ".join(pytest_args):
-        print("== control plane and helm binaries (built from source on first use, then cached)", flush=True)
-        build.control_plane()
+        print("== cluster binaries and images (built from source on first use, then cached)", flush=True)
+        build.control_plane(node=True)
         build.ensure(build.helm())
+        images.ensure_all()
     print("== pytest", flush=True)
     rc = subprocess.run([py, "-m", "pytest", *pytest_args], cwd=REPO).returncode
     if rc == 5:
@@ -177,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "status":
             return status(root)
         if args.cmd == "build":
-            return build.main([])
+            return build.main([]) or images.main([])
         if args.cmd == "test":
             return run_tests(args.pytest_args)
         if args.cmd == "_supervise":

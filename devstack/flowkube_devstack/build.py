@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flowkube_devstack.versions import ETCD_VERSION, HELM_VERSION, KUBERNETES_VERSION
+from flowkube_devstack.versions import COREDNS_VERSION, ETCD_VERSION, HELM_VERSION, KUBERNETES_VERSION
 
 MANIFEST = "manifest.json"
 
@@ -112,6 +112,30 @@ def kubernetes() -> Component:
             for b in ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
         ),
         ldflags=_kubernetes_ldflags(KUBERNETES_VERSION),
+    )
+
+
+def kubernetes_node() -> Component:
+    """The node's own binaries, from the same module and version as the control plane."""
+    binaries = ("kubelet", "kube-proxy")
+    return Component(
+        name="kubernetes-node",
+        version=KUBERNETES_VERSION,
+        module="k8s.io/kubernetes",
+        binaries=binaries,
+        packages=tuple(f"k8s.io/kubernetes/cmd/{b}" for b in binaries),
+        ldflags=_kubernetes_ldflags(KUBERNETES_VERSION),
+    )
+
+
+def coredns() -> Component:
+    """The cluster DNS server Kubernetes ships by default (kubeadm, kind), from its Go module."""
+    return Component(
+        name="coredns",
+        version=COREDNS_VERSION,
+        module="github.com/coredns/coredns",
+        binaries=("coredns",),
+        packages=("github.com/coredns/coredns",),
     )
 
 
@@ -205,7 +229,7 @@ def _build(comp: Component, dest: Path, go: str) -> dict[str, float]:
     env = dict(os.environ, CGO_ENABLED="0", GOFLAGS="-mod=mod", GOTOOLCHAIN="local")
     started = time.monotonic()
 
-    replaces = _staging_replaces(comp.version) if comp.name == "kubernetes" else comp.replaces
+    replaces = _staging_replaces(comp.version) if comp.module == "k8s.io/kubernetes" else comp.replaces
     gomod = [f"module flowkube.local/build/{comp.name}", "", f"go {go.removeprefix('go')}", ""]
     gomod.append(f"require {comp.module} {comp.version}")
     gomod += [f"replace {m} => {target}" for m, target in sorted(replaces.items())]
@@ -259,10 +283,11 @@ def ensure(comp: Component, *, quiet: bool = False) -> Path:
     return dest
 
 
-def control_plane() -> dict[str, Path]:
-    """Paths of etcd, kube-apiserver, kube-controller-manager, kube-scheduler and kubectl."""
+def control_plane(*, node: bool = False) -> dict[str, Path]:
+    """Paths of etcd, kube-apiserver, kube-controller-manager, kube-scheduler and kubectl; with
+    ``node``, also kubelet, kube-proxy and coredns."""
     paths: dict[str, Path] = {}
-    for comp in (etcd(), kubernetes()):
+    for comp in (etcd(), kubernetes(), *((kubernetes_node(), coredns()) if node else ())):
         d = ensure(comp)
         paths.update({b: d / b for b in comp.binaries})
     return paths
@@ -270,12 +295,16 @@ def control_plane() -> dict[str, Path]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("components", nargs="*", default=["etcd", "kubernetes"],
-                        choices=["etcd", "kubernetes", "helm"])
+    factories = {"etcd": etcd, "kubernetes": kubernetes, "kubernetes-node": kubernetes_node,
+                 "coredns": coredns, "helm": helm}
+    # Checked here, not with `choices`: argparse checks an empty `nargs="*"` against them as one value.
+    parser.add_argument("components", nargs="*", metavar="COMPONENT",
+                        help=f"any of {', '.join(factories)} (default: all)")
     args = parser.parse_args(argv)
-    factories = {"etcd": etcd, "kubernetes": kubernetes, "helm": helm}
+    if unknown := set(args.components) - set(factories):
+        parser.error(f"unknown component(s): {', '.join(sorted(unknown))}; choose from {', '.join(factories)}")
     try:
-        for name in args.components:
+        for name in args.components or list(factories):
             print(ensure(factories[name]()))
     except BuildError as e:
         print(f"flowkube: {e}", file=sys.stderr)

@@ -1,34 +1,35 @@
-"""A real Kubernetes control plane on 127.0.0.1: etcd, kube-apiserver, controller-manager, scheduler.
+"""A real Kubernetes cluster on this host: etcd, the control plane and a real node.
 
-Binaries come from `build.control_plane()` (built from the Kubernetes Go modules). Authentication
-is by client certificates from a throwaway CA; authorization is Node,RBAC; PodSecurity, ServiceAccount
-and NodeRestriction admission are on. The optional local node agent (`flowkube_devstack.node`) stands
-in for kubelet + container runtime, which cannot run on this machine.
+Binaries come from `build.control_plane()` (built from the Kubernetes Go modules). The cluster lives
+in a network namespace of its own (`netns`): the API server is at https://10.234.<slot>.2:6443, pods
+and ClusterIPs are routed from the host. Authentication is by client certificates from a throwaway
+CA; authorization is Node,RBAC; PodSecurity, ServiceAccount and NodeRestriction admission are on.
+The node (`kubenode`) is kubelet with containerd and runc, the CNI bridge, kube-proxy and CoreDNS;
+its images are built here (`images`), since no registry is reachable.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import socket
 import ssl
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from flowkube_devstack import build, pki, procs
+from flowkube_devstack import build, images, kubenode, netns, pki, procs
+from flowkube_devstack.kubenode import NODE_NAME
 
-NODE_NAME = "flowkube-local-node"
-SERVICE_CIDR = "10.96.0.0/16"
+APISERVER_PORT = 6443
+ETCD_PORT = 2379
 
 
 class ClusterError(RuntimeError):
@@ -86,22 +87,48 @@ class LocalCluster:
         self.fsync = fsync
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.bins: dict[str, Path] = {}
-        self.apiserver_port = 0
+        self.apiserver_port = APISERVER_PORT
         self.pki_dir = self.root / "pki"
         self.kubeconfig = self.root / "admin.kubeconfig"
         self._apiserver_argv: list[str] = []
+        self.ns: netns.Netns | None = None
+        self.node: kubenode.Node | None = None
+        self.images: images.Images | None = None
 
     # -- public -----------------------------------------------------------------------------------
 
     @property
-    def server(self) -> str:
-        return f"https://127.0.0.1:{self.apiserver_port}"
+    def netns(self) -> netns.Netns:
+        if self.ns is None:
+            raise ClusterError("the cluster is not started")
+        return self.ns
 
-    def start(self, timeout: float = 180.0) -> LocalCluster:
-        self.bins = build.control_plane()
+    @property
+    def node_ip(self) -> str:
+        """The cluster's address: API server, kubelet, CoreDNS; the host reaches it over a veth."""
+        return self.netns.node_ip
+
+    @property
+    def host_ip(self) -> str:
+        """This host as pods see it (for processes of the host that pods must reach)."""
+        return self.netns.host_ip
+
+    @property
+    def server(self) -> str:
+        return f"https://{self.node_ip}:{self.apiserver_port}"
+
+    def start(self, timeout: float = 300.0) -> LocalCluster:
+        if self.with_node and (missing := kubenode.missing_tools()):
+            raise ClusterError(f"the local node needs Debian packages that are missing: {', '.join(missing)} "
+                               "(./dev installs them when run as root)")
+        self.bins = build.control_plane(node=self.with_node)
+        if self.with_node:
+            self.images = images.ensure_all()
         self.root.mkdir(parents=True, exist_ok=True)
         procs.kill_stale(self.root)
         try:
+            self.ns = netns.acquire(build.cache_root() / "netns")
+            self._spawn = kubenode.wrap_spawn(self.ns, self.root, self.procs)
             self._prepare_pki()
             self._start_etcd(timeout)
             self._start_apiserver(timeout)
@@ -116,11 +143,17 @@ class LocalCluster:
         return self
 
     def stop(self) -> None:
-        # Reverse start order: the node first (it stops its pods), etcd last.
+        # Reverse start order: the node first, etcd last; then what the node's pods left.
         for name in reversed(list(self.procs)):
-            procs.terminate(self.procs[name], grace=15.0 if name == "node" else 5.0)
+            procs.terminate(self.procs[name], grace=10.0 if name in ("kubelet", "containerd") else 5.0)
             procs.pid_file(self.root, name).unlink(missing_ok=True)
         self.procs.clear()
+        if self.node is not None:
+            self.node.stop_leftovers()
+            self.node = None
+        if self.ns is not None:
+            self.ns.delete()
+            self.ns = None
 
     def restart_apiserver(self, timeout: float = 60.0) -> None:
         """Stop and start kube-apiserver alone (same port, same etcd): clients see a real outage."""
@@ -131,6 +164,8 @@ class LocalCluster:
     def describe(self) -> dict[str, Any]:
         return {
             "server": self.server,
+            "nodeIP": self.node_ip,
+            "hostIP": self.host_ip,
             "kubeconfig": str(self.kubeconfig),
             "root": str(self.root),
             "pids": {n: p.pid for n, p in self.procs.items()},
@@ -146,6 +181,22 @@ class LocalCluster:
         if check and proc.returncode != 0:
             raise ClusterError(f"kubectl {' '.join(args)} failed: {proc.stderr.strip()}")
         return proc
+
+    def host_service(self, name: str, namespace: str, port: int) -> str:
+        """A Service whose endpoint is a process of this host (at ``host_ip``:port): pods reach it by
+        name, through kube-proxy and CoreDNS, exactly as a Service of pods. Returns its URL."""
+        if self.kubectl("get", "namespace", namespace, check=False).returncode != 0:
+            self.kubectl("create", "namespace", namespace)
+        objs = [
+            {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": namespace},
+             "spec": {"ports": [{"name": "http", "port": 80, "targetPort": port, "protocol": "TCP"}]}},
+            {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+             "metadata": {"name": name, "namespace": namespace, "labels": {"kubernetes.io/service-name": name}},
+             "addressType": "IPv4", "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
+             "endpoints": [{"addresses": [self.host_ip], "conditions": {"ready": True}}]},
+        ]
+        self.kubectl("apply", "-f", "-", input="\n---\n".join(json.dumps(o) for o in objs))
+        return f"http://{name}.{namespace}.svc"
 
     def api(self, method: str, path: str, body: Any = None,
             content_type: str = "application/json") -> Any:
@@ -165,7 +216,7 @@ class LocalCluster:
         self.serving = ca.issue("apiserver", "kube-apiserver", server=True,
                                 dns=("localhost", "kubernetes", "kubernetes.default",
                                      "kubernetes.default.svc", "kubernetes.default.svc.cluster.local"),
-                                ips=("127.0.0.1", "10.96.0.1"))
+                                ips=("127.0.0.1", self.node_ip, self.netns.kubernetes_service_ip))
         self.sa_keys = pki.service_account_keys(self.pki_dir)
         self.admin = ca.issue("admin", "flowkube-admin", orgs=("system:masters",), client=True)
         self.apiserver_kubelet_client = ca.issue(
@@ -177,36 +228,35 @@ class LocalCluster:
         self.node_client = ca.issue("node", f"system:node:{NODE_NAME}", orgs=("system:nodes",),
                                     client=True)
         self.node_serving = ca.issue("node-serving", NODE_NAME, server=True,
-                                     dns=("localhost", NODE_NAME), ips=("127.0.0.1",))
+                                     dns=("localhost", NODE_NAME), ips=("127.0.0.1", self.node_ip))
+        self.kube_proxy = ca.issue("kube-proxy", "system:kube-proxy", client=True)
+        self.coredns = ca.issue("coredns", "system:coredns", client=True)
         self._admin_ssl = ssl.create_default_context(cafile=str(self.ca))
         self._admin_ssl.load_cert_chain(str(self.admin.cert), str(self.admin.key))
 
     def _start_etcd(self, timeout: float) -> None:
-        client, peer = free_port(), free_port()
-        self.etcd_url = f"http://127.0.0.1:{client}"
+        self.etcd_url = f"http://{self.node_ip}:{ETCD_PORT}"
+        peer = f"http://127.0.0.1:{ETCD_PORT + 1}"
         data = self.root / "etcd"
         argv = [
             str(self.bins["etcd"]), "--name", "default", "--data-dir", str(data),
             "--listen-client-urls", self.etcd_url, "--advertise-client-urls", self.etcd_url,
-            "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-            "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-            "--initial-cluster", f"default=http://127.0.0.1:{peer}",
+            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"default={peer}",
             "--log-level", "warn",
         ]
         if not self.fsync:
             argv.append("--unsafe-no-fsync")  # throwaway test data; fsync dominates write latency
-        self.procs["etcd"] = procs.spawn("etcd", argv, root=self.root)
+        self._spawn("etcd", argv)
         wait_for(lambda: self._http_ok(self.etcd_url + "/health"), timeout,
                  f"etcd on {self.etcd_url} (log: {procs.log_path(self.root, 'etcd')})",
                  )
 
     def _start_apiserver(self, timeout: float) -> None:
-        self.apiserver_port = free_port()
-        p = self.pki_dir
         self._apiserver_argv = [
             str(self.bins["kube-apiserver"]),
-            "--bind-address=127.0.0.1", f"--secure-port={self.apiserver_port}",
-            "--advertise-address=127.0.0.1",
+            "--bind-address=0.0.0.0", f"--secure-port={self.apiserver_port}",
+            f"--advertise-address={self.node_ip}",
             f"--etcd-servers={self.etcd_url}",
             f"--cert-dir={self.root / 'apiserver-certs'}",
             f"--tls-cert-file={self.serving.cert}", f"--tls-private-key-file={self.serving.key}",
@@ -218,33 +268,32 @@ class LocalCluster:
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={self.sa_keys.cert}",
             f"--service-account-signing-key-file={self.sa_keys.key}",
-            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            f"--service-cluster-ip-range={self.netns.service_cidr}",
             "--authorization-mode=Node,RBAC",
             "--enable-admission-plugins=NodeRestriction",
             "--allow-privileged=false",
             "--profiling=false",
             "--v=1",
         ]
-        del p
         self._launch_apiserver()
         wait_for(self._apiserver_ready, timeout,
                  f"kube-apiserver /readyz (log: {procs.log_path(self.root, 'kube-apiserver')})")
         write_kubeconfig(self.kubeconfig, self.server, self.ca, self.admin, "flowkube-admin")
 
     def _launch_apiserver(self) -> None:
-        self.procs["kube-apiserver"] = procs.spawn("kube-apiserver", self._apiserver_argv, root=self.root)
+        self._spawn("kube-apiserver", self._apiserver_argv)
 
     def _start_controllers(self) -> None:
         self._start_controller_manager()
         sched_cfg = write_kubeconfig(self.root / "scheduler.kubeconfig", self.server, self.ca,
                                      self.scheduler, "system:kube-scheduler")
-        self.procs["kube-scheduler"] = procs.spawn("kube-scheduler", [
+        self._spawn("kube-scheduler", [
             str(self.bins["kube-scheduler"]),
             f"--kubeconfig={sched_cfg}", f"--authentication-kubeconfig={sched_cfg}",
             f"--authorization-kubeconfig={sched_cfg}",
-            "--leader-elect=false", "--bind-address=127.0.0.1", f"--secure-port={free_port()}",
+            "--leader-elect=false", "--bind-address=127.0.0.1", "--secure-port=10259",
             "--v=1",
-        ], root=self.root)
+        ])
 
     @contextlib.contextmanager
     def controller_manager_stopped(self) -> Iterator[None]:
@@ -258,32 +307,37 @@ class LocalCluster:
     def _start_controller_manager(self) -> None:
         cm_cfg = write_kubeconfig(self.root / "controller-manager.kubeconfig", self.server, self.ca,
                                   self.controller_manager, "system:kube-controller-manager")
-        self.procs["kube-controller-manager"] = procs.spawn("kube-controller-manager", [
+        self._spawn("kube-controller-manager", [
             str(self.bins["kube-controller-manager"]),
             f"--kubeconfig={cm_cfg}", f"--authentication-kubeconfig={cm_cfg}",
             f"--authorization-kubeconfig={cm_cfg}",
-            "--leader-elect=false", "--bind-address=127.0.0.1", f"--secure-port={free_port()}",
+            "--leader-elect=false", "--bind-address=127.0.0.1", "--secure-port=10257",
             f"--root-ca-file={self.ca}", f"--service-account-private-key-file={self.sa_keys.key}",
             "--use-service-account-credentials=true",
             f"--cluster-signing-cert-file={self.ca}", f"--cluster-signing-key-file={self.pki_dir / 'ca.key'}",
             "--concurrent-gc-syncs=10",
             "--v=1",
-        ], root=self.root)
+        ])
 
     def _start_node(self, timeout: float) -> None:
-        node_cfg = write_kubeconfig(self.root / "node.kubeconfig", self.server, self.ca,
-                                    self.node_client, f"system:node:{NODE_NAME}")
-        argv: Sequence[str] = [
-            sys.executable, "-m", "flowkube_devstack.node",
-            "--kubeconfig", str(node_cfg), "--name", NODE_NAME,
-            "--state-dir", str(self.root / "node"),
-            "--api-host", "127.0.0.1", "--api-port", str(self.apiserver_port),
-            "--serving-cert", str(self.node_serving.cert), "--serving-key", str(self.node_serving.key),
-            "--client-ca", str(self.ca),
-        ]
-        self.procs["node"] = procs.spawn("node", argv, root=self.root, env=os.environ)
+        assert self.images is not None
+        node = self.node = kubenode.Node(self.root, self.netns, self.bins, spawn=self._spawn)
+        node.prepare()
+        node.start_containerd(self.images.pause)
+        wait_for(lambda: self._check_alive() or node.containerd_ready(), timeout,
+                 f"containerd (log: {procs.log_path(self.root, 'containerd')})")
+        images.load_into_containerd(node.containerd_address, self.images.all())
+        self.kubectl("apply", "-f", "-", input="\n---\n".join(json.dumps(o) for o in kubenode.BOOTSTRAP_RBAC))
+
+        def kubeconfig(name: str, pair: pki.KeyPair, user: str) -> Path:
+            return write_kubeconfig(self.root / f"{name}.kubeconfig", self.server, self.ca, pair, user)
+
+        node.start_kubelet(kubeconfig("node", self.node_client, f"system:node:{NODE_NAME}"), self.ca,
+                           self.node_serving.cert, self.node_serving.key)
+        node.start_kube_proxy(kubeconfig("kube-proxy", self.kube_proxy, "system:kube-proxy"))
+        node.start_coredns(kubeconfig("coredns", self.coredns, "system:coredns"))
         wait_for(self._node_ready, timeout,
-                 f"node {NODE_NAME} Ready (log: {procs.log_path(self.root, 'node')})", interval=0.2)
+                 f"node {NODE_NAME} Ready (log: {procs.log_path(self.root, 'kubelet')})", interval=0.2)
 
     def _wait_default_namespace(self, timeout: float) -> None:
         # Pods need the namespace's ServiceAccount and kube-root-ca.crt, made by the controller-manager.

@@ -1,9 +1,15 @@
-"""Run the flowkube operator as a local process against a LocalCluster (tests, demo, benchmarks).
+"""The flowkube operator on a LocalCluster, two ways.
 
-The operator runs exactly as the Helm chart would run it, minus the container: the chart is
-rendered and its CRD, ServiceAccount, RBAC and webhook configurations are applied; the operator
-logs in with a token of the chart's ServiceAccount (so every test exercises the chart's
-least-privilege RBAC) and serves its webhooks on 127.0.0.1 (the chart's `webhook.url`).
+``ChartOperator`` (the default of the demo and the tests): ``helm install`` of charts/flowkube with
+the locally built images; the operator runs as a pod of the chart's Deployment, with the chart's
+RBAC, Services, webhooks, status policy and state API, and runner pods run from the runner image.
+
+``OperatorProcess`` (an explicit fast path, for benchmarks that measure the operator's own CPU and
+for iterating on the operator without rebuilding its image): the operator as a process of this
+host, exactly as the chart would run it minus the container. The chart is rendered and its CRD,
+ServiceAccount, RBAC and webhook configurations are applied; the operator logs in with a token of
+the chart's ServiceAccount and serves its webhooks and state API on the host's address on the
+cluster's network (the chart's `webhook.url`), where the API server and runner pods reach it.
 """
 
 from __future__ import annotations
@@ -15,14 +21,14 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from flowkube_devstack import build, procs
-from flowkube_devstack.cluster import LocalCluster, free_port, http_ok, wait_for
+from flowkube_devstack.cluster import ClusterError, LocalCluster, free_port, http_ok, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "flowkube"
@@ -63,7 +69,8 @@ def token_kubeconfig(cluster: LocalCluster, namespace: str, sa: str, path: Path,
 
 def install_chart_for_local_operator(cluster: LocalCluster, webhook_port: int) -> Path:
     """Apply what the chart installs except the Deployment; return the operator's kubeconfig."""
-    objs = [o for o in render_chart(f"webhook.url=https://127.0.0.1:{webhook_port}", "validator.enabled=false")
+    objs = [o for o in render_chart(f"webhook.url=https://{cluster.host_ip}:{webhook_port}",
+                                    "validator.enabled=false")
             if o.get("kind") in _APPLIED_KINDS]
     if cluster.kubectl("get", "namespace", SYSTEM_NAMESPACE, check=False).returncode != 0:
         cluster.kubectl("create", "namespace", SYSTEM_NAMESPACE)
@@ -96,15 +103,15 @@ class OperatorProcess:
     def start(self, timeout: float = 60.0) -> OperatorProcess:
         env: dict[str, str] = {
             **os.environ,
-            "FLOWKUBE_BIND_ADDRESS": "127.0.0.1",
+            "FLOWKUBE_BIND_ADDRESS": self.cluster.host_ip,
             "FLOWKUBE_METRICS_PORT": str(self.metrics_port),
             "FLOWKUBE_HEALTH_PORT": str(self.health_port),
             "FLOWKUBE_LOG_FORMAT": "json",
             "FLOWKUBE_RUNNER_IMAGE": "flowkube-runner:local",
             "FLOWKUBE_RUNNER_COMMAND": f"{sys.executable} -m flowkube_runner",
-            # Runner processes run on this host (the local node agent): the state API is on loopback.
+            # Runner pods reach this host's process at its address on the cluster's network.
             "FLOWKUBE_STATE_PORT": str(self.state_port),
-            "FLOWKUBE_WEBHOOK_HOST": "127.0.0.1",
+            "FLOWKUBE_WEBHOOK_HOST": self.cluster.host_ip,
             "FLOWKUBE_WEBHOOK_CERT_DIR": str(self.cert_dir),
         }
         if self.managed:
@@ -127,7 +134,7 @@ class OperatorProcess:
         assert self.proc is not None
         if self.proc.poll() is not None:
             raise RuntimeError(f"operator exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
-        return http_ok(f"http://127.0.0.1:{self.health_port}/healthz")
+        return http_ok(f"http://{self.cluster.host_ip}:{self.health_port}/healthz")
 
     def _ca_installed(self) -> bool:
         ca = (self.cert_dir / "ca.crt").read_bytes() if (self.cert_dir / "ca.crt").exists() else b""
@@ -142,9 +149,20 @@ class OperatorProcess:
         return True
 
     def metrics(self) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
+        with urllib.request.urlopen(f"http://{self.metrics_target}/metrics", timeout=10) as r:
             text: str = r.read().decode()
             return text
+
+    @property
+    def metrics_target(self) -> str:
+        return f"{self.cluster.host_ip}:{self.metrics_port}"
+
+    @property
+    def state_url(self) -> str:
+        return f"https://{self.cluster.host_ip}:{self.state_port}"
+
+    def ca_file(self) -> Path:
+        return self.cert_dir / "ca.crt"
 
     def stop(self) -> None:
         """Stop the operator and, as `helm uninstall` would, its webhook configurations and status
@@ -165,3 +183,176 @@ class OperatorProcess:
             self.proc.kill()
             self.proc.wait()
             self.proc = None
+
+
+class ChartOperator:
+    """The operator as users run it: ``helm install`` of the chart, the operator a pod of its image.
+
+    ``runner_image``/``runner_command`` select what runner pods run (the runner image by default;
+    tests of the lifecycle use the devstack image's scripted runner), ``runner_env`` is the chart's
+    ``runner.defaultEnv``, ``values`` more ``--set`` pairs. The operator's HTTP endpoints are reached
+    through the chart's Services (this host routes to ClusterIPs), as Prometheus in a cluster would.
+    """
+
+    def __init__(self, cluster: LocalCluster, *, runner_image: str | None = None,
+                 runner_command: str | None = None, runner_env: Mapping[str, str] | None = None,
+                 values: Sequence[str] = (), extra_env: Mapping[str, str] | None = None,
+                 release: str = RELEASE, namespace: str = SYSTEM_NAMESPACE) -> None:
+        if cluster.images is None:
+            raise RuntimeError("the chart's operator needs a cluster with a node (and its images)")
+        self.cluster = cluster
+        self.images = cluster.images
+        self.release = release
+        self.namespace = namespace
+        self.fullname = release if "flowkube" in release else f"{release}-flowkube"
+        self.runner_image = runner_image or self.images.runner
+        env = dict(extra_env or {})
+        if runner_command:
+            env["FLOWKUBE_RUNNER_COMMAND"] = runner_command
+        self.extra_env = env
+        self.runner_env = dict(runner_env or {})
+        self.values = list(values)
+        self.installed = False
+
+    # -- install / uninstall ----------------------------------------------------------------------
+
+    def helm(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        home = str(self.cluster.root / "helm")
+        env = {**os.environ, "KUBECONFIG": str(self.cluster.kubeconfig), "HELM_CACHE_HOME": home,
+               "HELM_CONFIG_HOME": home, "HELM_DATA_HOME": home}
+        proc = subprocess.run([str(helm_binary()), *args], capture_output=True, text=True, env=env, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"helm {' '.join(args[:2])} failed: {proc.stderr.strip()}\n{self.diagnose()}")
+        return proc
+
+    def _set_args(self, more: Sequence[str] = ()) -> list[str]:
+        operator_repo, operator_tag = self.images.operator.rsplit(":", 1)
+        runner_repo, runner_tag = self.runner_image.rsplit(":", 1)
+        sets = [
+            f"image.repository={operator_repo}", f"image.tag={operator_tag}", "image.pullPolicy=Never",
+            f"runner.image.repository={runner_repo}", f"runner.image.tag={runner_tag}",
+            "runner.image.pullPolicy=Never",
+            # Ready as soon as /healthz answers: the tests and the demo wait for it.
+            "readinessProbe.initialDelaySeconds=0", "readinessProbe.periodSeconds=1",
+            *self.values, *more,
+        ]
+        args: list[str] = []
+        for s in sets:
+            args += ["--set", s]
+        if self.runner_env:
+            args += ["--set-json", f"runner.defaultEnv={json.dumps(self.runner_env)}"]
+        if self.extra_env:
+            env = [{"name": k, "value": v} for k, v in self.extra_env.items()]
+            args += ["--set-json", f"extraEnv={json.dumps(env)}"]
+        return args
+
+    def start(self, timeout: float = 300.0) -> ChartOperator:
+        """Install the chart (or bring a killed operator back) and wait until it serves."""
+        if not self.installed:
+            self.upgrade(timeout=timeout)
+        else:
+            self.cluster.kubectl("scale", "deployment", self.fullname, "-n", self.namespace, "--replicas=1")
+            self._wait_ready(timeout)
+        return self
+
+    def upgrade(self, *values: str, timeout: float = 300.0) -> None:
+        """``helm upgrade --install`` with this operator's values and, for this revision, ``values``."""
+        self.helm("upgrade", "--install", self.release, str(CHART), "--namespace", self.namespace,
+                  "--create-namespace", "--wait", f"--timeout={int(timeout)}s", *self._set_args(values),
+                  timeout=timeout + 30)
+        self.installed = True
+        self._wait_ready(timeout)
+
+    def _wait_ready(self, timeout: float) -> None:
+        try:
+            wait_for(self._ready, timeout, "the operator pod Ready and its CA in the webhooks", interval=0.2)
+        except ClusterError as e:
+            raise ClusterError(f"{e}\n{self.diagnose()}") from e
+
+    def stop(self) -> None:
+        """``helm uninstall``: the operator, its webhook configurations and status policy go, so a
+        later test's Flows are not refused by a webhook nobody serves."""
+        if self.installed:
+            self.helm("uninstall", self.release, "--namespace", self.namespace, "--wait", "--timeout=120s")
+            self.installed = False
+
+    def kill(self) -> None:
+        """SIGKILL the operator's process, as a crash or an OOM kill, and keep it down (replicas 0)
+        until ``start``: no cleanup, no goodbye."""
+        for pod in self.pods():
+            for status in pod.get("status", {}).get("containerStatuses", []):
+                if status["name"] == "operator" and status.get("containerID", "").startswith("containerd://"):
+                    cid = status["containerID"].removeprefix("containerd://")
+                    assert self.cluster.node is not None
+                    self.cluster.node.ctr("tasks", "kill", "--signal", "SIGKILL", cid)
+        self.cluster.kubectl("scale", "deployment", self.fullname, "-n", self.namespace, "--replicas=0")
+        wait_for(lambda: not self.pods(), 120, "the operator pod gone")
+
+    # -- views ------------------------------------------------------------------------------------
+
+    def pods(self) -> list[dict[str, Any]]:
+        out = self.cluster.kubectl("get", "pods", "-n", self.namespace, "-l",
+                                   f"app.kubernetes.io/instance={self.release},app.kubernetes.io/component=operator",
+                                   "-o", "json")
+        items: list[dict[str, Any]] = json.loads(out.stdout)["items"]
+        return items
+
+    def _ready(self) -> bool:
+        pods = [p for p in self.pods() if not p["metadata"].get("deletionTimestamp")]
+        if not any(c.get("type") == "Ready" and c.get("status") == "True"
+                   for p in pods for c in p.get("status", {}).get("conditions", [])):
+            return False
+        for kind in ("validatingwebhookconfiguration", "mutatingwebhookconfiguration"):
+            out = self.cluster.kubectl("get", kind, self.webhook_configuration, "-o", "json", check=False)
+            if out.returncode == 0 and not all(h.get("clientConfig", {}).get("caBundle")
+                                               for h in json.loads(out.stdout)["webhooks"]):
+                return False
+        return True
+
+    @property
+    def webhook_configuration(self) -> str:
+        return f"{self.fullname}-{self.namespace}.flowkube.io"
+
+    def _service_ip(self, name: str) -> str:
+        return self.cluster.kubectl("get", "service", name, "-n", self.namespace,
+                                    "-o", "jsonpath={.spec.clusterIP}").stdout.strip()
+
+    @property
+    def metrics_target(self) -> str:
+        """host:port of the chart's metrics Service, what a Prometheus in the cluster scrapes."""
+        return f"{self._service_ip(f'{self.fullname}-metrics')}:9090"
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://{self.metrics_target}/metrics", timeout=10) as r:
+            text: str = r.read().decode()
+            return text
+
+    @property
+    def state_url(self) -> str:
+        """The state API through its Service's ClusterIP (its certificate names the Service)."""
+        return f"https://{self._service_ip(f'{self.fullname}-webhook')}:8443"
+
+    @property
+    def state_server_name(self) -> str:
+        return f"{self.fullname}-webhook.{self.namespace}.svc"
+
+    def ca_file(self) -> Path:
+        out = self.cluster.kubectl("get", "secret", f"{self.fullname}-ca", "-n", self.namespace, "-o", "json")
+        data = json.loads(out.stdout).get("data", {})
+        path = self.cluster.root / f"{self.release}-ca.crt"
+        path.write_bytes(base64.b64decode(data["ca.crt"]))
+        return path
+
+    def logs(self) -> str:
+        """The operator's log, this container's and the one before a restart."""
+        text = ""
+        for pod in self.pods():
+            for previous in ("--previous", ""):
+                out = self.cluster.kubectl("logs", pod["metadata"]["name"], "-n", self.namespace, "-c", "operator",
+                                           *([previous] if previous else []), check=False)
+                text += out.stdout
+        return text
+
+    def diagnose(self) -> str:
+        out = self.cluster.kubectl("get", "pods,events", "-n", self.namespace, "-o", "wide", check=False)
+        return f"{out.stdout}{out.stderr}\n--- operator log (tail)\n{self.logs()[-3000:]}"

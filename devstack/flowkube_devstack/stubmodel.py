@@ -51,7 +51,7 @@ DEFAULT_REPLY = "stub reply"
 
 
 def count_tokens(text: str) -> int:
-    """Deterministic stand-in for a tokenizer: about four characters per token."""
+    """Deterministic approximation of a tokenizer: about four characters per token."""
     return (len(text) + 3) // 4
 
 
@@ -135,6 +135,7 @@ class StubModel:
         rules: Rules | None = None,
         *,
         port: int = 0,
+        host: str = "127.0.0.1",
         ledger_path: Path | None = None,
     ) -> None:
         self.rules = rules or Rules()
@@ -145,7 +146,7 @@ class StubModel:
         self._stopping = False
         self._held = 0
         self._held_changed = threading.Condition(self._lock)
-        self._server = ThreadingHTTPServer(("127.0.0.1", port), _handler_for(self))
+        self._server = ThreadingHTTPServer((host, port), _handler_for(self))
         self._server.daemon_threads = True
         self._thread: threading.Thread | None = None
 
@@ -153,6 +154,11 @@ class StubModel:
     def url(self) -> str:
         host, port = self._server.server_address[:2]
         return f"http://{host!s}:{port}"
+
+    @property
+    def port(self) -> int:
+        port: int = self._server.server_address[1]
+        return port
 
     @property
     def base_url(self) -> str:
@@ -330,11 +336,12 @@ def running(rules: Rules | None = None, ledger_path: Path | None = None) -> Iter
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flowkube_devstack.stubmodel", description=__doc__)
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
     parser.add_argument("--rules", type=Path, help="JSON rules file (see module docs)")
     parser.add_argument("--ledger", type=Path, help="append every answered call here (JSONL)")
     args = parser.parse_args(argv)
     rules = Rules.load(args.rules) if args.rules else Rules()
-    stub = StubModel(rules, port=args.port, ledger_path=args.ledger)
+    stub = StubModel(rules, port=args.port, host=args.host, ledger_path=args.ledger)
     print(stub.url, flush=True)
     stub.start()
     try:

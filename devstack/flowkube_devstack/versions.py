@@ -8,3 +8,5 @@ Bumping a version here changes the cache key, so the next run rebuilds exactly o
 KUBERNETES_VERSION = "v1.36.3"
 ETCD_VERSION = "v3.6.16"
 HELM_VERSION = "v3.21.4"
+# The cluster DNS of the local node: the release series Kubernetes 1.36 ships with kubeadm.
+COREDNS_VERSION = "v1.15.0"

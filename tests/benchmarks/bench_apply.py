@@ -11,7 +11,7 @@
 0. Before the operator starts: the API server's CPU per write of each kind a Flow needs (its
    create, one status update, its pod), one client, nobody watching. A Flow needs all three where a
    raw pod is one, which bounds the ratio on a host where the API server is the bottleneck.
-No node agent runs, so pods stay Pending: this measures the operator and the API server only.
+No node runs, so pods stay Pending: this measures the operator and the API server only.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
     .venv/bin/python -m tests.benchmarks.bench_feedback [--flows 50]
 
-N Flows pause for feedback (scripted fake runner on the local node, admission webhook on, as the
-chart installs it); each is answered with the same merge patch of `status.feedback.response` a
+N Flows pause for feedback (the Helm-installed operator, scripted fake runner pods on the real node,
+admission webhook on); each is answered with the same merge patch of `status.feedback.response` a
 person sends, one every 100 ms, and the latency runs from sending the patch to the ADDED watch
 event of the resume pod. The node is cordoned before the answers, so resume pods are created but not
 started: their Python start-up would otherwise compete for the same two cores.
@@ -14,16 +14,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from flowkube_devstack.cluster import LocalCluster, wait_for
-from flowkube_devstack.operator import OperatorProcess
 from tests.benchmarks.bench_apply import Client, until
-from tests.integration.conftest import FAKE_RUNNER
+from tests.integration.conftest import scripted_operator
 
 NS = "bench-feedback"
 REVIEW = {"id": "r1", "method": "review", "message": "ok?", "emit": ["approved", "rejected"]}
@@ -80,8 +78,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="flowkube-bench-fb-") as tmp:
         cluster = LocalCluster(Path(tmp)).start()
-        op = OperatorProcess(cluster, env={"FLOWKUBE_LOG_LEVEL": "WARNING",
-                                           "FLOWKUBE_RUNNER_COMMAND": f"{sys.executable} {FAKE_RUNNER}"})
+        op = scripted_operator(cluster, values=["log.level=WARNING"])
         try:
             op.start()
             cluster.kubectl("create", "namespace", NS)

@@ -4,7 +4,7 @@
 
 Each Flow carries usage for two models and three runs in its status, the way finished Flows look,
 written by this script with the operator's own ServiceAccount token (the chart's status policy lets
-no one else write those fields). No node agent runs; Flows are suspended so no pods are made.
+no one else write those fields). No node runs; Flows are suspended so no pods are made.
 """
 
 from __future__ import annotations
@@ -60,9 +60,9 @@ async def create(client: Client, operator: aiohttp.ClientSession, start: int, st
     await asyncio.gather(*(worker() for _ in range(16)))
 
 
-def scrape(port: int) -> tuple[float, int]:
+def scrape(target: str) -> tuple[float, int]:
     t0 = time.perf_counter()
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as r:
+    with urllib.request.urlopen(f"http://{target}/metrics", timeout=60) as r:
         body = r.read()
     return (time.perf_counter() - t0) * 1000, len(body)
 
@@ -113,7 +113,7 @@ def main() -> None:
 
                 wait_for(seen, 1800, f"the operator to see {n} flows", interval=1)
                 took = time.perf_counter() - t0
-                times = [scrape(op.metrics_port) for _ in range(10)]
+                times = [scrape(op.metrics_target) for _ in range(10)]
                 ms = sorted(t for t, _ in times)
                 print(f"{n:>6} Flows (filled in {took:.0f}s): /metrics p50 {statistics.median(ms):.0f} ms, "
                       f"max {ms[-1]:.0f} ms, {times[0][1] / 1e6:.1f} MB, "

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m tests.benchmarks.bench_state [--requests 500] [--size 20000]
 
-A Flow's runner pod is created (no node agent runs, so it stays Pending but is the Flow's running
+A Flow's runner pod is created (no node runs, so it stays Pending but is the Flow's running
 attempt); a token bound to it for the state audience is requested, as the kubelet would. Then, as
 a runner does: one first request (TokenReview included), N PUTs of a state-sized blob (a runner
 writes its state and an interim report after every LLM call) and N GETs, one at a time.
@@ -51,8 +51,8 @@ def main() -> None:
             token = cluster.kubectl("create", "token", "default", "-n", "bench", f"--audience={c.STATE_AUDIENCE}",
                                     "--bound-object-kind=Pod", "--bound-object-name=b-0",
                                     f"--bound-object-uid={uid}").stdout.strip()
-            client = httpx.Client(base_url=f"https://127.0.0.1:{op.state_port}", timeout=10,
-                                  verify=ssl.create_default_context(cafile=str(op.cert_dir / "ca.crt")),
+            client = httpx.Client(base_url=op.state_url, timeout=10,
+                                  verify=ssl.create_default_context(cafile=str(op.ca_file())),
                                   headers={"Authorization": f"Bearer {token}"})
             blob = os.urandom(args.size)  # incompressible: the ConfigMap holds it as is
             t0 = time.perf_counter()

@@ -2,25 +2,50 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-import sys
+import subprocess
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from flowkube_devstack import images
 from flowkube_devstack.cluster import ClusterError, LocalCluster, wait_for
-from flowkube_devstack.operator import OperatorProcess
+from flowkube_devstack.operator import ChartOperator
 
-FAKE_RUNNER = Path(__file__).with_name("fakerunner.py")
+
+def scripted_operator(cluster: LocalCluster, **kwargs: Any) -> ChartOperator:
+    """The operator installed by its chart, running the scripted fake runner (devstack image) in its
+    runner pods: for lifecycle tests, where what the runner does must be exact and quick."""
+    assert cluster.images is not None
+    return ChartOperator(cluster, runner_image=cluster.images.devstack, runner_command=images.FAKE_RUNNER_COMMAND,
+                         **kwargs)
+
+
+@contextlib.contextmanager
+def watched_pods(cluster: LocalCluster, namespace: str, selector: str) -> Iterator[list[dict[str, Any]]]:
+    """Every version of the matching pods the API server shows while the block runs (filled in when it
+    ends): what the kubelet reported of a pod before it was deleted, termination messages included."""
+    seen: list[dict[str, Any]] = []
+    watch = subprocess.Popen([str(cluster.bins["kubectl"]), "--kubeconfig", str(cluster.kubeconfig), "get", "pods",
+                              "-n", namespace, "-l", selector, "--watch", "-o", "json"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        yield seen
+    finally:
+        watch.terminate()
+        out, _ = watch.communicate(timeout=10)
+        decoder, i = json.JSONDecoder(), 0
+        while (i := len(out) - len(out[i:].lstrip())) < len(out):
+            obj, i = decoder.raw_decode(out, i)
+            seen.append(obj)
 
 
 @pytest.fixture(scope="module")
-def operator(cluster: LocalCluster) -> Iterator[OperatorProcess]:
-    """The real operator, with the scripted fake runner as its runner command."""
-    op = OperatorProcess(cluster, env={"FLOWKUBE_RUNNER_COMMAND": f"{sys.executable} {FAKE_RUNNER}"})
-    op.start()
+def operator(cluster: LocalCluster) -> Iterator[ChartOperator]:
+    """The real operator, Helm-installed as a pod, with the scripted fake runner in its runner pods."""
+    op = scripted_operator(cluster).start()
     try:
         yield op
     finally:

@@ -1,4 +1,4 @@
-"""A scripted stand-in for the runner, for operator lifecycle tests only (not shipped, not crewAI).
+"""A scripted runner for operator lifecycle tests only (not shipped, not crewAI).
 
 It behaves as the Flow's `spec.inputs.plan[run index]` says — sleep (with an interim report every
 `interim` seconds, one more token each, as after each LLM call), exit code, result, tokens,
@@ -9,6 +9,7 @@ The real runner is exercised end to end by the runner and feedback tests.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -34,12 +35,12 @@ def main() -> int:
     if step.get("interim"):
         # As the real runner after each LLM call: the usage so far, as an interrupted run's report.
         deadline = time.monotonic() + float(step.get("sleep", 0))
-        stopped = False
+        at_term: int | None = None
         if step.get("finish_on_term"):
             # Stopped mid-call, a runner still completes (and reports) what is in flight, then exits.
             def finish(*_: object) -> None:
-                nonlocal deadline, stopped
-                stopped = True
+                nonlocal deadline, at_term
+                at_term = tokens
                 deadline = min(deadline, time.monotonic() + float(step["finish_on_term"]))
 
             signal.signal(signal.SIGTERM, finish)
@@ -51,8 +52,13 @@ def main() -> int:
                 pod=pod, flow=os.environ[c.ENV_FLOW_NAME], trigger=os.environ[c.ENV_TRIGGER], result="Failed",
                 reason=c.Reason.RUN_INTERRUPTED, message="interrupted", exit_code=c.EXIT_RETRYABLE,
                 usage=Usage(**t.model_dump(), by_model={"stub-model": t})).encode())
-        if stopped:
-            print(f"calls={tokens}", flush=True)  # what the model "charged" in all, for the test
+        if at_term is not None:
+            # What the model "charged" in all, and before the stop, for the test (the termination
+            # message outlives the container's log).
+            line = f"calls={tokens} at_term={at_term}"
+            print(line, flush=True)
+            with contextlib.suppress(OSError):
+                Path("/dev/termination-log").write_text(line)
             return 143
     elif step.get("sleep"):
         time.sleep(float(step["sleep"]))

@@ -6,7 +6,6 @@ operator starts once per module); tests slice the stub's ledger to the calls the
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -14,8 +13,7 @@ from typing import Any
 
 from flowkube_api.report import Usage
 from flowkube_devstack.cluster import LocalCluster
-from flowkube_devstack.operator import OperatorProcess
-from flowkube_devstack.stack import Validator, runner_python
+from flowkube_devstack.operator import ChartOperator
 from flowkube_devstack.stubmodel import Rules, StubModel, ledger_usage
 
 MODEL = "gpt-4o-mini"
@@ -25,40 +23,36 @@ MODEL = "gpt-4o-mini"
 class RealRunnerStack:
     cluster: LocalCluster
     stub: StubModel
-    validator: Validator
-    operator: OperatorProcess
+    operator: ChartOperator
 
     def usage_since(self, mark: int) -> Usage:
         return ledger_usage(self.stub.ledger()[mark:])
 
     @contextmanager
     def validator_down(self) -> Iterator[None]:
-        """The webhook cannot ask (failure-open): the runner has the last word."""
-        self.validator.stop()
+        """The webhook cannot ask (failure-open): the runner has the last word. The chart is
+        upgraded without its validator sidecar, and back."""
+        self.operator.upgrade("validator.enabled=false")
         try:
             yield
         finally:
-            self.validator.start()
+            self.operator.upgrade()
 
 
 @contextmanager
 def real_runner_stack(cluster: LocalCluster, rules: dict[str, Any], name: str) -> Iterator[RealRunnerStack]:
-    """Stub model + validator + the operator (as the chart installs it, admission webhook included:
-    see ``OperatorProcess``) running ``flowkube-runner`` in its runner pods."""
-    with StubModel(Rules.from_json(rules)) as stub, runner_python() as python:
-        validator = Validator(cluster.root / f"validator-{name}.log").start()
-        operator = OperatorProcess(cluster, name=f"operator-{name}", env={
-            "FLOWKUBE_RUNNER_COMMAND": f"{python} -m flowkube_runner",
-            "FLOWKUBE_RUNNER_DEFAULT_ENV": json.dumps({
-                "OPENAI_BASE_URL": stub.base_url,
-                "OPENAI_API_KEY": "stub",
-                "CREWAI_TRACING_ENABLED": "false",
-            }),
-            "FLOWKUBE_VALIDATOR_URL": validator.url,
+    """The stub model (a process of this host, so tests can hold its calls and read its ledger,
+    behind a Service pods reach by name) and the operator installed by its chart, validator sidecar
+    and admission webhooks included, running ``flowkube-runner`` from the runner image."""
+    with StubModel(Rules.from_json(rules), host=cluster.host_ip) as stub:
+        url = cluster.host_service(f"stub-model-{name}", "flowkube-dev", stub.port)
+        operator = ChartOperator(cluster, runner_env={
+            "OPENAI_BASE_URL": f"{url}/v1",
+            "OPENAI_API_KEY": "stub",
+            "CREWAI_TRACING_ENABLED": "false",
         })
         try:
             operator.start()
-            yield RealRunnerStack(cluster, stub, validator, operator)
+            yield RealRunnerStack(cluster, stub, operator)
         finally:
             operator.stop()
-            validator.stop()

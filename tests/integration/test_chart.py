@@ -1,8 +1,8 @@
 """The Helm chart on the real API server: its manifests apply, its RBAC is enough and no more,
 its webhooks are wired as documented, and `helm install/upgrade/uninstall` work.
 
-The operator's pods cannot run here (the node agent has no images), so nothing waits for them;
-what is checked is what the API server itself decides.
+Most tests check what the API server itself decides (their operator pods, from the public image,
+cannot be pulled here); the last one installs the chart with the locally built images and runs it.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import json
 import re
 import secrets
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,9 +20,8 @@ import yaml
 
 from flowkube_api import constants as c
 from flowkube_devstack import build, chart
-from flowkube_devstack.cluster import LocalCluster, free_port, wait_for
-from flowkube_devstack.operator import OperatorProcess, token_kubeconfig
-from tests.integration.conftest import FAKE_RUNNER
+from flowkube_devstack.cluster import LocalCluster, wait_for
+from tests.integration.conftest import scripted_operator
 
 CHART = chart.CHART_DIR
 CRD_NAME = f"{c.PLURAL}.{c.GROUP}"
@@ -299,43 +297,19 @@ def test_user_roles_grant_what_they_say(cluster: LocalCluster, helm: Path, insta
 
 
 @pytest.mark.slow
-def test_the_operator_runs_a_flow_with_exactly_the_charts_settings_and_rbac(
-        cluster: LocalCluster, helm: Path, namespace: str, tmp_path: Path) -> None:
-    """The real operator, logged in as the chart's ServiceAccount with the chart's environment, takes
-    a Flow through feedback to Succeeded; a feedback-responder answers. Only the runner is scripted."""
-    release = release_name()
-    # Nothing answers at the webhook Service here (no pod network): admit everything, quickly.
-    rendered = template(helm, cluster, release, namespace, "--set", "validator.enabled=false",
-                        "--set", "webhook.failurePolicy.flows=Ignore", "--set", "webhook.timeoutSeconds=2")
-    objs = docs(rendered)
-    full = f"{release}-flowkube"
-    deployment = next(o for o in objs if o["kind"] == "Deployment")
-    chart_env = {e["name"]: e["value"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
-    op: OperatorProcess | None = None
+def test_helm_installed_operator_runs_a_flow_in_a_restricted_namespace(
+        cluster: LocalCluster, restricted_namespace: str) -> None:
+    """`helm install --wait` of the chart as users run it: the operator's pod from its image, with the
+    chart's RBAC, Services, webhooks and state API, in a namespace that enforces the `restricted` Pod
+    Security Standard (so do its runner pods). A Flow goes through feedback to Succeeded, answered by a
+    feedback-responder; the operator's log shows no request refused by RBAC. Only the runner is scripted."""
+    namespace, release = restricted_namespace, release_name()
+    _adopt_existing_crd(cluster, release, namespace)
+    op = scripted_operator(cluster, release=release, namespace=namespace,
+                           values=[f"watchNamespaces={{{namespace}}}"])
+    full = op.fullname
     try:
-        cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=rendered)
-        wait_for(lambda: crd_established(cluster), 60, "the Flow CRD Established")
-        kubeconfig = token_kubeconfig(cluster, namespace, full, tmp_path / "operator.kubeconfig", duration="1h")
-        env = {k: v for k, v in chart_env.items() if k not in ("FLOWKUBE_HEALTH_PORT", "FLOWKUBE_METRICS_PORT")}
-        # Runner processes run on this host: they reach the state API on loopback, not via the Service.
-        state_port = free_port()
-        env |= {"KUBECONFIG": str(kubeconfig), "FLOWKUBE_WEBHOOK_PORT": str(free_port()),
-                "FLOWKUBE_STATE_PORT": str(state_port), "FLOWKUBE_STATE_URL": f"https://127.0.0.1:{state_port}",
-                "FLOWKUBE_WEBHOOK_CERT_DIR": str(tmp_path / "webhook"),
-                "FLOWKUBE_RUNNER_COMMAND": f"{sys.executable} {FAKE_RUNNER}"}
-        op = OperatorProcess(cluster, name=f"operator-{release}", env=env).start()
-
-        config = f"{full}-{namespace}.flowkube.io"
-
-        def ca_installed() -> bool:
-            for kind in ("validatingwebhookconfiguration", "mutatingwebhookconfiguration"):
-                hooks = json.loads(cluster.kubectl("get", kind, config, "-o", "json").stdout)["webhooks"]
-                if not all(h["clientConfig"].get("caBundle") for h in hooks):
-                    return False
-            return True
-
-        wait_for(ca_installed, 60, "the operator's CA in both webhook configurations", interval=0.5)
-
+        op.start()
         review = {"id": "req-1", "method": "review", "message": "Ship it?", "emit": ["approved", "rejected"]}
         flow = {"apiVersion": c.API_VERSION, "kind": c.KIND, "metadata": {"name": "charted", "namespace": namespace},
                 "spec": {"flowRef": "pkg.flows:Research",
@@ -355,12 +329,11 @@ def test_the_operator_runs_a_flow_with_exactly_the_charts_settings_and_rbac(
         wait_for(lambda: phase() == "Succeeded", 90, "Succeeded after the answer", interval=0.5)
         got = json.loads(cluster.kubectl("get", "flow", "charted", "-n", namespace, "-o", "json").stdout)
         assert got["status"]["usage"]["totalTokens"] == 5
+        assert got["status"]["feedback"]["history"][-1]["respondedBy"] == "alice"
         assert "flowkube_flow_tokens_total" in op.metrics()
-        log = op.log.read_text()
+        log = op.logs()
         denied = re.findall(r".{0,200}(?:\b403 |forbidden).{0,200}", log, flags=re.IGNORECASE)
         assert denied == [], denied[:3]
     finally:
-        if op is not None:
-            op.stop()
-        delete_cluster_scoped(cluster, objs)
         cluster.kubectl("delete", "flow", "--all", "-n", namespace, "--wait=false", check=False)
+        op.stop()

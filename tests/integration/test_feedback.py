@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from flowkube_devstack.cluster import LocalCluster, wait_for
-from flowkube_devstack.operator import OperatorProcess
+from flowkube_devstack.operator import ChartOperator
 from tests.integration.conftest import Flows
 
 REVIEW = {"id": "req-1", "method": "review", "message": "Publish this draft?",
@@ -128,7 +128,7 @@ def test_timeout_without_default_fails(flows: Flows) -> None:
 
 
 def test_operator_restarts_while_waiting_and_while_an_answer_sits_in_the_inbox(
-        flows: Flows, operator: OperatorProcess) -> None:
+        flows: Flows, operator: ChartOperator) -> None:
     flows.apply("patient", {"flowRef": "a:Review", "inputs": paused_then({})})
     flows.wait_phase("patient", "AwaitingFeedback")
     operator.kill()
@@ -169,7 +169,7 @@ def test_kubectl_flow_plugin_answers_and_shows_the_flow(flows: Flows, cluster: L
 
 
 def test_without_the_webhook_a_bad_answer_is_refused_later_and_the_request_stays(
-        flows: Flows, operator: OperatorProcess) -> None:
+        flows: Flows, operator: ChartOperator) -> None:
     flows.apply("offline", {"flowRef": "a:Review", "inputs": paused_then({})})
     flows.wait_phase("offline", "AwaitingFeedback")
     operator.kill()  # the status webhooks fail open (Ignore): the stale answer gets into the inbox

@@ -1,4 +1,4 @@
-"""The operator's run lifecycle on the real control plane and local node (scripted fake runner)."""
+"""The operator's run lifecycle: the Helm-installed operator on the real node, scripted fake runner pods."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from flowkube_devstack.cluster import LocalCluster, wait_for
-from flowkube_devstack.operator import OperatorProcess
-from tests.integration.conftest import Flows
+from flowkube_devstack.operator import ChartOperator
+from tests.integration.conftest import Flows, watched_pods
 
 pytestmark = pytest.mark.usefixtures("operator")
 
@@ -75,19 +75,25 @@ def test_permanent_failure_is_not_retried(flows: Flows) -> None:
 def test_active_deadline_stops_the_flow_and_counts_every_token_it_reported(
         flows: Flows, cluster: LocalCluster) -> None:
     # The pod makes a "call" and reports its usage every 0.1 s, and completes calls for 1 s more once
-    # it is told to stop, then logs how many it made. The run ends only once the pod is gone, so every
-    # call is in the status, not just those reported when the deadline passed.
-    flows.apply("slow", {"flowRef": "a:B", "activeDeadlineSeconds": 2, "retries": {"limit": 3}, "inputs": {
-        "plan": [{"sleep": 120, "interim": 0.1, "finish_on_term": 1}]}})
-    flows.wait_phase("slow", "Running")
-    (pod,) = flows.pods("slow")
-    st = flows.wait_phase("slow", "Failed", timeout=60)
+    # it is told to stop, then says how many it made in all and before the stop (its termination
+    # message). The run ends only once the pod is gone, so every call is in the status, also those
+    # completed after SIGTERM, not just those reported when the deadline passed.
+    with watched_pods(cluster, flows.ns, "flowkube.io/flow=slow") as seen:
+        flows.apply("slow", {"flowRef": "a:B", "activeDeadlineSeconds": 2, "retries": {"limit": 3}, "inputs": {
+            "plan": [{"sleep": 120, "interim": 0.1, "finish_on_term": 1}]}})
+        flows.wait_phase("slow", "Running")
+        st = flows.wait_phase("slow", "Failed", timeout=60)
     assert cond(st, "Succeeded")["reason"] == "DeadlineExceeded"
     assert len(st["runs"]) == 1
-    # The pod is gone; the local node agent keeps its log (kubelet-like, under the node's directory).
-    log = cluster.root / "node" / "pods" / pod["metadata"]["uid"] / "logs" / "runner" / "0.log"
-    made = int(log.read_text().rsplit("calls=", 1)[1].split()[0])
-    assert made >= 20 and st["usage"]["totalTokens"] == made, (made, st["usage"])
+    # The last state the kubelet reported of the runner container, before the pod went away.
+    messages = [cs["state"]["terminated"].get("message", "")
+                for pod in seen for cs in pod.get("status", {}).get("containerStatuses", [])
+                if "terminated" in cs.get("state", {})]
+    assert messages, "the kubelet never reported the runner container terminated"
+    fields = dict(kv.split("=") for kv in messages[-1].split())
+    made, at_term = int(fields["calls"]), int(fields["at_term"])
+    # Calls completed after SIGTERM exist, and every call, before and after, is counted once.
+    assert made > at_term and st["usage"]["totalTokens"] == made, (made, at_term, st["usage"])
 
 
 def test_suspend_and_unsuspend(flows: Flows, cluster: LocalCluster) -> None:
@@ -123,7 +129,7 @@ def test_pod_deleted_from_outside_is_a_failed_attempt_and_is_retried(flows: Flow
 
 
 def test_operator_killed_mid_run_resumes_without_a_duplicate_pod(
-        flows: Flows, operator: OperatorProcess, tmp_path: Any) -> None:
+        flows: Flows, operator: ChartOperator, tmp_path: Any) -> None:
     flows.apply("survivor", {"flowRef": "a:B", "inputs": {"plan": [{"sleep": 4}]}})
     flows.wait_phase("survivor", "Running")
     operator.kill()
@@ -134,7 +140,7 @@ def test_operator_killed_mid_run_resumes_without_a_duplicate_pod(
 
 
 def test_runner_credentials_reach_only_their_own_flows_state(flows: Flows, cluster: LocalCluster,
-                                                             operator: OperatorProcess, tmp_path: Any) -> None:
+                                                             operator: ChartOperator, tmp_path: Any) -> None:
     import httpx
 
     from flowkube_api import constants as c
@@ -157,12 +163,14 @@ def test_runner_credentials_reach_only_their_own_flows_state(flows: Flows, clust
                                "--bound-object-kind=Pod", f"--bound-object-name={pod_name}",
                                f"--bound-object-uid={uid}", "--duration=10m").stdout.strip()
 
-    state = httpx.Client(base_url=f"https://127.0.0.1:{operator.state_port}",
-                         verify=ssl.create_default_context(cafile=str(operator.cert_dir / "ca.crt")), timeout=10)
+    # Through the state API's Service, verified as runners verify it: the operator's CA, the Service's name.
+    state = httpx.Client(base_url=operator.state_url,
+                         verify=ssl.create_default_context(cafile=str(operator.ca_file())), timeout=10)
 
     def call(method: str, key: str, token: str, body: bytes | None = None) -> httpx.Response:
         return state.request(method, c.STATE_API_PREFIX + key, content=body,
-                             headers={"Authorization": f"Bearer {token}"})
+                             headers={"Authorization": f"Bearer {token}"},
+                             extensions={"sni_hostname": operator.state_server_name})
 
     mine = bound_token("mine-0")
     assert call("PUT", c.STATE_KEY, mine, b"mine").status_code == 204

@@ -1,32 +1,41 @@
-"""The local node agent runs bound pods as host processes and reports them truthfully through the API."""
+"""The local cluster's real node: kubelet, containerd and runc, the CNI bridge, kube-proxy and CoreDNS.
+
+Each test checks something a workload relies on, through the API, with real containers of the
+locally built devstack image (Debian's Python, the project's packages).
+"""
 
 from __future__ import annotations
 
-import sys
-import textwrap
+import json
 import urllib.error
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from flowkube_devstack.cluster import LocalCluster, wait_for
+from tests.integration.conftest import watched_pods
 
 pytestmark = pytest.mark.controlplane
 
 Pod = dict[str, Any]
 
+RESTRICTED = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+              "runAsUser": 65532, "runAsGroup": 65532, "capabilities": {"drop": ["ALL"]},
+              "seccompProfile": {"type": "RuntimeDefault"}}
 
-def _pod(name: str, script: str, **spec: Any) -> Pod:
-    container = {"name": "main", "image": "ignored", "command": ["sh", "-c", script],
-                 **spec.pop("container", {})}
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+
+def _pod(cluster: LocalCluster, name: str, script: str, **spec: Any) -> Pod:
+    assert cluster.images is not None
+    container = {"name": "main", "image": cluster.images.devstack, "imagePullPolicy": "Never",
+                 "command": ["sh", "-c", script], "securityContext": RESTRICTED,
+                 "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}], **spec.pop("container", {})}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"app": name}},
             "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 10,
-                     "containers": [container], **spec}}
+                     "volumes": [{"name": "tmp", "emptyDir": {}}], "containers": [container], **spec}}
 
 
 def _create(cluster: LocalCluster, ns: str, obj: Pod) -> None:
-    plural = {"Pod": "pods", "Secret": "secrets", "ConfigMap": "configmaps"}[obj["kind"]]
+    plural = {"Pod": "pods", "Secret": "secrets", "Service": "services"}[obj["kind"]]
     cluster.api("POST", f"/api/v1/namespaces/{ns}/{plural}", obj)
 
 
@@ -40,7 +49,7 @@ def _get(cluster: LocalCluster, ns: str, name: str) -> Pod | None:
     return pod
 
 
-def _wait_phase(cluster: LocalCluster, ns: str, name: str, *phases: str, timeout: float = 30) -> Pod:
+def _wait_phase(cluster: LocalCluster, ns: str, name: str, *phases: str, timeout: float = 60) -> Pod:
     seen: dict[str, Pod] = {}
 
     def reached() -> bool:
@@ -49,7 +58,10 @@ def _wait_phase(cluster: LocalCluster, ns: str, name: str, *phases: str, timeout
             seen["pod"] = pod
         return pod is not None and pod.get("status", {}).get("phase") in phases
 
-    wait_for(reached, timeout, f"pod {ns}/{name} to reach {'/'.join(phases)}", interval=0.05)
+    try:
+        wait_for(reached, timeout, f"pod {ns}/{name} to reach {'/'.join(phases)}", interval=0.1)
+    except Exception as e:
+        raise AssertionError(f"{e}; last seen: {json.dumps(seen.get('pod', {}).get('status'))[:2000]}") from e
     return seen["pod"]
 
 
@@ -58,183 +70,86 @@ def _terminated(pod: Pod) -> dict[str, Any]:
     return dict(state["terminated"])
 
 
-def test_env_from_a_secret_exit_code_and_termination_message(cluster: LocalCluster,
-                                                              namespace: str) -> None:
+def test_env_from_a_secret_exit_code_and_termination_message(cluster: LocalCluster, namespace: str) -> None:
     _create(cluster, namespace, {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "creds"},
-                                 "stringData": {"password": "hunter2", "user": "bob"}})
-    _create(cluster, namespace, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cfg"},
-                                 "data": {"greeting": "hello"}})
-    script = 'printf "%s %s %s %s %s" "$PASSWORD" "$CREDS_user" "$GREETING" "$ME" "$(pwd)" ' \
-             '> /dev/termination-log; exit 3'
-    _create(cluster, namespace, _pod("env", script, container={
-        "workingDir": "/tmp",
-        "env": [{"name": "PASSWORD", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "password"}}},
-                {"name": "GREETING", "valueFrom": {"configMapKeyRef": {"name": "cfg", "key": "greeting"}}},
-                {"name": "ME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
-        "envFrom": [{"secretRef": {"name": "creds"}, "prefix": "CREDS_"}]}))
-
-    pod = _wait_phase(cluster, namespace, "env", "Failed")
-
-    term = _terminated(pod)
-    assert term["exitCode"] == 3
-    assert term["reason"] == "Error"
-    assert term["message"] == "hunter2 bob hello env /tmp"
-    assert pod["status"]["podIP"] == "127.0.0.1"
-    assert {c["type"]: c["status"] for c in pod["status"]["conditions"]}["Ready"] == "False"
+                                 "stringData": {"API_KEY": "s3cret"}})
+    _create(cluster, namespace, _pod(cluster, "envy", 'printf "%s $(id -u)" "$API_KEY" > /dev/termination-log; exit 3',
+                                     container={"envFrom": [{"secretRef": {"name": "creds"}}]}))
+    term = _terminated(_wait_phase(cluster, namespace, "envy", "Failed"))
+    assert (term["exitCode"], term.get("message")) == (3, "s3cret 65532")
+    node = json.loads(cluster.kubectl("get", "node", "-o", "json").stdout)["items"][0]
+    assert node["status"]["nodeInfo"]["containerRuntimeVersion"].startswith("containerd://")
+    assert node["status"]["nodeInfo"]["kubeletVersion"] == "v1.36.3"
 
 
-def test_a_failing_container_reports_its_log_tail_when_asked(cluster: LocalCluster,
-                                                             namespace: str) -> None:
-    _create(cluster, namespace, _pod("fails", "echo first; echo boom >&2; exit 7", container={
-        "terminationMessagePolicy": "FallbackToLogsOnError"}))
-
-    term = _terminated(_wait_phase(cluster, namespace, "fails", "Failed", "Succeeded"))
-
-    assert (term["exitCode"], term["reason"]) == (7, "Error")
-    assert term["message"] == "first\nboom"
-
-
-def test_a_container_without_command_fails_with_a_reason(cluster: LocalCluster, namespace: str) -> None:
-    pod = _pod("nocmd", "")
-    del pod["spec"]["containers"][0]["command"]
-    _create(cluster, namespace, pod)
-
-    term = _terminated(_wait_phase(cluster, namespace, "nocmd", "Failed"))
-
-    assert term["reason"] == "StartError"
-    assert "ENTRYPOINT" in term["message"]
+def test_logs_exec_and_a_read_only_root_filesystem(cluster: LocalCluster, namespace: str) -> None:
+    _create(cluster, namespace, _pod(cluster, "shell", "echo line one; echo line two >&2; exec sleep 600"))
+    _wait_phase(cluster, namespace, "shell", "Running")
+    wait_for(lambda: "line two" in cluster.kubectl("logs", "-n", namespace, "shell").stdout, 30, "the log")
+    assert cluster.kubectl("logs", "-n", namespace, "shell").stdout == "line one\nline two\n"
+    out = cluster.kubectl("exec", "-n", namespace, "shell", "--", "sh", "-c",
+                          "id -u; touch /tmp/ok && echo tmp-writable; touch /nope 2>/dev/null || echo root-read-only")
+    assert out.stdout.split() == ["65532", "tmp-writable", "root-read-only"]
 
 
-WHOAMI = textwrap.dedent("""
-    import json, os, ssl, sys, time, urllib.request
-    from pathlib import Path
-    shared = Path(sys.argv[1])
-    (shared / os.environ["ME"]).touch()
-    while len(list(shared.iterdir())) < 2:  # both pods are up: their mounts coexist
-        time.sleep(0.02)
-    sa = Path("/var/run/secrets/kubernetes.io/serviceaccount")
-    host, port = os.environ["KUBERNETES_SERVICE_HOST"], os.environ["KUBERNETES_SERVICE_PORT"]
-    req = urllib.request.Request(
-        f"https://{host}:{port}/apis/authentication.k8s.io/v1/selfsubjectreviews", method="POST",
-        data=json.dumps({"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"}).encode(),
-        headers={"Authorization": "Bearer " + (sa / "token").read_text(),
-                 "Content-Type": "application/json"})
-    ctx = ssl.create_default_context(cafile=str(sa / "ca.crt"))
-    info = json.load(urllib.request.urlopen(req, context=ctx))["status"]["userInfo"]
-    pod_name = info["extra"]["authentication.kubernetes.io/pod-name"][0]
-    Path("/dev/termination-log").write_text(f"{info['username']} {pod_name} {(sa / 'namespace').read_text()}")
-""")
+def test_pods_reach_a_service_by_name_and_the_api_server_by_its_service(cluster: LocalCluster,
+                                                                         namespace: str) -> None:
+    _create(cluster, namespace, _pod(cluster, "web", "cd /tmp && echo hello > index.html && "
+                                     "exec python -m http.server 8080",
+                                     container={"ports": [{"containerPort": 8080}],
+                                                "readinessProbe": {"tcpSocket": {"port": 8080}, "periodSeconds": 1}}))
+    _create(cluster, namespace, {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web"},
+                                 "spec": {"selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": 8080}]}})
+    wait_for(lambda: any(c["type"] == "Ready" and c["status"] == "True"
+                         for c in (_get(cluster, namespace, "web") or {}).get("status", {}).get("conditions", [])),
+             60, "the web pod Ready (readiness probe)")
+    # CoreDNS resolves the Service's name, kube-proxy forwards its ClusterIP to the pod; the API
+    # server answers at the `kubernetes` Service with the pod's own ServiceAccount identity.
+    script = (
+        "import json, ssl, urllib.request, urllib.error\n"
+        f"url = 'http://web.{namespace}.svc.cluster.local/'\n"
+        "print(urllib.request.urlopen(url, timeout=10).read().decode().strip())\n"
+        "sa = '/var/run/secrets/kubernetes.io/serviceaccount/'\n"
+        "ctx = ssl.create_default_context(cafile=sa + 'ca.crt')\n"
+        "req = urllib.request.Request('https://kubernetes.default.svc/api/v1/nodes',"
+        " headers={'Authorization': 'Bearer ' + open(sa + 'token').read()})\n"
+        "try:\n    urllib.request.urlopen(req, context=ctx, timeout=10)\n"
+        "except urllib.error.HTTPError as e:\n    print(e.code, json.loads(e.read())['message'])\n"
+    )
+    _create(cluster, namespace, _pod(cluster, "client", "", container={"command": ["python", "-c", script]}))
+    pod = _wait_phase(cluster, namespace, "client", "Succeeded", "Failed")
+    out = cluster.kubectl("logs", "-n", namespace, "client").stdout.splitlines()
+    assert pod["status"]["phase"] == "Succeeded", out
+    assert out[0] == "hello"
+    assert out[1].startswith("403 ") and f"system:serviceaccount:{namespace}:default" in out[1], out
 
 
-def test_pods_call_the_api_with_their_own_service_account_token(cluster: LocalCluster, namespace: str,
-                                                                 tmp_path: Path) -> None:
-    for name in ("who-a", "who-b"):
-        pod = _pod(name, "", container={
-            "command": [sys.executable, "-c", WHOAMI, str(tmp_path)],
-            "env": [{"name": "ME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]})
-        _create(cluster, namespace, pod)
-
-    for name in ("who-a", "who-b"):
-        pod = _wait_phase(cluster, namespace, name, "Succeeded", "Failed")
-        term = _terminated(pod)
-        assert term["exitCode"] == 0, term
-        assert term["message"] == f"system:serviceaccount:{namespace}:default {name} {namespace}"
+def test_a_memory_limit_is_enforced(cluster: LocalCluster, namespace: str) -> None:
+    _create(cluster, namespace, _pod(cluster, "hog", "", container={
+        "command": ["python", "-c", "x = bytearray(256 * 1024 * 1024); print(len(x))"],
+        "resources": {"limits": {"memory": "64Mi"}, "requests": {"memory": "64Mi"}}}))
+    term = _terminated(_wait_phase(cluster, namespace, "hog", "Failed"))
+    assert term["reason"] == "OOMKilled" and term["exitCode"] == 137, term
 
 
-def test_init_containers_empty_dir_and_config_map_volumes(cluster: LocalCluster, namespace: str) -> None:
-    _create(cluster, namespace, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "files"},
-                                 "data": {"a.txt": "from-configmap"}})
-    pod = _pod("vols", "cat /work/init.txt /work/files/renamed.txt > /dev/termination-log", container={
-        "volumeMounts": [{"name": "work", "mountPath": "/work"},
-                         {"name": "files", "mountPath": "/work/files", "readOnly": True}]},
-        initContainers=[{"name": "init", "image": "ignored",
-                         "command": ["sh", "-c", "printf from-init- > /work/init.txt"],
-                         "volumeMounts": [{"name": "work", "mountPath": "/work"}]}],
-        volumes=[{"name": "work", "emptyDir": {}},
-                 {"name": "files", "configMap": {"name": "files",
-                                                 "items": [{"key": "a.txt", "path": "renamed.txt"}]}}])
-    _create(cluster, namespace, pod)
-
-    done = _wait_phase(cluster, namespace, "vols", "Succeeded", "Failed")
-
-    assert _terminated(done)["message"] == "from-init-from-configmap"
-    init = done["status"]["initContainerStatuses"][0]["state"]["terminated"]
-    assert (init["exitCode"], init["reason"]) == (0, "Completed")
-    assert not Path("/work/init.txt").exists(), "the emptyDir must not leak onto the host path"
-
-
-def test_a_volume_over_tmp_hides_nothing_the_agent_mounts_after_it(cluster: LocalCluster,
-                                                                   namespace: str) -> None:
-    # The agent's state (and so every volume source) lives under /tmp in tests, as it does for the
-    # operator's runner pods, which mount an emptyDir at /tmp.
-    _create(cluster, namespace, _pod("tmpvol", "echo ok > /dev/termination-log; test -z \"$(ls /tmp)\"",
-                                     container={"volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}]},
-                                     volumes=[{"name": "tmp", "emptyDir": {}}]))
-
-    term = _terminated(_wait_phase(cluster, namespace, "tmpvol", "Succeeded", "Failed"))
-
-    assert (term["exitCode"], term.get("message")) == (0, "ok\n")
-
-
-def test_active_deadline_fails_the_pod(cluster: LocalCluster, namespace: str) -> None:
-    _create(cluster, namespace, _pod("slow", "sleep 300", activeDeadlineSeconds=2))
-
-    pod = _wait_phase(cluster, namespace, "slow", "Failed", timeout=20)
-
-    assert pod["status"]["reason"] == "DeadlineExceeded"
-    assert _terminated(pod)["exitCode"] == 128 + 15  # SIGTERM
-
-
-def test_deleting_a_running_pod_terminates_it_gracefully(cluster: LocalCluster, namespace: str,
-                                                         tmp_path: Path) -> None:
-    started, trapped = tmp_path / "started", tmp_path / "trapped"
-    script = f'trap "echo TERM > {trapped}; exit 0" TERM; touch {started}; ' \
-             'while true; do sleep 0.05; done'
-    _create(cluster, namespace, _pod("victim", script))
-    _wait_phase(cluster, namespace, "victim", "Running")
-    wait_for(started.exists, 10, "the container to start")
-
-    cluster.api("DELETE", f"/api/v1/namespaces/{namespace}/pods/victim")
-
-    wait_for(lambda: _get(cluster, namespace, "victim") is None, 15, "the pod to disappear")
-    assert trapped.read_text().strip() == "TERM"
-
-
-def test_kubectl_logs_returns_the_container_output(cluster: LocalCluster, namespace: str) -> None:
-    _create(cluster, namespace, _pod("talker", "echo line one; echo line two >&2"))
-    _wait_phase(cluster, namespace, "talker", "Succeeded")
-
-    out = cluster.kubectl("logs", "-n", namespace, "talker")
-    tail = cluster.kubectl("logs", "-n", namespace, "talker", "--tail=1")
-
-    assert out.stdout == "line one\nline two\n"
-    assert tail.stdout == "line two\n"
-
-
-def test_run_as_user_runs_the_process_as_that_user(cluster: LocalCluster, namespace: str) -> None:
-    # As the venv's Python: the agent must make its Python environment reachable for that user.
-    script = ("import os; token = open('/var/run/secrets/kubernetes.io/serviceaccount/token').read(); "
-              "open('/dev/termination-log', 'w').write(f'{os.getuid()} {os.getgid()} {token[:3]}')")
-    _create(cluster, namespace, _pod("nobody", "", container={"command": [sys.executable, "-c", script]},
-                                     securityContext={"runAsUser": 65534, "runAsGroup": 65534,
-                                                      "runAsNonRoot": True}))
-
-    term = _terminated(_wait_phase(cluster, namespace, "nobody", "Succeeded", "Failed"))
-
-    assert term.get("message") == "65534 65534 eyJ", term
+def test_deleting_a_running_pod_sends_sigterm_and_waits_for_it(cluster: LocalCluster, namespace: str) -> None:
+    script = 'trap "echo got-TERM > /dev/termination-log; exit 0" TERM; while true; do sleep 0.1; done'
+    with watched_pods(cluster, namespace, "app=victim") as seen:
+        _create(cluster, namespace, _pod(cluster, "victim", script))
+        _wait_phase(cluster, namespace, "victim", "Running")
+        cluster.kubectl("delete", "pod", "victim", "-n", namespace, "--wait=true", "--timeout=60s")
+    terminated = [cs["state"]["terminated"] for pod in seen for cs in pod.get("status", {}).get("containerStatuses", [])
+                  if "terminated" in cs.get("state", {})]
+    assert terminated and terminated[-1].get("message") == "got-TERM\n" and terminated[-1]["exitCode"] == 0
 
 
 @pytest.mark.slow
-def test_pods_outlive_an_api_server_restart(cluster: LocalCluster, namespace: str,
-                                            tmp_path: Path) -> None:
-    go = tmp_path / "go"
-    _create(cluster, namespace, _pod(
-        "survivor", f"while [ ! -e {go} ]; do sleep 0.05; done; echo survived > /dev/termination-log"))
+def test_pods_outlive_an_api_server_restart(cluster: LocalCluster, namespace: str) -> None:
+    _create(cluster, namespace, _pod(cluster, "survivor", "while [ ! -e /tmp/go ]; do sleep 0.1; done; "
+                                     "echo survived > /dev/termination-log"))
     _wait_phase(cluster, namespace, "survivor", "Running")
-
     cluster.restart_apiserver()
-    go.touch()
-    _create(cluster, namespace, _pod("newcomer", "true"))
-
+    cluster.kubectl("exec", "-n", namespace, "survivor", "--", "touch", "/tmp/go")
+    _create(cluster, namespace, _pod(cluster, "newcomer", "true"))
     assert _terminated(_wait_phase(cluster, namespace, "survivor", "Succeeded"))["message"] == "survived\n"
     _wait_phase(cluster, namespace, "newcomer", "Succeeded")

@@ -19,7 +19,7 @@ import pytest
 
 from flowkube_devstack import dashboard, procs
 from flowkube_devstack.cluster import LocalCluster, free_port, http_ok, wait_for
-from flowkube_devstack.operator import OperatorProcess
+from flowkube_devstack.operator import ChartOperator
 from tests.integration.conftest import Flows
 
 pytestmark = pytest.mark.usefixtures("operator")
@@ -62,8 +62,8 @@ class Prometheus:
 
 
 @pytest.fixture(scope="module")
-def prom(operator: OperatorProcess, cluster: LocalCluster) -> Iterator[Prometheus]:
-    p = Prometheus(cluster.root / "prometheus", f"127.0.0.1:{operator.metrics_port}")
+def prom(operator: ChartOperator, cluster: LocalCluster) -> Iterator[Prometheus]:
+    p = Prometheus(cluster.root / "prometheus", operator.metrics_target)
     yield p
     p.stop()
 
@@ -73,7 +73,7 @@ def flowkube_lines(text: str, namespace: str) -> list[str]:
                   if line.startswith("flowkube_flow") and f'namespace="{namespace}"' in line)
 
 
-def test_dashboard_queries_on_a_real_prometheus(flows: Flows, prom: Prometheus, operator: OperatorProcess) -> None:
+def test_dashboard_queries_on_a_real_prometheus(flows: Flows, prom: Prometheus, operator: ChartOperator) -> None:
     ns = flows.ns
     flows.apply("paused", {"flowRef": "m:Review", "inputs": {"plan": [
         {"result": "Paused", "feedback": REVIEW, "tokens": 2}, {"tokens": 3}]}})
