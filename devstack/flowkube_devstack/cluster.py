@@ -324,8 +324,11 @@ class LocalCluster:
         node = self.node = kubenode.Node(self.root, self.netns, self.bins, spawn=self._spawn)
         node.prepare()
         node.start_containerd(self.images.pause)
-        wait_for(lambda: self._check_alive() or node.containerd_ready(), timeout,
-                 f"containerd (log: {procs.log_path(self.root, 'containerd')})")
+        def containerd_ready() -> bool:
+            self._check_alive()
+            return node.containerd_ready()
+
+        wait_for(containerd_ready, timeout, f"containerd (log: {procs.log_path(self.root, 'containerd')})")
         images.load_into_containerd(node.containerd_address, self.images.all())
         self.kubectl("apply", "-f", "-", input="\n---\n".join(json.dumps(o) for o in kubenode.BOOTSTRAP_RBAC))
 

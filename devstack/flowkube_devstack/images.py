@@ -1,6 +1,6 @@
 """Every container image the local cluster runs, built here with podman: no registry is needed.
 
-    python -m flowkube_devstack.images      # build (or find cached) and print each image's reference
+    python -m flowkube_devstack.images      # build (or find cached) each image; print refs, sizes, build times
 
 - ``python``: a Python 3.11 base from Debian bookworm (``mmdebstrap``, imported with podman), the
   local stand-in for the Dockerfiles' public ``python:3.11-slim-bookworm`` base: their base is a
@@ -12,24 +12,35 @@
 
 Each image's tag is a hash of everything that goes into it (its Dockerfile, the files of its build
 context, its parent's tag), so an unchanged tree never rebuilds and a changed one never runs a stale
-image. Built images are kept as OCI archives under the cache directory, from which containerd imports
-them in well under a second; podman's own storage lives there too (nothing under /var/lib/containers).
+image. A built image is also kept under the cache directory as an OCI image layout (``images/oci/<name>@<tag>``,
+renamed into place when complete: its presence is the cache entry) whose blobs, uncompressed, live in one
+store shared by all images (``images/blobs``): an image that adds a small layer to the runner's costs a
+small layer there too, and is saved in well under a second. containerd imports any set of them from one
+tar stream holding each blob once. podman's own storage and configuration live under the cache as well,
+so nothing depends on /var/lib/containers or /etc.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
+import functools
 import hashlib
+import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import astuple, dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, astuple, dataclass
 from pathlib import Path
+from typing import Any
 
 from flowkube_devstack import build
 from flowkube_devstack.versions import KUBERNETES_VERSION
@@ -39,25 +50,46 @@ DEVSTACK_DIR = "/opt/flowkube-dev"
 FAKE_RUNNER_COMMAND = f"python {DEVSTACK_DIR}/fakerunner.py"
 STUB_MODEL_COMMAND = ("python", f"{DEVSTACK_DIR}/stubmodel.py")
 
+# Bump to rebuild every image after a change to how this module builds them.
+IMAGES_VERSION = "3"
+HOST_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"  # Debian's path, in the host and in the base
+
 DEBIAN_SUITE = "bookworm"
-DEBIAN_MIRROR = "http://deb.debian.org/debian"
-PYTHON_PACKAGES = ("python3", "python3-pip", "python3-venv", "python-is-python3", "ca-certificates")
-# What the base drops after install: docs, apt's lists and caches, and PEP 668's marker, so that the
-# Dockerfiles' `pip install` installs system-wide as it does on the public python image.
-# mmdebstrap runs a hook with the new root as "$1"; a hook without it would clean this host instead.
-_PYTHON_CLEANUP = ('test -d "$1/usr/lib/python3" && cd "$1" && rm -rf usr/share/doc/* usr/share/man/* '
-                   "usr/share/locale/* var/lib/apt/lists/* var/cache/apt/* usr/lib/python3*/EXTERNALLY-MANAGED")
-BASE_VERSION = "1"  # bump to rebuild the base with the same package list
-PAUSE_VERSION = "3.10"
+DEBIAN_SOURCES = (
+    f"deb http://deb.debian.org/debian {DEBIAN_SUITE} main",
+    f"deb http://deb.debian.org/debian {DEBIAN_SUITE}-updates main",
+    f"deb http://deb.debian.org/debian-security {DEBIAN_SUITE}-security main",
+)
+# What the Dockerfiles need of their base: pip (wheel, install), venv, `python`, CAs, groupadd/useradd.
+PYTHON_PACKAGES = ("python3", "python3-pip", "python3-venv", "python-is-python3", "ca-certificates", "passwd")
+# No documentation (but the copyright files), manuals or translations, as in the slim images.
+_DPKG_EXCLUDES = ("/usr/share/doc/*", "/usr/share/man/*", "/usr/share/info/*", "/usr/share/locale/*",
+                  "/usr/share/lintian/*")
+_DPKG_INCLUDES = ("/usr/share/doc/*/copyright",)
+# mmdebstrap runs a hook with the new root as "$1" (and cleans apt's lists and caches itself). PEP 668's
+# marker goes, so that the Dockerfiles' `pip install` installs system-wide as on the public image.
+_PYTHON_CLEANUP = ('rm -f "$1"/usr/lib/python3*/EXTERNALLY-MANAGED && rm -rf "$1"/var/cache/apt/* '
+                   '"$1"/var/lib/apt/lists/* "$1"/var/log/apt/* "$1"/var/log/dpkg.log')
+_PYTHON_CONFIG = ("ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "ENV LANG=C.UTF-8",
+                  'CMD ["python3"]')
+BASE_VERSION = "3"  # bump to rebuild the base with the same package list (e.g. for security updates)
 
 # The build context the project's Dockerfiles use (their .dockerignore allow-list).
 CONTEXT = ("pyproject.toml", "README.md", "crds/flowkube_api", "operator/flowkube_operator", "runner/flowkube_runner")
+EXAMPLE_CONTEXT = ("Dockerfile", "pyproject.toml", "myflows")
 DEVSTACK_FILES = {"stubmodel.py": "devstack/flowkube_devstack/stubmodel.py",
                   "fakerunner.py": "tests/integration/fakerunner.py"}
+_PAUSE_CFLAGS = ("-Os", "-Wall", "-Werror", "-static", "-s")
+_PAUSE_CONTAINERFILE = 'FROM scratch\nCOPY pause /pause\nUSER 65535:65535\nENTRYPOINT ["/pause"]\n'
+
+KEEP_PER_IMAGE = 3  # layouts (and podman tags) kept per image name, most recently used first
+_KEEP_RECENT_SECONDS = 600.0  # never prune a layout used this recently (another checkout may be loading it)
 
 
 @dataclass(frozen=True)
 class Images:
+    """Full references (``localhost/<name>:<key>``) of the images the local cluster runs."""
+
     operator: str
     runner: str
     example_runner: str
@@ -71,161 +103,359 @@ class Images:
 # -- content keys -----------------------------------------------------------------------------------
 
 
-def _files(root: Path, paths: Iterable[str]) -> Iterator[Path]:
+def _ignored(rel: Path) -> bool:
+    return "__pycache__" in rel.parts or rel.suffix == ".pyc"
+
+
+def context_files(root: Path, paths: Iterable[str]) -> Iterator[Path]:
+    """The files under ``paths`` (files or directories, relative to ``root``) in a stable order,
+    without Python's bytecode caches (which .dockerignore keeps out of the build context too)."""
     for rel in paths:
         p = root / rel
         if p.is_file():
             yield p
+        elif p.is_dir():
+            yield from sorted(f for f in p.rglob("*") if f.is_file() and not _ignored(f.relative_to(root)))
         else:
-            yield from (f for f in sorted(p.rglob("*")) if f.is_file()
-                        and "__pycache__" not in f.parts and f.suffix != ".pyc")
+            raise build.BuildError(f"{p} is part of an image's build context but does not exist")
 
 
 def content_key(root: Path, paths: Iterable[str], *extra: str) -> str:
-    """12 hex digits over the names and bytes of the files under ``paths`` and ``extra`` strings."""
-    h = hashlib.sha256()
-    for f in _files(root, paths):
-        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    """12 hex digits over the names and bytes of the files under ``paths``, and ``extra`` strings."""
+    h = hashlib.sha256(IMAGES_VERSION.encode() + b"\0")
+    for f in context_files(root, paths):
+        name = f.relative_to(root).as_posix().encode()
+        data = f.read_bytes()
+        h.update(b"F%d:%s%d:" % (len(name), name, len(data)) + data)
     for e in extra:
-        h.update(e.encode() + b"\0")
+        h.update(b"X%d:%s" % (len(e.encode()), e.encode()))
     return h.hexdigest()[:12]
+
+
+def _split(ref: str) -> tuple[str, str]:
+    """("flowkube-runner", "0123abcd4567") for "localhost/flowkube-runner:0123abcd4567"."""
+    name, tag = ref.removeprefix("localhost/").rsplit(":", 1)
+    return name, tag
+
+
+def images_dir() -> Path:
+    return build.cache_root() / "images"
+
+
+def layout_path(ref: str) -> Path:
+    """The OCI image layout of ``ref`` (index.json, oci-layout; its blobs are in ``blob_dir()``)."""
+    name, tag = _split(ref)
+    return images_dir() / "oci" / f"{name}@{tag}"
+
+
+def blob_dir() -> Path:
+    return images_dir() / "blobs"
+
+
+def _blob(digest: str) -> Path:
+    algorithm, hexdigest = digest.split(":", 1)
+    return blob_dir() / algorithm / hexdigest
+
+
+def _log_path(ref: str) -> Path:
+    name, tag = _split(ref)
+    return images_dir() / "logs" / f"{name}@{tag}.log"
+
+
+@contextlib.contextmanager
+def _store_lock(*, shared: bool = False) -> Iterator[None]:
+    """Writers of the blob store (saves, pruning) hold it alone; readers (imports) together."""
+    path = build.cache_root() / "locks" / "image-store.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 # -- podman -----------------------------------------------------------------------------------------
 
 
-def _podman_env() -> dict[str, str]:
-    """podman with its storage under the cache and the settings this machine kind needs: runc (crun
-    refuses cgroup v1 in hybrid mode), ulimits within the host's caps (no CAP_SYS_RESOURCE)."""
-    d = build.cache_root() / "podman"
+def _write_if_changed(path: Path, text: str) -> None:
+    with contextlib.suppress(OSError):
+        if path.read_text() == text:
+            return
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+@functools.cache
+def _podman_env_for(root: Path) -> Mapping[str, str]:
+    d = root / "podman"
     d.mkdir(parents=True, exist_ok=True)
-    conf = d / "containers.conf"
-    conf.write_text('[containers]\ndefault_ulimits = ["nofile=20000:20000", "nproc=32768:32768"]\n'
-                    '[engine]\nruntime = "runc"\ncgroup_manager = "cgroupfs"\nevents_logger = "file"\n')
-    storage = d / "storage.conf"
-    storage.write_text(f'[storage]\ndriver = "overlay"\ngraphroot = "{d / "storage"}"\nrunroot = "{d / "run"}"\n')
-    return {**os.environ, "CONTAINERS_CONF": str(conf), "CONTAINERS_STORAGE_CONF": str(storage)}
+    _write_if_changed(d / "containers.conf",
+                      '[containers]\ndefault_ulimits = ["nofile=20000:20000", "nproc=32768:32768"]\n'
+                      '[engine]\nruntime = "runc"\ncgroup_manager = "cgroupfs"\nevents_logger = "file"\n')
+    _write_if_changed(d / "storage.conf",
+                      f'[storage]\ndriver = "overlay"\ngraphroot = "{d / "storage"}"\nrunroot = "{d / "run"}"\n')
+    return {"CONTAINERS_CONF": str(d / "containers.conf"), "CONTAINERS_STORAGE_CONF": str(d / "storage.conf")}
+
+
+def podman_env() -> dict[str, str]:
+    """The environment for podman with its storage under the cache and the settings this machine kind
+    needs: runc (crun refuses cgroup v1 in hybrid mode), ulimits within the host's caps (root without
+    CAP_SYS_RESOURCE cannot raise them to podman's defaults), no systemd."""
+    return {**os.environ, **_podman_env_for(build.cache_root())}
+
+
+def _tail(text: str, limit: int = 3000) -> str:
+    return text if len(text) <= limit else "..." + text[-limit:]
 
 
 def _run(cmd: Sequence[str], *, log: Path | None = None, cwd: Path | None = None) -> str:
-    proc = subprocess.run(list(cmd), capture_output=True, text=True, env=_podman_env(), cwd=cwd)
-    if log is not None:
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with log.open("a") as f:
-            f.write(f"\n$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}")
-    if proc.returncode != 0:
-        raise build.BuildError(f"`{' '.join(cmd[:4])} ...` failed (exit {proc.returncode}):\n"
-                               f"{(proc.stderr or proc.stdout)[-3000:]}")
-    return proc.stdout
+    """Run ``cmd`` (with podman's environment); its output is returned, or appended to ``log`` when
+    given. A failure raises BuildError with the command and the tail of its output."""
+    shown = " ".join(cmd)
+    if shutil.which(cmd[0]) is None:
+        raise build.BuildError(f"`{cmd[0]}` is not on PATH; the local images need the Debian packages podman, "
+                               "buildah, skopeo, mmdebstrap, gcc and libc6-dev (pause), and containerd (ctr)")
+    if log is None:
+        proc = subprocess.run(list(cmd), capture_output=True, text=True, env=podman_env(), cwd=cwd)
+        if proc.returncode != 0:
+            raise build.BuildError(f"`{shown}` failed (exit {proc.returncode}):\n"
+                                   f"{_tail((proc.stdout + proc.stderr).strip())}")
+        return proc.stdout
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a") as out:
+        out.write(f"\n$ {shown}\n")
+        out.flush()
+        code = subprocess.run(list(cmd), stdout=out, stderr=subprocess.STDOUT, env=podman_env(), cwd=cwd).returncode
+    if code != 0:
+        raise build.BuildError(f"`{shown}` failed (exit {code}); log {log}:\n"
+                               f"{_tail(log.read_text(errors='replace').strip())}")
+    return ""
 
 
-def _archive(ref: str) -> Path:
-    name, tag = ref.removeprefix("localhost/").rsplit(":", 1)
-    return build.cache_root() / "images" / f"{name}-{tag}.oci.tar"
-
-
-def _in_podman(ref: str) -> bool:
-    return subprocess.run(["podman", "image", "exists", ref], env=_podman_env()).returncode == 0
+def in_podman(ref: str) -> bool:
+    return subprocess.run(["podman", "image", "exists", ref], env=podman_env(),
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
 
 
 def _ensure_in_podman(ref: str) -> None:
-    """A parent image, from its archive when podman's storage lost it."""
-    if not _in_podman(ref):
-        _run(["podman", "load", "-q", "-i", str(_archive(ref))])
+    """A parent image, copied from its layout when podman's storage does not have it (any more)."""
+    if not in_podman(ref):
+        with _store_lock(shared=True):
+            _run(["skopeo", "copy", "-q", "--src-shared-blob-dir", str(blob_dir()),
+                  f"oci:{layout_path(ref)}:{ref}", f"containers-storage:{ref}"])
 
 
-def _size_mb(ref: str) -> float:
-    out = _run(["podman", "image", "inspect", "--format", "{{.Size}}", ref])
-    return int(out.strip()) / 1e6
+def _podman_size(ref: str) -> int:
+    return int(_run(["podman", "image", "inspect", "--format", "{{.Size}}", ref]).strip())
 
 
-def _save(ref: str) -> None:
-    dest = _archive(ref)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(dest.name + f".{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)
-    _run(["podman", "save", "-q", "--format", "oci-archive", "-o", str(tmp), ref])
-    tmp.rename(dest)
+def _save(ref: str, record: Record) -> None:
+    """``ref``'s layout, written beside its place and renamed into it when complete. Its layers are
+    stored uncompressed, so a layer already in the blob store is recognised by its digest and skipped."""
+    layout = layout_path(ref)
+    layout.parent.mkdir(parents=True, exist_ok=True)
+    with _store_lock():
+        for stale in layout.parent.glob(".*.tmp"):  # a save killed halfway (we hold the store's lock)
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = layout.with_name(f".{layout.name}.{os.getpid()}.tmp")
+        _run(["skopeo", "copy", "-q", "--dest-oci-accept-uncompressed-layers", "--dest-shared-blob-dir",
+              str(blob_dir()), f"containers-storage:{ref}", f"oci:{tmp}:{ref}"], log=_log_path(ref))
+        (tmp / RECORD).write_text(json.dumps(asdict(record), indent=2) + "\n")
+        shutil.rmtree(layout, ignore_errors=True)
+        tmp.rename(layout)
+        _prune()
 
 
-def _ensure(ref: str, make: object, what: str) -> str:
-    """Build ``ref`` with ``make()`` unless its archive exists; report either way on stderr."""
-    if _archive(ref).exists():
+# -- the cache --------------------------------------------------------------------------------------
+
+
+RECORD = "flowkube.json"
+
+
+@dataclass(frozen=True)
+class Record:
+    """What the cache knows of a built image (in its layout, as RECORD)."""
+
+    ref: str
+    build_seconds: float
+    size_bytes: int
+
+    @classmethod
+    def read(cls, ref: str) -> Record | None:
+        try:
+            data = json.loads((layout_path(ref) / RECORD).read_text())
+            return cls(ref=ref, build_seconds=float(data["build_seconds"]), size_bytes=int(data["size_bytes"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+
+def cached(ref: str) -> bool:
+    """Whether the store has ``ref``: its layout, and every blob it refers to at its recorded size."""
+    try:
+        return all(_blob(d["digest"]).stat().st_size == d["size"] for d in _blobs_of(layout_path(ref)))
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _progress(message: str, quiet: bool) -> None:
+    if not quiet:
+        print(f"flowkube: {message}", file=sys.stderr, flush=True)
+
+
+def _ensure(ref: str, make: Callable[[], None], what: str, *, quiet: bool) -> str:
+    """``ref``, built with ``make()`` unless its layout exists (or podman still has it: then it is only
+    saved). One process at a time builds a given image; the others wait for it and find it cached."""
+    name, _ = _split(ref)
+    if cached(ref):
+        with contextlib.suppress(OSError):
+            os.utime(layout_path(ref) / "index.json")  # most recently used: the last to be pruned
+        _progress(f"image {name}: cached ({ref})", quiet)
         return ref
-    assert callable(make)
-    with build._lock(build.cache_root() / "locks" / "images.lock"):
-        if _archive(ref).exists():
+    with build._lock(build.cache_root() / "locks" / f"image-{name}.lock"):
+        if cached(ref):  # another process built it while we waited
+            _progress(f"image {name}: cached ({ref}, built by another process)", quiet)
             return ref
-        print(f"flowkube: building image {ref} ({what})", file=sys.stderr, flush=True)
         started = time.monotonic()
-        make()
-        _save(ref)
-        print(f"flowkube: built {ref} in {time.monotonic() - started:.0f}s, {_size_mb(ref):.0f} MB",
-              file=sys.stderr, flush=True)
+        if in_podman(ref):
+            _progress(f"image {name}: in podman's storage, saving its layout", quiet)
+        else:
+            _progress(f"image {name}: building {ref} ({what}); log {_log_path(ref)}", quiet)
+            _log_path(ref).unlink(missing_ok=True)
+            make()
+        built_in = time.monotonic() - started
+        size = _podman_size(ref)
+        _save(ref, Record(ref=ref, build_seconds=round(built_in, 1), size_bytes=size))
+        _progress(f"image {name}: built in {built_in:.0f} s, {size / 1e6:.0f} MB, saved in "
+                  f"{time.monotonic() - started - built_in:.1f} s ({ref})", quiet)
     return ref
 
 
-def _build_args() -> list[str]:
-    """Builder stages fetch wheels from PyPI: the host's network and its pip settings and CA, for the
-    build only (mounted into RUN steps, never copied into an image)."""
-    args = ["--network=host", "--layers"]
-    for f in ("/etc/pip.conf", "/etc/ssl/certs/ca-certificates.crt"):
-        if Path(f).is_file():
-            args += ["-v", f"{f}:{f}:ro"]
-    return args
+def _manifests(layout: Path) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    """(index entry, manifest) of each image in an OCI layout whose blobs are in the store."""
+    for entry in json.loads((layout / "index.json").read_text())["manifests"]:
+        yield entry, json.loads(_blob(entry["digest"]).read_bytes())
 
 
-def _dockerfile_build(ref: str, dockerfile: Path, context: Path, build_args: dict[str, str]) -> None:
-    cmd = ["podman", "build", "-q", *_build_args(), "-f", str(dockerfile), "-t", ref]
+def _blobs_of(layout: Path) -> Iterator[dict[str, Any]]:
+    for entry, manifest in _manifests(layout):
+        yield from (entry, manifest["config"], *manifest["layers"])
+
+
+def _prune() -> None:
+    """Drop all but the KEEP_PER_IMAGE most recently used layouts of each image (and their podman tags),
+    never one used in the last few minutes; then the blobs no layout refers to. Holds the store's lock."""
+    now = time.time()
+    by_name: dict[str, list[tuple[float, Path]]] = {}
+    for layout in (images_dir() / "oci").iterdir():
+        with contextlib.suppress(OSError):
+            mtime = (layout / "index.json").stat().st_mtime
+            by_name.setdefault(layout.name.rsplit("@", 1)[0], []).append((mtime, layout))
+    removed = False
+    for name, layouts in by_name.items():
+        for mtime, layout in sorted(layouts, reverse=True)[KEEP_PER_IMAGE:]:
+            if now - mtime < _KEEP_RECENT_SECONDS:
+                continue
+            shutil.rmtree(layout, ignore_errors=True)
+            tag = layout.name.rsplit("@", 1)[1]
+            _log_path(f"localhost/{name}:{tag}").unlink(missing_ok=True)
+            subprocess.run(["podman", "rmi", f"localhost/{name}:{tag}"], env=podman_env(),
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            removed = True
+    if not removed:
+        return
+    try:
+        referenced = {d["digest"] for layouts in by_name.values() for _, layout in layouts if layout.exists()
+                      for d in _blobs_of(layout)}
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # a layout we cannot read: keep every blob rather than guess
+    for algorithm in blob_dir().iterdir():
+        for blob in algorithm.iterdir():
+            if f"{algorithm.name}:{blob.name}" not in referenced:
+                blob.unlink(missing_ok=True)
+
+
+def _dockerfile_build(ref: str, dockerfile: Path, context: Path, build_args: Mapping[str, str]) -> None:
+    """``podman build`` without any registry (``--pull=never``: every base is local), with the host's
+    network, and with the host's CA bundle mounted over the image's own in RUN steps, for the build only:
+    the builder stages fetch wheels from PyPI, through whatever TLS interception the host's CAs allow
+    (Debian's pip uses that bundle). Only paths the base has are mounted: buildah leaves an empty file
+    in the layer for a mount point it had to create (so the host's /etc/pip.conf, which the base lacks,
+    is not mounted)."""
+    cmd = ["podman", "build", "--pull=never", "--layers", "--network=host"]
+    if Path(HOST_CA_BUNDLE).is_file():
+        cmd += ["-v", f"{HOST_CA_BUNDLE}:{HOST_CA_BUNDLE}:ro"]
     for k, v in build_args.items():
         cmd += ["--build-arg", f"{k}={v}"]
-    _run([*cmd, str(context)], log=build.cache_root() / "images" / "build.log")
+    _run([*cmd, "-f", str(dockerfile), "-t", ref, str(context)], log=_log_path(ref))
 
 
 # -- the images -------------------------------------------------------------------------------------
 
 
-def python_base() -> str:
-    key = content_key(REPO, (), DEBIAN_SUITE, DEBIAN_MIRROR, *PYTHON_PACKAGES, _PYTHON_CLEANUP, BASE_VERSION)
-    ref = f"localhost/flowkube-python:3.11-{DEBIAN_SUITE}-{key}"
+def _mmdebstrap_command(rootfs: Path) -> list[str]:
+    cmd = ["mmdebstrap", "--variant=minbase", "--quiet", "--format=tar", f"--include={','.join(PYTHON_PACKAGES)}",
+           "--aptopt=Acquire::Languages \"none\""]
+    cmd += [f"--dpkgopt=path-exclude={p}" for p in _DPKG_EXCLUDES]
+    cmd += [f"--dpkgopt=path-include={p}" for p in _DPKG_INCLUDES]
+    # Merged /usr as symlinks, as debootstrap and the official images make it: otherwise apt satisfies
+    # init-system-helpers with the usrmerge package, which brings all of perl (50 MB).
+    cmd.append("--hook-dir=/usr/share/mmdebstrap/hooks/merged-usr")
+    return [*cmd, f"--customize-hook={_PYTHON_CLEANUP}", DEBIAN_SUITE, str(rootfs), *DEBIAN_SOURCES]
+
+
+def python_base(*, quiet: bool = False) -> str:
+    """The Python 3.11 base image (Debian bookworm), keyed on the suite, sources, packages and recipe."""
+    key = content_key(REPO, (), BASE_VERSION, *_mmdebstrap_command(Path("rootfs.tar")), *_PYTHON_CONFIG)
+    ref = f"localhost/flowkube-python:{key}"
 
     def make() -> None:
         with tempfile.TemporaryDirectory(prefix="flowkube-rootfs-") as tmp:
             rootfs = Path(tmp) / "rootfs.tar"
-            subprocess.run(["mmdebstrap", "--variant=minbase", "--quiet", f"--include={','.join(PYTHON_PACKAGES)}",
-                            f"--customize-hook={_PYTHON_CLEANUP}", DEBIAN_SUITE, str(rootfs),
-                            DEBIAN_MIRROR], check=True, capture_output=True)
-            _run(["podman", "import", "-q", "--change", 'CMD ["python3"]', "--change", "ENV LANG=C.UTF-8",
-                  str(rootfs), ref])
+            _run(_mmdebstrap_command(rootfs), log=_log_path(ref))
+            changes = [arg for change in _PYTHON_CONFIG for arg in ("--change", change)]
+            _run(["podman", "import", "-q", *changes, str(rootfs), ref], log=_log_path(ref))
+        # What the Dockerfiles rely on, checked here rather than halfway through their builds.
+        check = ("python --version && pip --version && command -v groupadd useradd"
+                 " && ! ls /usr/lib/python3*/EXTERNALLY-MANAGED 2>/dev/null")
+        _run(["podman", "run", "--rm", "--network=none", ref, "sh", "-c", check], log=_log_path(ref))
 
-    return _ensure(ref, make, f"Debian {DEBIAN_SUITE} with Python, mmdebstrap")
+    return _ensure(ref, make, f"Debian {DEBIAN_SUITE} with Python by mmdebstrap", quiet=quiet)
 
 
-def _project_image(name: str, base: str) -> str:
-    dockerfile = REPO / name / "Dockerfile"
-    key = content_key(REPO, (*CONTEXT, f"{name}/Dockerfile", ".dockerignore"), base)
-    ref = f"localhost/flowkube-{name}:{key}"
+def project_image(component: str, base: str, *, quiet: bool = False) -> str:
+    """``<component>/Dockerfile`` (operator or runner) built on ``base``."""
+    key = content_key(REPO, (*CONTEXT, f"{component}/Dockerfile", ".dockerignore"), base)
+    ref = f"localhost/flowkube-{component}:{key}"
+
+    # Buildah reuses a cached `RUN --mount=...,from=builder` even when the builder's output changed
+    # (containers/podman#17119): the final stage declares these arguments so that new values rerun the
+    # dependencies' install (DEPS_KEY) and the project's (SOURCE_KEY). BuildKit needs no such help.
+    deps_key = content_key(REPO, ("pyproject.toml", f"{component}/Dockerfile"), base)
 
     def make() -> None:
         _ensure_in_podman(base)
-        _dockerfile_build(ref, dockerfile, REPO, {"PYTHON_IMAGE": base})
+        _dockerfile_build(ref, REPO / component / "Dockerfile", REPO,
+                          {"PYTHON_IMAGE": base, "DEPS_KEY": deps_key, "SOURCE_KEY": key})
 
-    return _ensure(ref, make, f"{name}/Dockerfile")
+    return _ensure(ref, make, f"{component}/Dockerfile", quiet=quiet)
 
 
-def example_runner(runner: str) -> str:
+def example_runner(runner: str, *, quiet: bool = False) -> str:
+    """examples/runner-image: a user's flowRef image on the runner image."""
     context = REPO / "examples" / "runner-image"
-    ref = f"localhost/flowkube-example-runner:{content_key(context, ('.',), runner)}"
+    ref = f"localhost/flowkube-example-runner:{content_key(context, EXAMPLE_CONTEXT, runner)}"
 
     def make() -> None:
         _ensure_in_podman(runner)
         _dockerfile_build(ref, context / "Dockerfile", context, {"RUNNER_IMAGE": runner})
 
-    return _ensure(ref, make, "examples/runner-image")
+    return _ensure(ref, make, "examples/runner-image/Dockerfile", quiet=quiet)
 
 
-def devstack(runner: str) -> str:
-    dockerfile = REPO / "devstack" / "Dockerfile"
+def devstack(runner: str, *, quiet: bool = False) -> str:
+    """The runner image plus the stub model and the scripted runner, in DEVSTACK_DIR."""
     key = content_key(REPO, ("devstack/Dockerfile", *DEVSTACK_FILES.values()), runner)
     ref = f"localhost/flowkube-devstack:{key}"
 
@@ -233,64 +463,128 @@ def devstack(runner: str) -> str:
         _ensure_in_podman(runner)
         with tempfile.TemporaryDirectory(prefix="flowkube-devstack-ctx-") as tmp:
             for name, src in DEVSTACK_FILES.items():
-                shutil.copy(REPO / src, Path(tmp) / name)
-            _dockerfile_build(ref, dockerfile, Path(tmp), {"RUNNER_IMAGE": runner})
+                shutil.copyfile(REPO / src, Path(tmp) / name)
+            _dockerfile_build(ref, REPO / "devstack" / "Dockerfile", Path(tmp), {"RUNNER_IMAGE": runner})
 
-    return _ensure(ref, make, "devstack/Dockerfile: stub model and scripted runner")
+    return _ensure(ref, make, "devstack/Dockerfile: the stub model and the scripted runner", quiet=quiet)
 
 
-def _pause_source() -> Path:
-    proc = subprocess.run(["go", "mod", "download", "-json", f"k8s.io/kubernetes@{KUBERNETES_VERSION}"],
-                          capture_output=True, text=True)
+def _kubernetes_module() -> Path:
+    cmd = ["go", "mod", "download", "-json", f"k8s.io/kubernetes@{KUBERNETES_VERSION}"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    except FileNotFoundError as e:
+        raise build.BuildError("the Go toolchain is not on PATH; the pause image's source comes from the "
+                               "k8s.io/kubernetes Go module") from e
     if proc.returncode != 0:
-        raise build.BuildError(f"cannot fetch k8s.io/kubernetes@{KUBERNETES_VERSION}: {proc.stderr.strip()}")
-    return Path(json.loads(proc.stdout)["Dir"]) / "build" / "pause" / "linux" / "pause.c"
+        raise build.BuildError(f"`{' '.join(cmd)}` failed:\n{_tail((proc.stdout + proc.stderr).strip())}")
+    return Path(json.loads(proc.stdout)["Dir"])
 
 
-def pause() -> str:
-    source = _pause_source()
-    key = hashlib.sha256(source.read_bytes() + PAUSE_VERSION.encode()).hexdigest()[:12]
-    ref = f"localhost/flowkube-pause:{PAUSE_VERSION}-{key}"
+def pause_version(makefile: str) -> str:
+    """The pause release the module's build/pause/Makefile names (``TAG ?= 3.10.2``)."""
+    m = re.search(r"^TAG\s*\??=\s*(\S+)\s*$", makefile, flags=re.M)
+    if m is None:
+        raise build.BuildError("found no `TAG ?= ...` in the Kubernetes module's build/pause/Makefile")
+    return m.group(1)
+
+
+def pause(*, quiet: bool = False) -> str:
+    """The pod sandbox image: upstream's pause.c from the Kubernetes module, a static binary FROM scratch."""
+    source_dir = _kubernetes_module() / "build" / "pause"
+    source = source_dir / "linux" / "pause.c"
+    version = pause_version((source_dir / "Makefile").read_text())
+    flags = (*_PAUSE_CFLAGS, f"-DVERSION=v{version}-flowkube")
+    key = content_key(source.parent, (source.name,), version, *flags, _PAUSE_CONTAINERFILE)
+    ref = f"localhost/flowkube-pause:{version}-{key}"
 
     def make() -> None:
         with tempfile.TemporaryDirectory(prefix="flowkube-pause-") as tmp:
-            subprocess.run(["gcc", "-Os", "-static", f"-DVERSION=v{PAUSE_VERSION}", "-o", f"{tmp}/pause",
-                            str(source)], check=True, capture_output=True)
-            Path(tmp, "Containerfile").write_text(
-                'FROM scratch\nCOPY pause /pause\nUSER 65535:65535\nENTRYPOINT ["/pause"]\n')
-            _run(["podman", "build", "-q", "-t", ref, tmp])
+            _run(["gcc", *flags, "-o", f"{tmp}/pause", str(source)], log=_log_path(ref))
+            Path(tmp, "Containerfile").write_text(_PAUSE_CONTAINERFILE)
+            _run(["podman", "build", "--pull=never", "-t", ref, tmp], log=_log_path(ref))
 
-    return _ensure(ref, make, "pause.c from the Kubernetes module, gcc -static")
+    return _ensure(ref, make, "pause.c from the Kubernetes module, gcc -static", quiet=quiet)
 
 
-def ensure_all() -> Images:
-    base = python_base()
-    runner = _project_image("runner", base)
-    return Images(operator=_project_image("operator", base), runner=runner, example_runner=example_runner(runner),
-                  devstack=devstack(runner), pause=pause())
+def ensure_all(*, quiet: bool = False) -> Images:
+    """Every image the local cluster runs, built (or found cached): their full references."""
+    base = python_base(quiet=quiet)
+    runner = project_image("runner", base, quiet=quiet)
+    return Images(operator=project_image("operator", base, quiet=quiet), runner=runner,
+                  example_runner=example_runner(runner, quiet=quiet), devstack=devstack(runner, quiet=quiet),
+                  pause=pause(quiet=quiet))
+
+
+# -- containerd -------------------------------------------------------------------------------------
 
 
 def load_into_containerd(address: str, refs: Iterable[str]) -> None:
-    """Import images into containerd's ``k8s.io`` namespace (the CRI's), skipping those it has."""
+    """Import images into containerd's ``k8s.io`` namespace (the CRI's), skipping those it has already:
+    one ``ctr images import`` of an OCI layout streamed from the store, holding each blob once (the
+    runner-based images share all but their last layers) and none that containerd has already."""
     ctr = ["ctr", "--address", address, "-n", "k8s.io"]
-    have = set(subprocess.run([*ctr, "images", "ls", "-q"], capture_output=True, text=True, check=True).stdout.split())
-    for ref in refs:
-        if ref not in have:
-            proc = subprocess.run([*ctr, "images", "import", str(_archive(ref))], capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise build.BuildError(f"ctr import of {ref} failed: {proc.stderr.strip()}")
+    have = set(_run([*ctr, "images", "ls", "-q"]).split())
+    missing = [ref for ref in dict.fromkeys(refs) if ref not in have]
+    if not missing:
+        return
+    have_blobs = set(_run([*ctr, "content", "ls", "-q"]).split())
+    with _store_lock(shared=True):
+        entries: list[dict[str, Any]] = []
+        blobs: set[str] = set()
+        for ref in missing:
+            if not cached(ref):
+                raise build.BuildError(f"{ref} is not in the image store ({layout_path(ref)}); build it first")
+            for entry, manifest in _manifests(layout_path(ref)):
+                entries.append(entry)
+                blobs.update(d["digest"] for d in (entry, manifest["config"], *manifest["layers"]))
+        cmd = [*ctr, "images", "import", "-"]
+        with tempfile.TemporaryFile() as out:
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT)
+            assert proc.stdin is not None
+            try:
+                with proc.stdin, tarfile.open(fileobj=proc.stdin, mode="w|", bufsize=1 << 20) as tar:
+                    _add_bytes(tar, "oci-layout", b'{"imageLayoutVersion": "1.0.0"}')
+                    for digest in sorted(blobs - have_blobs):
+                        tar.add(_blob(digest), arcname="blobs/" + digest.replace(":", "/"), recursive=False)
+                    _add_bytes(tar, "index.json", json.dumps({"schemaVersion": 2, "manifests": entries}).encode())
+            except BrokenPipeError:
+                pass  # ctr stopped reading: its exit status and output say why
+            code = proc.wait()
+            if code != 0:
+                out.seek(0)
+                raise build.BuildError(f"`{' '.join(cmd)}` of {', '.join(missing)} failed (exit {code}):\n"
+                                       f"{_tail(out.read().decode(errors='replace').strip())}")
+
+
+def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    info.mode = 0o644
+    tar.addfile(info, io.BytesIO(data))
+
+
+# -- command line -----------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.parse_args(argv)
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    args = parser.parse_args(argv)
+    started = time.monotonic()
     try:
-        images = ensure_all()
-    except (build.BuildError, subprocess.CalledProcessError) as e:
+        images = ensure_all(quiet=args.quiet)
+        base = python_base(quiet=True)
+    except build.BuildError as e:
         print(f"flowkube: {e}", file=sys.stderr)
         return 1
-    for ref in images.all():
-        print(f"{ref}  {_size_mb(ref):.0f} MB" if _in_podman(ref) else ref)
+    for ref in (base, *images.all()):
+        record = Record.read(ref)
+        figures = f"{record.size_bytes / 1e6:6.0f} MB  (built in {record.build_seconds:.0f} s)" if record else ""
+        print(f"{ref:50} {figures}")
+    store = sum(f.stat().st_size for d in blob_dir().iterdir() for f in d.iterdir()) if blob_dir().is_dir() else 0
+    print(f"blob store {blob_dir()}: {store / 1e6:.0f} MB")
+    _progress(f"all images ready in {time.monotonic() - started:.1f} s", args.quiet)
     return 0
 
 

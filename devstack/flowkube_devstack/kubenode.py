@@ -45,10 +45,12 @@ class NodeError(RuntimeError):
 def missing_tools() -> list[str]:
     tools = {"containerd": "containerd", "ctr": "containerd", "runc": "runc", "iptables": "iptables",
              "conntrack": "conntrack", "nsenter": "util-linux", "podman": "podman",
-             "mmdebstrap": "mmdebstrap"}
+             "mmdebstrap": "mmdebstrap", "skopeo": "skopeo", "gcc": "gcc"}
     missing = [pkg for tool, pkg in tools.items() if shutil.which(tool) is None]
     if not Path(CNI_BIN_DIR, "bridge").exists():
         missing.append("containernetworking-plugins")
+    if not Path("/usr/lib/x86_64-linux-gnu/libc.a").exists() and not list(Path("/usr/lib").glob("*/libc.a")):
+        missing.append("libc6-dev")  # the pause image is a static binary
     return sorted(set(missing))
 
 

@@ -185,6 +185,17 @@ class OperatorProcess:
             self.proc = None
 
 
+def adopt_crd(cluster: LocalCluster, release: str, namespace: str) -> None:
+    """Mark the Flow CRD as the release's: Helm refuses to take over an object another release (or
+    none) installed, and the CRD outlives releases (``crds.keep``)."""
+    crd = "flows.flowkube.io"
+    if cluster.kubectl("get", "crd", crd, check=False).returncode != 0:
+        return
+    cluster.kubectl("label", "crd", crd, "--overwrite", "app.kubernetes.io/managed-by=Helm")
+    cluster.kubectl("annotate", "crd", crd, "--overwrite", f"meta.helm.sh/release-name={release}",
+                    f"meta.helm.sh/release-namespace={namespace}")
+
+
 class ChartOperator:
     """The operator as users run it: ``helm install`` of the chart, the operator a pod of its image.
 
@@ -257,6 +268,7 @@ class ChartOperator:
 
     def upgrade(self, *values: str, timeout: float = 300.0) -> None:
         """``helm upgrade --install`` with this operator's values and, for this revision, ``values``."""
+        adopt_crd(self.cluster, self.release, self.namespace)
         self.helm("upgrade", "--install", self.release, str(CHART), "--namespace", self.namespace,
                   "--create-namespace", "--wait", f"--timeout={int(timeout)}s", *self._set_args(values),
                   timeout=timeout + 30)

@@ -47,7 +47,8 @@ def deploy_stub_model(cluster: LocalCluster, rules: dict[str, Any], timeout: flo
              "metadata": {"labels": labels},
              "spec": {"automountServiceAccountToken": False, "containers": [{
                  "name": "stub-model", "image": cluster.images.devstack, "imagePullPolicy": "Never",
-                 "command": [*images.STUB_MODEL_COMMAND, "--host", "0.0.0.0",  # noqa: S104 (in its pod) "--port", str(STUB_PORT),
+                 "command": [*images.STUB_MODEL_COMMAND, "--host", "0.0.0.0",  # noqa: S104 (in its pod)
+                             "--port", str(STUB_PORT),
                              "--rules", "/etc/stub-model/rules.json"],
                  "ports": [{"name": "http", "containerPort": STUB_PORT}],
                  "readinessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 1},

@@ -1,6 +1,6 @@
 """A deterministic OpenAI-compatible stand-in model for tests and the local devstack.
 
-Serves ``POST /v1/chat/completions`` on loopback only. Replies come from rules (first match wins)
+Serves ``POST /v1/chat/completions`` (on loopback unless told otherwise). Replies come from rules (first match wins)
 or a default; token usage is derived from message lengths so runs are reproducible; every answered
 call goes to a ledger (``GET /ledger``, optionally a JSONL file) that tests compare with reported
 usage. Not a model: it never interprets anything.
@@ -234,6 +234,7 @@ class StubModel:
 
     def complete(self, body: dict[str, Any]) -> tuple[int, dict[str, Any] | None]:
         """Answer one chat completion request: (HTTP status, body); body None means drop."""
+        received = time.time()
         model = str(body.get("model", "stub"))
         messages = [m for m in body.get("messages", []) if isinstance(m, dict)]
         rule = self._pick(model, messages)
@@ -258,7 +259,8 @@ class StubModel:
             "completion_tokens_details": {"reasoning_tokens": reasoning},
         }
         last_user = next((_content_text(m) for m in reversed(messages) if m.get("role") == "user"), "")
-        self._record({"time": time.time(), "model": model, "usage": usage, "lastUser": last_user[:2000]})
+        self._record({"time": time.time(), "received": received, "model": model, "usage": usage,
+                      "lastUser": last_user[:2000]})
         return 200, {
             "id": f"chatcmpl-stub-{prompt_tokens}-{completion_tokens}",
             "object": "chat.completion",

@@ -20,7 +20,8 @@ def main(argv: list[str] | None = None) -> int:
         quiet=settings.log_level in ("WARNING", "ERROR"),
     )
     logging.getLogger().setLevel(settings.log_level)
-    asyncio.run(handlers.prepare_tls())  # before kopf: its servers start with their files in place
+    # Before kopf: its servers start with their files in place. The startup handler finds them in the memo.
+    memo = kopf.Memo(tls=asyncio.run(handlers.prepare_tls()))
     namespaces = settings.watch_namespaces
     liveness = f"http://{settings.bind_address}:{settings.health_port}/healthz" if settings.health_port else None
     with contextlib.suppress(KeyboardInterrupt):
@@ -29,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
             clusterwide=not namespaces,
             namespaces=namespaces,
             liveness_endpoint=liveness,
+            memo=memo,
         )
     return 0
 

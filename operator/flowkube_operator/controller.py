@@ -27,7 +27,8 @@ from flowkube_api import constants as c
 from flowkube_api.report import RunReport
 from flowkube_operator import resources, selfmetrics
 from flowkube_operator.kube import ApiError, Kube, collection_path, delete_namesake_garbage, flow_path, ns_path
-from flowkube_operator.reconcile import Plan, PodView, owner_uid, plan
+from flowkube_operator.meta import PodView, owner_uid
+from flowkube_operator.reconcile import Plan, plan
 from flowkube_operator.settings import Settings
 
 Body = dict[str, Any]

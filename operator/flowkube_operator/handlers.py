@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -23,16 +24,34 @@ log = logging.getLogger("flowkube.operator")
 
 SETTINGS = Settings()
 FLOW_METRICS = FlowMetrics(per_flow=SETTINGS.metrics_per_flow)
-_state: dict[str, Any] = {}
 CONTROLLER = Controller(SETTINGS, on_flow_change=FLOW_METRICS.update)
-STATE_API = StateApi(lambda: _state.get("kube"), CONTROLLER.active_run)
-CONTROLLER.on_flow_deleted = STATE_API.forget_flow
+
+
+@dataclass
+class Runtime:
+    """What the handlers share while the operator runs: `memo.runtime`, made by the startup handler.
+
+    kopf gives the startup, login and cleanup handlers the operator's memo itself, and every resource
+    and admission handler a shallow copy of it, taken when kopf first sees the object. This one
+    mutable object is in all those copies, so they see what the login handler changes later.
+    """
+
+    kube: Kube | None = None  # the client of the latest login
+    username: str = ""  # who the operator is to the API server (its own status writes pass the webhook)
+    ca_bundle: bytes | None = None  # installed into the webhook configurations at each login
+    state_runner: web.AppRunner | None = None
+    metrics_runner: web.AppRunner | None = None
+
+
+def _runtime(memo: kopf.Memo) -> Runtime | None:
+    runtime: Runtime | None = memo.get("runtime")
+    return runtime
 
 
 async def prepare_tls() -> tls.ServingTLS:
     """The CA (kept across restarts) and a fresh serving certificate. Runner pods are told the CA;
-    the webhook configurations get it as caBundle. `main` runs this before kopf starts, so both
-    servers find their files in place."""
+    the webhook configurations get it as caBundle. `main` runs this before kopf starts and hands
+    the result over as `memo.tls`, so both servers find their files in place."""
     if SETTINGS.tls_secret:
         ks = kopf.OperatorSettings()
         info = (kopf.login_with_service_account(logger=log, settings=ks)
@@ -51,7 +70,6 @@ async def prepare_tls() -> tls.ServingTLS:
         ca = tls.ca_from_dir(SETTINGS.webhook_cert_dir)
     hosts = [SETTINGS.webhook_host, urlsplit(SETTINGS.state_endpoint).hostname or ""]
     serving = tls.issue(ca, SETTINGS.webhook_cert_dir, hosts, SETTINGS.webhook_service)
-    _state["tls"] = serving
     CONTROLLER.state_ca = serving.ca_pem.decode()
     return serving
 
@@ -73,7 +91,7 @@ class _NoDiffBase(kopf.DiffBaseStorage):
 
 
 @kopf.on.startup()
-async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     # Progress and diff-base (used only by kopf's own change handlers) live under our prefix.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=c.PREFIX)
     settings.persistence.diffbase_storage = _NoDiffBase()
@@ -83,20 +101,24 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.networking.request_timeout = 30
-    serving: tls.ServingTLS = _state.get("tls") or await prepare_tls()
+    serving: tls.ServingTLS = memo.get("tls") or await prepare_tls()
+    memo.tls = serving
+    runtime = memo.runtime = Runtime()
+    state_api = StateApi(lambda: runtime.kube, CONTROLLER.active_run)
+    CONTROLLER.on_flow_deleted = state_api.forget_flow
     if SETTINGS.webhook_enabled:
         settings.admission.server = webhook.FlowkubeWebhookServer(
             addr=SETTINGS.bind_address, port=SETTINGS.webhook_port, host=SETTINGS.webhook_host,
             service=SETTINGS.webhook_service, cafile=serving.cafile, certfile=serving.certfile,
             pkeyfile=serving.keyfile)
-        _state["ca_bundle"] = serving.ca_pem
-    _state["state_runner"] = await STATE_API.serve(SETTINGS.bind_address, SETTINGS.state_port,
-                                                   serving.certfile, serving.keyfile)
+        runtime.ca_bundle = serving.ca_pem
+    runtime.state_runner = await state_api.serve(SETTINGS.bind_address, SETTINGS.state_port,
+                                                 serving.certfile, serving.keyfile)
     if SETTINGS.metrics_port:
-        await _serve_metrics()
+        runtime.metrics_runner = await _serve_metrics()
 
 
-async def _serve_metrics() -> None:
+async def _serve_metrics() -> web.AppRunner:
     async def metrics(_: web.Request) -> web.Response:
         body = FLOW_METRICS.render().encode() + generate_latest(selfmetrics.REGISTRY)
         return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
@@ -107,23 +129,24 @@ async def _serve_metrics() -> None:
     await runner.setup()
     site = web.TCPSite(runner, SETTINGS.bind_address, SETTINGS.metrics_port)
     await site.start()
-    _state["metrics_runner"] = runner
     log.info("serving /metrics on %s:%s", SETTINGS.bind_address, SETTINGS.metrics_port)
+    return runner
 
 
 @kopf.on.login()
-async def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+async def login(memo: kopf.Memo, **kwargs: Any) -> kopf.ConnectionInfo | None:
     info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
     if info is None:
         return None
-    old: Kube | None = _state.get("kube")
+    runtime: Runtime = memo.runtime  # kopf logs in only after the startup handlers are done
+    old = runtime.kube
     kube = Kube(info)
-    _state["kube"] = kube
+    runtime.kube = kube
     review = await kube.request("POST", "/apis/authentication.k8s.io/v1/selfsubjectreviews",
                                 {"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"})
-    _state["username"] = review.get("status", {}).get("userInfo", {}).get("username", "")
-    if "ca_bundle" in _state:
-        await webhook.install_ca_bundle(kube, SETTINGS.webhook_configuration, _state["ca_bundle"])
+    runtime.username = review.get("status", {}).get("userInfo", {}).get("username", "")
+    if runtime.ca_bundle is not None:
+        await webhook.install_ca_bundle(kube, SETTINGS.webhook_configuration, runtime.ca_bundle)
     if old is None:
         CONTROLLER.start(kube)
     else:
@@ -144,8 +167,9 @@ async def pod_event(event: kopf.RawEvent, **_: Any) -> None:
     CONTROLLER.pod_event(event.get("type") or "ADDED", dict(event["object"]))
 
 
-def _by_operator(userinfo: kopf.UserInfo) -> bool:
-    return bool(_state.get("username")) and userinfo.get("username") == _state["username"]
+def _by_operator(userinfo: kopf.UserInfo, memo: kopf.Memo) -> bool:
+    runtime = _runtime(memo)
+    return runtime is not None and bool(runtime.username) and userinfo.get("username") == runtime.username
 
 
 if SETTINGS.webhook_enabled:
@@ -162,17 +186,18 @@ if SETTINGS.webhook_enabled:
 
     @kopf.on.validate(c.GROUP, c.VERSION, c.PLURAL, id="validate-flows-status", subresource="status",
                       operations=["UPDATE"], side_effects=False)
-    async def validate_status(*, userinfo: kopf.UserInfo, **kwargs: Any) -> None:
+    async def validate_status(*, userinfo: kopf.UserInfo, memo: kopf.Memo, **kwargs: Any) -> None:
         problem = webhook.review_status_write(kwargs.get("old"), kwargs.get("new"),
-                                              by_operator=_by_operator(userinfo),
+                                              by_operator=_by_operator(userinfo, memo),
                                               username=str(userinfo.get("username", "")))
         if problem:
             raise kopf.AdmissionError(problem, code=422)
 
     @kopf.on.mutate(c.GROUP, c.VERSION, c.PLURAL, id="mutate-flows-status", subresource="status",
                     operations=["UPDATE"], side_effects=False)
-    async def record_responder(*, userinfo: kopf.UserInfo, patch: kopf.Patch, **kwargs: Any) -> None:
-        if _by_operator(userinfo):
+    async def record_responder(*, userinfo: kopf.UserInfo, patch: kopf.Patch, memo: kopf.Memo,
+                               **kwargs: Any) -> None:
+        if _by_operator(userinfo, memo):
             return
         resp = webhook.inbox_response((kwargs.get("new") or {}).get("status"))
         if resp is not None and resp != webhook.inbox_response((kwargs.get("old") or {}).get("status")):
@@ -180,12 +205,15 @@ if SETTINGS.webhook_enabled:
 
 
 @kopf.on.cleanup()
-async def cleanup(**_: Any) -> None:
+async def cleanup(memo: kopf.Memo, **_: Any) -> None:
     await CONTROLLER.stop()
-    kube: Kube | None = _state.pop("kube", None)
+    runtime = _runtime(memo)
+    if runtime is None:
+        return
+    kube, runtime.kube = runtime.kube, None
     if kube is not None:
         await kube.close()
-    for name in ("metrics_runner", "state_runner"):
-        runner: web.AppRunner | None = _state.pop(name, None)
+    for runner in (runtime.metrics_runner, runtime.state_runner):
         if runner is not None:
             await runner.cleanup()
+    runtime.metrics_runner = runtime.state_runner = None

@@ -20,7 +20,7 @@ import kopf
 
 from flowkube_api import constants as c
 from flowkube_operator import selfmetrics
-from flowkube_operator.reconcile import orphaned_by_namesake
+from flowkube_operator.meta import orphaned_by_namesake
 
 Body = dict[str, Any]
 

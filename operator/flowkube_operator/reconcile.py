@@ -1,4 +1,4 @@
-"""The level-based reconcile of one Flow, as a pure function.
+"""The level-based reconcile of one Flow, as a pure function: the state machine.
 
 `plan()` looks at the Flow (spec and the status it wrote before), the runner pods that exist, and
 the report of a run that just ended; it returns the status the Flow should have and the few
@@ -8,6 +8,12 @@ restart, a missed watch event or a conflict it is simply called again and reache
 Durable intent comes first: a run is recorded in `status.runs[]` before its pod is created, under
 a deterministic pod name, so a crash between the two steps is repaired by creating that pod again
 (an "AlreadyExists" answer means it is already there).
+
+Read top to bottom: `plan()`, then the reconciler in the order it works (the active run, what comes
+next, the endings), then the arithmetic of runs. The conditions and message every plan ends with are
+in `conditions`; pod views, owner references and time formats in `meta`. All three are pure (an
+import-linter contract in pyproject.toml keeps kopf, aiohttp and the I/O modules out of them);
+`controller` reads the world and applies the plan.
 """
 
 from __future__ import annotations
@@ -17,9 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flowkube_api import constants as c
-from flowkube_api.constants import ConditionType, Phase, Reason, RunResult, Trigger
+from flowkube_api.constants import Phase, Reason, RunResult, Trigger
 from flowkube_api.models import (
-    Condition,
     FeedbackRecord,
     FeedbackRequest,
     FeedbackStatus,
@@ -29,6 +34,8 @@ from flowkube_api.models import (
     Run,
 )
 from flowkube_api.report import RunReport, Usage, excerpt
+from flowkube_operator.conditions import describe
+from flowkube_operator.meta import PodView, fmt, now_utc, parse
 from flowkube_operator.resources import definition_name
 
 Body = dict[str, Any]
@@ -39,74 +46,9 @@ PERMANENT_REASONS = frozenset({
     Reason.STATE_TOO_LARGE, Reason.BUDGET_EXCEEDED, Reason.DEADLINE_EXCEEDED,
 })
 
-
-def now_utc() -> dt.datetime:
-    return dt.datetime.now(dt.UTC).replace(microsecond=0)
-
-
-def fmt(t: dt.datetime) -> str:
-    return t.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def parse(t: str | None) -> dt.datetime | None:
-    return dt.datetime.fromisoformat(t.replace("Z", "+00:00")) if t else None
-
-
-def owner_uid(meta: Body) -> str:
-    return next((r.get("uid", "") for r in meta.get("ownerReferences") or [] if r.get("controller")), "")
-
-
-def orphaned_by_namesake(meta: Body, flow_name: str, flow_uid: str) -> bool:
-    """Is this object controlled by an earlier Flow of the same name? Names are unique, so that Flow
-    is gone and the object is garbage the garbage collector has not removed yet (or never will: when
-    a Flow is deleted and re-created during a break in its watch, its relist sees one update)."""
-    ref = next((r for r in meta.get("ownerReferences") or [] if r.get("controller")), None)
-    return (ref is not None and ref.get("kind") == c.KIND and str(ref.get("apiVersion")).split("/")[0] == c.GROUP
-            and ref.get("name") == flow_name and bool(ref.get("uid")) and ref.get("uid") != flow_uid)
-
-
-@dataclass(frozen=True)
-class PodView:
-    """What the reconcile needs to know of a runner pod."""
-
-    name: str
-    phase: str
-    created_at: str
-    deleting: bool = False
-    exit_code: int | None = None
-    reason: str | None = None
-    message: str | None = None
-    finished_at: str | None = None
-    resource_version: int = 0
-    owner_uid: str = ""  # the Flow this pod belongs to (a re-created Flow of the same name is another)
-    uid: str = ""
-
-    @property
-    def terminated(self) -> bool:
-        return self.phase in ("Succeeded", "Failed")
-
-    @classmethod
-    def from_pod(cls, pod: Body) -> PodView:
-        meta, status = pod.get("metadata") or {}, pod.get("status") or {}
-        exit_code = reason = message = finished = None
-        for cs in status.get("containerStatuses") or []:
-            term = (cs.get("state") or {}).get("terminated")
-            if term:
-                exit_code, reason = term.get("exitCode"), term.get("reason")
-                message, finished = term.get("message"), term.get("finishedAt")
-        return cls(
-            name=meta.get("name", ""),
-            phase=status.get("phase") or "Pending",
-            created_at=meta.get("creationTimestamp") or "",
-            deleting=bool(meta.get("deletionTimestamp")),
-            exit_code=exit_code,
-            reason=status.get("reason") or reason,
-            message=message or status.get("message"),
-            finished_at=finished,
-            resource_version=int(meta.get("resourceVersion") or 0),
-            owner_uid=owner_uid(meta),
-            uid=meta.get("uid") or "",
-        )
+# How long a pod stopped at the deadline gets to be gone before its run is ended anyway (a node that
+# is down never confirms the deletion). Pods are deleted with their default 30 s grace period.
+STOP_GRACE_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -138,52 +80,14 @@ class Plan:
         self.events.append(("Warning" if warning else "Normal", reason, message))
 
 
-def total_usage(runs: list[Run]) -> Usage:
-    total = Usage()
-    for r in runs:
-        if r.usage is not None:
-            total = total + r.usage
-    return total
+def plan(flow: Body, pods: dict[str, PodView], report: RunReport | None = None, *,
+         now: dt.datetime | None = None, backoff_cap: int = 3600, report_checked: bool = False) -> Plan:
+    """The status the Flow should have and the actions that make it so.
 
-
-# How long a pod stopped at the deadline gets to be gone before its run is ended anyway (a node that
-# is down never confirms the deletion). Pods are deleted with their default 30 s grace period.
-STOP_GRACE_SECONDS = 60.0
-
-
-def running_seconds(runs: list[Run], now: dt.datetime) -> float:
-    """Time runner pods existed: waiting for feedback or in retry backoff does not count."""
-    spent = 0.0
-    for r in runs:
-        start = parse(r.started_at)
-        if start is not None:
-            spent += ((parse(r.finished_at) or now) - start).total_seconds()
-    return spent
-
-
-def trailing_failures(runs: list[Run]) -> int:
-    n = 0
-    for r in reversed(runs):
-        if r.result != RunResult.FAILED:
-            break
-        n += 1
-    return n
-
-
-def backoff_seconds(spec: FlowSpec, failures: int, cap: int) -> float:
-    base = spec.retries.backoff_seconds if spec.retries else 10
-    return float(min(cap, base * (2 ** max(failures - 1, 0))))
-
-
-def validate_response(request: FeedbackRequest | None, text: str | None, request_id: str | None) -> str | None:
-    """Why a feedback response must be refused, or None when it is acceptable."""
-    if request is None:
-        return "no feedback request is pending"
-    if request_id and request_id != request.id:
-        return f"requestId {request_id!r} is not the pending request {request.id!r}"
-    if text is None or not text.strip():
-        return "response.text must be a non-empty string"
-    return None
+    `report` is the active run's report when the caller has read it (`report_checked`); a plan
+    that needs it to end a run says so with `need_report`, and changes nothing until then.
+    """
+    return _Reconciler(flow, pods, report, now or now_utc(), backoff_cap, report_checked).run()
 
 
 class _NeedReport(Exception):
@@ -515,111 +419,50 @@ class _Reconciler:
         st.feedback = self.fb if (self.fb.request or self.fb.history or self.fb.response) else None
         if st.phase is None:
             st.phase = Phase.PENDING
-        self._conditions()
-
-    def _conditions(self) -> None:
-        st = self.st
-        phase = st.phase
-        last = self.runs[-1] if self.runs else None
-        failure_reason, failure_msg = self.failure or (None, "")
-        if phase == Phase.FAILED and failure_reason is None:
-            failure_reason, failure_msg = self._previous_condition_reason(ConditionType.SUCCEEDED)
-        invalid = failure_reason in (Reason.INVALID_DEFINITION, Reason.INVALID_FLOW_REF, Reason.INVALID_INPUTS)
-        conds: list[tuple[ConditionType, str, str, str]] = []
-        if invalid:
-            conds.append((ConditionType.ACCEPTED, "False", str(failure_reason), failure_msg))
-        else:
-            conds.append((ConditionType.ACCEPTED, "True", Reason.ACCEPTED, "the flow was accepted"))
-
-        if phase == Phase.RUNNING:
-            conds.append((ConditionType.RUNNING, "True", Reason.RUN_STARTED, f"run {last.pod if last else ''}"))
-        elif phase == Phase.PENDING and failure_reason == Reason.RETRY_BACKOFF:
-            conds.append((ConditionType.RUNNING, "False", Reason.RETRY_BACKOFF, failure_msg))
-        elif phase == Phase.PENDING:
-            conds.append((ConditionType.RUNNING, "Unknown", Reason.RUN_PENDING,
-                          f"waiting for runner pod {last.pod}" if last else "waiting for a runner pod"))
-        elif phase == Phase.SUSPENDED:
-            conds.append((ConditionType.RUNNING, "False", Reason.SUSPENDED, "spec.suspend is true"))
-        elif phase == Phase.AWAITING_FEEDBACK:
-            conds.append((ConditionType.RUNNING, "False", Reason.RUN_PAUSED, "waiting for feedback"))
-        elif phase == Phase.SUCCEEDED:
-            conds.append((ConditionType.RUNNING, "False", Reason.RUN_SUCCEEDED, "the flow finished"))
-        else:
-            conds.append((ConditionType.RUNNING, "False", str(failure_reason or Reason.RUN_FAILED), failure_msg))
-
-        req = self.fb.request
-        if req is not None:
-            prev = self._previous(ConditionType.AWAITING_FEEDBACK)
-            if self.refusal:
-                msg = f"{self.refusal}; still waiting for request {req.id}. {req.method}: {req.message}"
-                conds.append((ConditionType.AWAITING_FEEDBACK, "True", Reason.FEEDBACK_REFUSED, excerpt(msg, 1024)))
-            elif (prev is not None and prev.status == "True" and prev.reason == Reason.FEEDBACK_REFUSED
-                  and f"request {req.id}." in prev.message):
-                # The refusal stays visible until the request is answered or replaced.
-                self.refusal = prev.message.split("; still waiting", 1)[0]
-                conds.append((ConditionType.AWAITING_FEEDBACK, "True", prev.reason, prev.message))
-            else:
-                conds.append((ConditionType.AWAITING_FEEDBACK, "True", Reason.FEEDBACK_REQUESTED,
-                              excerpt(f"{req.method}: {req.message}", 1024)))
-        elif self.refusal:
-            conds.append((ConditionType.AWAITING_FEEDBACK, "False", Reason.FEEDBACK_REFUSED, self.refusal))
-        else:
-            prev = self._previous(ConditionType.AWAITING_FEEDBACK)
-            if prev is not None and prev.status == "True" and self.fb.history:
-                h = self.fb.history[-1]
-                reason = Reason.FEEDBACK_TIMED_OUT if h.timed_out else Reason.FEEDBACK_RECEIVED
-                conds.append((ConditionType.AWAITING_FEEDBACK, "False", reason,
-                              f"request {h.request_id} answered"))
-            elif prev is not None and prev.reason != Reason.FEEDBACK_REFUSED:
-                conds.append((ConditionType.AWAITING_FEEDBACK, prev.status, prev.reason, prev.message))
-            else:
-                conds.append((ConditionType.AWAITING_FEEDBACK, "False", "NoRequest",
-                              "no feedback request is pending"))
-
-        if phase == Phase.SUCCEEDED:
-            conds.append((ConditionType.SUCCEEDED, "True", Reason.RUN_SUCCEEDED, "the flow finished"))
-        elif phase == Phase.FAILED:
-            conds.append((ConditionType.SUCCEEDED, "False", str(failure_reason), failure_msg))
-        else:
-            conds.append((ConditionType.SUCCEEDED, "Unknown", "NotFinished", f"phase {phase}"))
-
-        st.conditions = [self._condition(t, s, r, m) for t, s, r, m in conds]
-        if phase == Phase.FAILED:
-            st.message = failure_msg
-        elif phase == Phase.AWAITING_FEEDBACK and req is not None:
-            st.message = excerpt(self.refusal or f"awaiting feedback: {req.message or req.method}", 512)
-        elif phase == Phase.PENDING and failure_reason == Reason.RETRY_BACKOFF:
-            st.message = excerpt(failure_msg, 512)
-        elif phase == Phase.SUCCEEDED:
-            st.message = "finished"
-        elif phase == Phase.SUSPENDED:
-            st.message = "suspended"
-        elif phase == Phase.RUNNING and last is not None:
-            st.message = f"running {last.pod} ({last.trigger})"
-        elif self.refusal:
-            st.message = self.refusal
-        else:
-            st.message = st.message if phase == Phase.PENDING and st.message else "waiting for a runner pod"
-
-    def _previous(self, ctype: ConditionType) -> Condition | None:
-        return next((x for x in self.old.conditions or [] if x.type == ctype), None)
-
-    def _previous_condition_reason(self, ctype: ConditionType) -> tuple[str, str]:
-        prev = self._previous(ctype)
-        return (prev.reason, prev.message) if prev else (Reason.RUN_FAILED, self.st.message or "")
-
-    def _condition(self, ctype: ConditionType, status: str, reason: str, message: str) -> Condition:
-        prev = self._previous(ctype)
-        since = prev.last_transition_time if prev is not None and prev.status == status else fmt(self.now)
-        return Condition(type=ctype, status=status, reason=str(reason), message=excerpt(message, 1024),
-                         last_transition_time=since, observed_generation=self.meta.get("generation"))
+        describe(st, self.old, self.failure, self.refusal, generation=self.meta.get("generation"), now=self.now)
 
 
-def plan(flow: Body, pods: dict[str, PodView], report: RunReport | None = None, *,
-         now: dt.datetime | None = None, backoff_cap: int = 3600, report_checked: bool = False) -> Plan:
-    """The status the Flow should have and the actions that make it so.
+# -- the arithmetic of runs and answers ------------------------------------------------------------
 
-    `report` is the active run's report when the caller has read it (`report_checked`); a plan
-    that needs it to end a run says so with `need_report`, and changes nothing until then.
-    """
-    return _Reconciler(flow, pods, report, now or now_utc(), backoff_cap, report_checked).run()
+
+def total_usage(runs: list[Run]) -> Usage:
+    total = Usage()
+    for r in runs:
+        if r.usage is not None:
+            total = total + r.usage
+    return total
+
+
+def running_seconds(runs: list[Run], now: dt.datetime) -> float:
+    """Time runner pods existed: waiting for feedback or in retry backoff does not count."""
+    spent = 0.0
+    for r in runs:
+        start = parse(r.started_at)
+        if start is not None:
+            spent += ((parse(r.finished_at) or now) - start).total_seconds()
+    return spent
+
+
+def trailing_failures(runs: list[Run]) -> int:
+    n = 0
+    for r in reversed(runs):
+        if r.result != RunResult.FAILED:
+            break
+        n += 1
+    return n
+
+
+def backoff_seconds(spec: FlowSpec, failures: int, cap: int) -> float:
+    base = spec.retries.backoff_seconds if spec.retries else 10
+    return float(min(cap, base * (2 ** max(failures - 1, 0))))
+
+
+def validate_response(request: FeedbackRequest | None, text: str | None, request_id: str | None) -> str | None:
+    """Why a feedback response must be refused, or None when it is acceptable."""
+    if request is None:
+        return "no feedback request is pending"
+    if request_id and request_id != request.id:
+        return f"requestId {request_id!r} is not the pending request {request.id!r}"
+    if text is None or not text.strip():
+        return "response.text must be a non-empty string"
+    return None

@@ -133,8 +133,8 @@ def runner_pod(
         container["imagePullPolicy"] = settings.runner_image_pull_policy
     if spec.get("envFrom"):
         container["envFrom"] = spec["envFrom"]
-    if spec.get("resources"):
-        container["resources"] = spec["resources"]
+    if spec.get("resources") or settings.runner_default_resources:
+        container["resources"] = spec.get("resources") or settings.runner_default_resources
 
     annotations = dict(tmeta.get("annotations") or {})
     labels = {**(tmeta.get("labels") or {}), **_labels(flow, c.COMPONENT_RUNNER),

@@ -26,6 +26,10 @@ class Settings(BaseSettings):
         default_factory=dict,
         description="JSON object of env vars every runner pod gets (a Flow's own spec.env wins).",
     )
+    runner_default_resources: dict[str, dict[str, str]] = Field(
+        default_factory=dict,
+        description="JSON object: resources (requests/limits) of runner containers whose Flow sets no spec.resources.",
+    )
     runner_run_as_user: int = Field(default=65532, ge=1, description="UID of runner pods (non-root).")
     retry_backoff_cap_seconds: int = Field(default=3600, ge=1)
     workers: int = Field(default=8, ge=1, le=256, description="Flows reconciled concurrently.")

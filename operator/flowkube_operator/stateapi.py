@@ -30,7 +30,7 @@ from aiohttp import web
 from flowkube_api import constants as c
 from flowkube_operator import resources, selfmetrics
 from flowkube_operator.kube import ApiError, Kube, delete_namesake_garbage, flow_path, ns_path
-from flowkube_operator.reconcile import owner_uid
+from flowkube_operator.meta import owner_uid
 
 Body = dict[str, Any]
 log = logging.getLogger("flowkube.state")

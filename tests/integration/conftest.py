@@ -38,7 +38,10 @@ def watched_pods(cluster: LocalCluster, namespace: str, selector: str) -> Iterat
         out, _ = watch.communicate(timeout=10)
         decoder, i = json.JSONDecoder(), 0
         while (i := len(out) - len(out[i:].lstrip())) < len(out):
-            obj, i = decoder.raw_decode(out, i)
+            try:
+                obj, i = decoder.raw_decode(out, i)
+            except json.JSONDecodeError:
+                break  # the object kubectl was writing when it was stopped
             seen.append(obj)
 
 

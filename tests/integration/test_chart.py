@@ -21,6 +21,7 @@ import yaml
 from flowkube_api import constants as c
 from flowkube_devstack import build, chart
 from flowkube_devstack.cluster import LocalCluster, wait_for
+from flowkube_devstack.operator import adopt_crd
 from tests.integration.conftest import scripted_operator
 
 CHART = chart.CHART_DIR
@@ -197,15 +198,6 @@ def test_webhooks_gate_spec_and_feedback_as_documented(cluster: LocalCluster, he
         cluster.kubectl("delete", "flow", "--all", "-n", namespace, "--wait=false", check=False)
 
 
-def _adopt_existing_crd(cluster: LocalCluster, release: str, namespace: str) -> None:
-    """Helm refuses to take over objects it did not create unless they are marked as the release's."""
-    if cluster.kubectl("get", "crd", CRD_NAME, check=False).returncode != 0:
-        return
-    cluster.kubectl("label", "crd", CRD_NAME, "--overwrite", "app.kubernetes.io/managed-by=Helm")
-    cluster.kubectl("annotate", "crd", CRD_NAME, "--overwrite", f"meta.helm.sh/release-name={release}",
-                    f"meta.helm.sh/release-namespace={namespace}")
-
-
 def status(helm: Path, cluster: LocalCluster, release: str, namespace: str) -> Obj:
     out = run_helm(helm, cluster, "status", release, "-n", namespace, "-o", "json").stdout
     data: Obj = json.loads(out)
@@ -215,7 +207,7 @@ def status(helm: Path, cluster: LocalCluster, release: str, namespace: str) -> O
 @pytest.fixture
 def installed(cluster: LocalCluster, helm: Path, restricted_namespace: str) -> Iterator[tuple[str, str]]:
     ns, release = restricted_namespace, release_name()
-    _adopt_existing_crd(cluster, release, ns)
+    adopt_crd(cluster, release, ns)
     # No --wait: the operator's image cannot run here, only the objects are checked.
     run_helm(helm, cluster, "install", release, str(CHART), "-n", ns,
              "--set", f"watchNamespaces={{{ns}}}", "--set", "dashboards.enabled=true")
@@ -304,7 +296,6 @@ def test_helm_installed_operator_runs_a_flow_in_a_restricted_namespace(
     Security Standard (so do its runner pods). A Flow goes through feedback to Succeeded, answered by a
     feedback-responder; the operator's log shows no request refused by RBAC. Only the runner is scripted."""
     namespace, release = restricted_namespace, release_name()
-    _adopt_existing_crd(cluster, release, namespace)
     op = scripted_operator(cluster, release=release, namespace=namespace,
                            values=[f"watchNamespaces={{{namespace}}}"])
     full = op.fullname

@@ -497,7 +497,7 @@ def test_kind_e2e_script_is_shellcheck_clean() -> None:
 
 
 @pytest.mark.skipif(shutil.which("hadolint") is None, reason="hadolint is not installed")
-@pytest.mark.parametrize("dockerfile", ["operator/Dockerfile", "runner/Dockerfile",
+@pytest.mark.parametrize("dockerfile", ["operator/Dockerfile", "runner/Dockerfile", "devstack/Dockerfile",
                                         "examples/runner-image/Dockerfile"])
 def test_dockerfiles_are_hadolint_clean(dockerfile: str) -> None:
     proc = subprocess.run(["hadolint", str(REPO / dockerfile)], capture_output=True, text=True)

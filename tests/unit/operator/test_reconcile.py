@@ -7,7 +7,8 @@ from typing import Any
 
 from flowkube_api.constants import Phase, Reason, RunResult, Trigger
 from flowkube_api.report import FeedbackRequest, RunReport, TokenUsage, Usage
-from flowkube_operator.reconcile import Plan, PodView, fmt, plan
+from flowkube_operator.meta import PodView, fmt
+from flowkube_operator.reconcile import Plan, plan
 
 T0 = dt.datetime(2026, 11, 22, 12, 0, 0, tzinfo=dt.UTC)
 

@@ -1,0 +1,92 @@
+"""What the operator reads off Kubernetes objects, and the time format of status fields.
+
+Pure: plain dicts in, plain values out. The reconcile (`reconcile.plan`) and the I/O edges (`kube`,
+`stateapi`, `controller`) share these, so none of the edges needs the state machine for them.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+from typing import Any
+
+from flowkube_api import constants as c
+
+Body = dict[str, Any]
+
+# -- times: status fields hold RFC 3339 UTC to the second, as Kubernetes writes its own ----------------
+
+
+def now_utc() -> dt.datetime:
+    return dt.datetime.now(dt.UTC).replace(microsecond=0)
+
+
+def fmt(t: dt.datetime) -> str:
+    return t.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse(t: str | None) -> dt.datetime | None:
+    return dt.datetime.fromisoformat(t.replace("Z", "+00:00")) if t else None
+
+
+# -- owners -----------------------------------------------------------------------------------------
+
+
+def owner_uid(meta: Body) -> str:
+    return next((r.get("uid", "") for r in meta.get("ownerReferences") or [] if r.get("controller")), "")
+
+
+def orphaned_by_namesake(meta: Body, flow_name: str, flow_uid: str) -> bool:
+    """Is this object controlled by an earlier Flow of the same name? Names are unique, so that Flow
+    is gone and the object is garbage the garbage collector has not removed yet (or never will: when
+    a Flow is deleted and re-created during a break in its watch, its relist sees one update)."""
+    ref = next((r for r in meta.get("ownerReferences") or [] if r.get("controller")), None)
+    return (ref is not None and ref.get("kind") == c.KIND and str(ref.get("apiVersion")).split("/")[0] == c.GROUP
+            and ref.get("name") == flow_name and bool(ref.get("uid")) and ref.get("uid") != flow_uid)
+
+
+# -- runner pods ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PodView:
+    """What the reconcile needs to know of a runner pod."""
+
+    name: str
+    phase: str
+    created_at: str
+    deleting: bool = False
+    exit_code: int | None = None
+    reason: str | None = None
+    message: str | None = None
+    finished_at: str | None = None
+    resource_version: int = 0
+    owner_uid: str = ""  # the Flow this pod belongs to (a re-created Flow of the same name is another)
+    uid: str = ""
+
+    @property
+    def terminated(self) -> bool:
+        return self.phase in ("Succeeded", "Failed")
+
+    @classmethod
+    def from_pod(cls, pod: Body) -> PodView:
+        meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+        exit_code = reason = message = finished = None
+        for cs in status.get("containerStatuses") or []:
+            term = (cs.get("state") or {}).get("terminated")
+            if term:
+                exit_code, reason = term.get("exitCode"), term.get("reason")
+                message, finished = term.get("message"), term.get("finishedAt")
+        return cls(
+            name=meta.get("name", ""),
+            phase=status.get("phase") or "Pending",
+            created_at=meta.get("creationTimestamp") or "",
+            deleting=bool(meta.get("deletionTimestamp")),
+            exit_code=exit_code,
+            reason=status.get("reason") or reason,
+            message=message or status.get("message"),
+            finished_at=finished,
+            resource_version=int(meta.get("resourceVersion") or 0),
+            owner_uid=owner_uid(meta),
+            uid=meta.get("uid") or "",
+        )
