@@ -82,7 +82,20 @@ def install_chart_for_local_operator(cluster: LocalCluster, webhook_port: int) -
     return token_kubeconfig(cluster, SYSTEM_NAMESPACE, SERVICE_ACCOUNT, cluster.root / "operator.kubeconfig")
 
 
-class OperatorProcess:
+class _Operator:
+    """What tests read of an operator, wherever it runs: its /metrics."""
+
+    @property
+    def metrics_target(self) -> str:
+        raise NotImplementedError
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://{self.metrics_target}/metrics", timeout=10) as r:
+            text: str = r.read().decode()
+            return text
+
+
+class OperatorProcess(_Operator):
     def __init__(self, cluster: LocalCluster, *, name: str = "operator",
                  env: Mapping[str, str] | None = None) -> None:
         self.cluster = cluster
@@ -148,11 +161,6 @@ class OperatorProcess:
                 return False
         return True
 
-    def metrics(self) -> str:
-        with urllib.request.urlopen(f"http://{self.metrics_target}/metrics", timeout=10) as r:
-            text: str = r.read().decode()
-            return text
-
     @property
     def metrics_target(self) -> str:
         return f"{self.cluster.host_ip}:{self.metrics_port}"
@@ -196,7 +204,7 @@ def adopt_crd(cluster: LocalCluster, release: str, namespace: str) -> None:
                     f"meta.helm.sh/release-namespace={namespace}")
 
 
-class ChartOperator:
+class ChartOperator(_Operator):
     """The operator as users run it: ``helm install`` of the chart, the operator a pod of its image.
 
     ``runner_image``/``runner_command`` select what runner pods run (the runner image by default;
@@ -333,11 +341,6 @@ class ChartOperator:
     def metrics_target(self) -> str:
         """host:port of the chart's metrics Service, what a Prometheus in the cluster scrapes."""
         return f"{self._service_ip(f'{self.fullname}-metrics')}:9090"
-
-    def metrics(self) -> str:
-        with urllib.request.urlopen(f"http://{self.metrics_target}/metrics", timeout=10) as r:
-            text: str = r.read().decode()
-            return text
 
     @property
     def state_url(self) -> str:

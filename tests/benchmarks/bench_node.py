@@ -25,7 +25,7 @@ from flowkube_devstack.cluster import LocalCluster, wait_for
 from flowkube_devstack.kubenode import CGROUP_FS
 from flowkube_devstack.operator import ChartOperator
 from flowkube_devstack.stubmodel import Rules, StubModel
-from tests.integration.conftest import watched_pods
+from tests.integration.conftest import terminated_states, watched_pods
 
 NS = "bench-node"
 MODEL = "gpt-4o-mini"
@@ -68,12 +68,11 @@ def import_floor(cluster: LocalCluster) -> float:
            "spec": {"restartPolicy": "Never", "containers": [{
                "name": "c", "image": cluster.images.runner, "imagePullPolicy": "Never",
                "command": ["python", "-c", script], "env": [{"name": "HOME", "value": "/tmp"}]}]}}
-    with watched_pods(cluster, NS, "bench=floor") as seen:
+    with watched_pods(cluster, NS, "bench=floor") as watch:
         cluster.kubectl("apply", "-n", NS, "-f", "-", input=json.dumps(pod))
         created = time.time()
-        cluster.kubectl("wait", "-n", NS, "pod/floor", "--for=jsonpath={.status.phase}=Succeeded", "--timeout=300s")
-    done = max(float(cs["state"]["terminated"]["message"]) for p in seen
-               for cs in p.get("status", {}).get("containerStatuses", []) if "terminated" in cs.get("state", {}))
+        watch.wait(lambda pods: bool(terminated_states(pods)), 300, "the import floor pod to finish")
+        done = float(terminated_states(watch.seen)[-1]["message"])
     return done - created
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import subprocess
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -23,26 +24,56 @@ def scripted_operator(cluster: LocalCluster, **kwargs: Any) -> ChartOperator:
                          **kwargs)
 
 
-@contextlib.contextmanager
-def watched_pods(cluster: LocalCluster, namespace: str, selector: str) -> Iterator[list[dict[str, Any]]]:
-    """Every version of the matching pods the API server shows while the block runs (filled in when it
-    ends): what the kubelet reported of a pod before it was deleted, termination messages included."""
-    seen: list[dict[str, Any]] = []
-    watch = subprocess.Popen([str(cluster.bins["kubectl"]), "--kubeconfig", str(cluster.kubeconfig), "get", "pods",
-                              "-n", namespace, "-l", selector, "--watch", "-o", "json"],
-                             stdout=subprocess.PIPE, text=True)
-    try:
-        yield seen
-    finally:
-        watch.terminate()
-        out, _ = watch.communicate(timeout=10)
-        decoder, i = json.JSONDecoder(), 0
-        while (i := len(out) - len(out[i:].lstrip())) < len(out):
+class PodWatch:
+    """Every version of the matching pods the API server shows, as `kubectl get --watch` prints them:
+    what the kubelet reported of a pod before it was deleted, termination messages included."""
+
+    def __init__(self, cluster: LocalCluster, namespace: str, selector: str) -> None:
+        self.seen: list[dict[str, Any]] = []
+        self._changed = threading.Condition()
+        self._proc = subprocess.Popen(
+            [str(cluster.bins["kubectl"]), "--kubeconfig", str(cluster.kubeconfig), "get", "pods", "-n", namespace,
+             "-l", selector, "--watch", "-o", "json"], stdout=subprocess.PIPE, text=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self._proc.stdout is not None
+        decoder, buffer = json.JSONDecoder(), ""
+        for line in self._proc.stdout:
+            buffer += line
             try:
-                obj, i = decoder.raw_decode(out, i)
+                obj, end = decoder.raw_decode(buffer.lstrip())
             except json.JSONDecodeError:
-                break  # the object kubectl was writing when it was stopped
-            seen.append(obj)
+                continue  # the object is not whole yet
+            buffer = buffer.lstrip()[end:]
+            with self._changed:
+                self.seen.append(obj)
+                self._changed.notify_all()
+
+    def wait(self, predicate: Callable[[list[dict[str, Any]]], bool], timeout: float, what: str) -> None:
+        with self._changed:
+            if not self._changed.wait_for(lambda: predicate(self.seen), timeout=timeout):
+                raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+    def stop(self) -> None:
+        self._proc.terminate()
+        self._proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def watched_pods(cluster: LocalCluster, namespace: str, selector: str) -> Iterator[PodWatch]:
+    watch = PodWatch(cluster, namespace, selector)
+    try:
+        yield watch
+    finally:
+        watch.stop()
+
+
+def terminated_states(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The `terminated` container states among pod versions, oldest first."""
+    return [cs["state"]["terminated"] for pod in pods for cs in pod.get("status", {}).get("containerStatuses", [])
+            if "terminated" in cs.get("state", {})]
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 
 from flowkube_devstack.cluster import LocalCluster, wait_for
 from flowkube_devstack.operator import ChartOperator
-from tests.integration.conftest import Flows, watched_pods
+from tests.integration.conftest import Flows, terminated_states, watched_pods
 
 pytestmark = pytest.mark.usefixtures("operator")
 
@@ -78,18 +78,16 @@ def test_active_deadline_stops_the_flow_and_counts_every_token_it_reported(
     # it is told to stop, then says how many it made in all and before the stop (its termination
     # message). The run ends only once the pod is gone, so every call is in the status, also those
     # completed after SIGTERM, not just those reported when the deadline passed.
-    with watched_pods(cluster, flows.ns, "flowkube.io/flow=slow") as seen:
+    with watched_pods(cluster, flows.ns, "flowkube.io/flow=slow") as watch:
         flows.apply("slow", {"flowRef": "a:B", "activeDeadlineSeconds": 2, "retries": {"limit": 3}, "inputs": {
             "plan": [{"sleep": 120, "interim": 0.1, "finish_on_term": 1}]}})
         flows.wait_phase("slow", "Running")
         st = flows.wait_phase("slow", "Failed", timeout=60)
+        # The last state the kubelet reported of the runner container, before the pod went away.
+        watch.wait(lambda pods: bool(terminated_states(pods)), 30, "the runner container reported terminated")
+        messages = [t.get("message", "") for t in terminated_states(watch.seen)]
     assert cond(st, "Succeeded")["reason"] == "DeadlineExceeded"
     assert len(st["runs"]) == 1
-    # The last state the kubelet reported of the runner container, before the pod went away.
-    messages = [cs["state"]["terminated"].get("message", "")
-                for pod in seen for cs in pod.get("status", {}).get("containerStatuses", [])
-                if "terminated" in cs.get("state", {})]
-    assert messages, "the kubelet never reported the runner container terminated"
     fields = dict(kv.split("=") for kv in messages[-1].split())
     made, at_term = int(fields["calls"]), int(fields["at_term"])
     # Calls completed after SIGTERM exist, and every call, before and after, is counted once.

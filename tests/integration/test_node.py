@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from flowkube_devstack.cluster import LocalCluster, wait_for
-from tests.integration.conftest import watched_pods
+from tests.integration.conftest import terminated_states, watched_pods
 
 pytestmark = pytest.mark.controlplane
 
@@ -135,13 +135,13 @@ def test_a_memory_limit_is_enforced(cluster: LocalCluster, namespace: str) -> No
 
 def test_deleting_a_running_pod_sends_sigterm_and_waits_for_it(cluster: LocalCluster, namespace: str) -> None:
     script = 'trap "echo got-TERM > /dev/termination-log; exit 0" TERM; while true; do sleep 0.1; done'
-    with watched_pods(cluster, namespace, "app=victim") as seen:
+    with watched_pods(cluster, namespace, "app=victim") as watch:
         _create(cluster, namespace, _pod(cluster, "victim", script))
         _wait_phase(cluster, namespace, "victim", "Running")
         cluster.kubectl("delete", "pod", "victim", "-n", namespace, "--wait=true", "--timeout=60s")
-    terminated = [cs["state"]["terminated"] for pod in seen for cs in pod.get("status", {}).get("containerStatuses", [])
-                  if "terminated" in cs.get("state", {})]
-    assert terminated and terminated[-1].get("message") == "got-TERM\n" and terminated[-1]["exitCode"] == 0
+        watch.wait(lambda pods: bool(terminated_states(pods)), 30, "the container reported terminated")
+        terminated = terminated_states(watch.seen)
+    assert terminated[-1].get("message") == "got-TERM\n" and terminated[-1]["exitCode"] == 0
 
 
 @pytest.mark.slow
