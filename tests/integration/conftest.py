@@ -25,15 +25,17 @@ def scripted_operator(cluster: LocalCluster, **kwargs: Any) -> ChartOperator:
 
 
 class PodWatch:
-    """Every version of the matching pods the API server shows, as `kubectl get --watch` prints them:
-    what the kubelet reported of a pod before it was deleted, termination messages included."""
+    """Every version of the matching objects (pods, unless told otherwise) the API server shows, as
+    `kubectl get --watch` prints them: what the kubelet reported of a pod before it was deleted,
+    termination messages included; a Flow's phases before the TTL deleted it."""
 
-    def __init__(self, cluster: LocalCluster, namespace: str, selector: str) -> None:
+    def __init__(self, cluster: LocalCluster, namespace: str, selector: str, resource: str = "pods") -> None:
         self.seen: list[dict[str, Any]] = []
         self._changed = threading.Condition()
         self._proc = subprocess.Popen(
-            [str(cluster.bins["kubectl"]), "--kubeconfig", str(cluster.kubeconfig), "get", "pods", "-n", namespace,
-             "-l", selector, "--watch", "-o", "json"], stdout=subprocess.PIPE, text=True)
+            [str(cluster.bins["kubectl"]), "--kubeconfig", str(cluster.kubeconfig), "get", resource, "-n", namespace,
+             "--selector" if "=" in selector and not selector.startswith("metadata.") else "--field-selector",
+             selector, "--watch", "-o", "json"], stdout=subprocess.PIPE, text=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -62,8 +64,9 @@ class PodWatch:
 
 
 @contextlib.contextmanager
-def watched_pods(cluster: LocalCluster, namespace: str, selector: str) -> Iterator[PodWatch]:
-    watch = PodWatch(cluster, namespace, selector)
+def watched_pods(cluster: LocalCluster, namespace: str, selector: str,
+                 resource: str = "pods") -> Iterator[PodWatch]:
+    watch = PodWatch(cluster, namespace, selector, resource)
     try:
         yield watch
     finally:

@@ -103,9 +103,12 @@ def test_suspend_and_unsuspend(flows: Flows, cluster: LocalCluster) -> None:
 
 
 def test_ttl_deletes_the_finished_flow_and_its_pods(flows: Flows) -> None:
-    flows.apply("short-lived", {"flowRef": "a:B", "ttlSecondsAfterFinished": 1})
-    flows.wait_phase("short-lived", "Succeeded")
-    wait_for(lambda: flows.get("short-lived") is None, 30, "the TTL to delete the flow")
+    # Watched, not polled: a busy machine's kubectl can miss the second the Flow spends Succeeded.
+    with watched_pods(flows.cluster, flows.ns, "metadata.name=short-lived", "flows") as watch:
+        flows.apply("short-lived", {"flowRef": "a:B", "ttlSecondsAfterFinished": 1})
+        watch.wait(lambda seen: any((f.get("status") or {}).get("phase") == "Succeeded" for f in seen), 60,
+                   "the flow to succeed")
+        wait_for(lambda: flows.get("short-lived") is None, 30, "the TTL to delete the flow")
     wait_for(lambda: flows.pods("short-lived") == [], 60, "its pods to be garbage-collected")
 
 
