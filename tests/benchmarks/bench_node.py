@@ -68,7 +68,7 @@ def import_floor(cluster: LocalCluster) -> float:
            "spec": {"restartPolicy": "Never", "containers": [{
                "name": "c", "image": cluster.images.runner, "imagePullPolicy": "Never",
                "command": ["python", "-c", script], "env": [{"name": "HOME", "value": "/tmp"}]}]}}
-    with watched_pods(cluster, NS, "bench=floor") as watch:
+    with watched_pods(cluster, NS, "-l", "bench=floor") as watch:
         cluster.kubectl("apply", "-n", NS, "-f", "-", input=json.dumps(pod))
         created = time.time()
         watch.wait(lambda pods: bool(terminated_states(pods)), 300, "the import floor pod to finish")

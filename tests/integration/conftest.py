@@ -6,7 +6,7 @@ import contextlib
 import json
 import subprocess
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -29,13 +29,12 @@ class PodWatch:
     `kubectl get --watch` prints them: what the kubelet reported of a pod before it was deleted,
     termination messages included; a Flow's phases before the TTL deleted it."""
 
-    def __init__(self, cluster: LocalCluster, namespace: str, selector: str, resource: str = "pods") -> None:
+    def __init__(self, cluster: LocalCluster, namespace: str, selector: Sequence[str], resource: str) -> None:
         self.seen: list[dict[str, Any]] = []
         self._changed = threading.Condition()
         self._proc = subprocess.Popen(
             [str(cluster.bins["kubectl"]), "--kubeconfig", str(cluster.kubeconfig), "get", resource, "-n", namespace,
-             "--selector" if "=" in selector and not selector.startswith("metadata.") else "--field-selector",
-             selector, "--watch", "-o", "json"], stdout=subprocess.PIPE, text=True)
+             *selector, "--watch", "-o", "json"], stdout=subprocess.PIPE, text=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -64,8 +63,8 @@ class PodWatch:
 
 
 @contextlib.contextmanager
-def watched_pods(cluster: LocalCluster, namespace: str, selector: str,
-                 resource: str = "pods") -> Iterator[PodWatch]:
+def watched_pods(cluster: LocalCluster, namespace: str, *selector: str, resource: str = "pods") -> Iterator[PodWatch]:
+    """``selector``: kubectl's own arguments, ``-l LABELS`` or ``--field-selector FIELDS``."""
     watch = PodWatch(cluster, namespace, selector, resource)
     try:
         yield watch

@@ -78,7 +78,7 @@ def test_active_deadline_stops_the_flow_and_counts_every_token_it_reported(
     # it is told to stop, then says how many it made in all and before the stop (its termination
     # message). The run ends only once the pod is gone, so every call is in the status, also those
     # completed after SIGTERM, not just those reported when the deadline passed.
-    with watched_pods(cluster, flows.ns, "flowkube.io/flow=slow") as watch:
+    with watched_pods(cluster, flows.ns, "-l", "flowkube.io/flow=slow") as watch:
         flows.apply("slow", {"flowRef": "a:B", "activeDeadlineSeconds": 2, "retries": {"limit": 3}, "inputs": {
             "plan": [{"sleep": 120, "interim": 0.1, "finish_on_term": 1}]}})
         flows.wait_phase("slow", "Running")
@@ -104,7 +104,8 @@ def test_suspend_and_unsuspend(flows: Flows, cluster: LocalCluster) -> None:
 
 def test_ttl_deletes_the_finished_flow_and_its_pods(flows: Flows) -> None:
     # Watched, not polled: a busy machine's kubectl can miss the second the Flow spends Succeeded.
-    with watched_pods(flows.cluster, flows.ns, "metadata.name=short-lived", "flows") as watch:
+    with watched_pods(flows.cluster, flows.ns, "--field-selector", "metadata.name=short-lived",
+                      resource="flows") as watch:
         flows.apply("short-lived", {"flowRef": "a:B", "ttlSecondsAfterFinished": 1})
         watch.wait(lambda seen: any((f.get("status") or {}).get("phase") == "Succeeded" for f in seen), 60,
                    "the flow to succeed")

@@ -135,7 +135,7 @@ def test_a_memory_limit_is_enforced(cluster: LocalCluster, namespace: str) -> No
 
 def test_deleting_a_running_pod_sends_sigterm_and_waits_for_it(cluster: LocalCluster, namespace: str) -> None:
     script = 'trap "echo got-TERM > /dev/termination-log; exit 0" TERM; while true; do sleep 0.1; done'
-    with watched_pods(cluster, namespace, "app=victim") as watch:
+    with watched_pods(cluster, namespace, "-l", "app=victim") as watch:
         _create(cluster, namespace, _pod(cluster, "victim", script))
         _wait_phase(cluster, namespace, "victim", "Running")
         cluster.kubectl("delete", "pod", "victim", "-n", namespace, "--wait=true", "--timeout=60s")
