@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from flowkube_devstack import procs
+from flowkube_devstack import kubenode, procs
 from flowkube_devstack.cluster import wait_for
 
 SCRIPT = """
@@ -36,3 +36,6 @@ def test_a_killed_parent_leaves_no_control_plane_processes(tmp_path: Path) -> No
     parent.wait()
     wait_for(lambda: not any(procs.alive(p) for p in pids.values()), 30,
              "every control-plane process to die with its parent")
+    # The node's mounts (pod volumes) outlive it until the next start on its slot reaps them; undo
+    # them here so pytest can remove the test's directory.
+    kubenode.unmount_under(tmp_path)

@@ -107,9 +107,17 @@ def test_pods_reach_a_service_by_name_and_the_api_server_by_its_service(cluster:
     # CoreDNS resolves the Service's name, kube-proxy forwards its ClusterIP to the pod; the API
     # server answers at the `kubernetes` Service with the pod's own ServiceAccount identity.
     script = (
-        "import json, ssl, urllib.request, urllib.error\n"
+        # A new Service reaches CoreDNS and kube-proxy's rules a moment after it is created, as in
+        # any cluster: the client retries until its deadline, as a real client would.
+        "import json, ssl, time, urllib.request, urllib.error\n"
         f"url = 'http://web.{namespace}.svc.cluster.local/'\n"
-        "print(urllib.request.urlopen(url, timeout=10).read().decode().strip())\n"
+        "deadline = time.monotonic() + 30\n"
+        "while True:\n"
+        "    try:\n        body = urllib.request.urlopen(url, timeout=5).read(); break\n"
+        "    except OSError:\n"
+        "        if time.monotonic() > deadline: raise\n"
+        "        time.sleep(0.2)\n"
+        "print(body.decode().strip())\n"
         "sa = '/var/run/secrets/kubernetes.io/serviceaccount/'\n"
         "ctx = ssl.create_default_context(cafile=sa + 'ca.crt')\n"
         "req = urllib.request.Request('https://kubernetes.default.svc/api/v1/nodes',"
@@ -120,7 +128,7 @@ def test_pods_reach_a_service_by_name_and_the_api_server_by_its_service(cluster:
     _create(cluster, namespace, _pod(cluster, "client", "", container={"command": ["python", "-c", script]}))
     pod = _wait_phase(cluster, namespace, "client", "Succeeded", "Failed")
     out = cluster.kubectl("logs", "-n", namespace, "client").stdout.splitlines()
-    assert pod["status"]["phase"] == "Succeeded", out
+    assert pod["status"]["phase"] == "Succeeded", "\n".join(out)
     assert out[0] == "hello"
     assert out[1].startswith("403 ") and f"system:serviceaccount:{namespace}:default" in out[1], out
 
