@@ -18,7 +18,7 @@ import yaml
 from flowkube_api import constants as c
 from flowkube_api.models import FlowSpec, FlowStatus
 
-CRD_FILE = Path(__file__).resolve().parent.parent / f"{c.GROUP}_{c.PLURAL}.yaml"
+CRD_FILE = Path(__file__).resolve().parents[2] / "crds" / f"{c.GROUP}_{c.PLURAL}.yaml"
 
 _DROP = {"title", "default"}  # defaults are applied by the operator, not stored by the API server
 
