@@ -1,6 +1,6 @@
 """The Flow resource (flowkube.io/v1alpha1) as pydantic models: the single source of the CRD schema.
 
-Field names follow ../shared/API.md. Pod-shaped fields (env, envFrom, tolerations, affinity, ...)
+Field names follow the contract in docs/api.md. Pod-shaped fields (env, envFrom, tolerations, affinity, ...)
 keep Kubernetes' own shapes and are validated by the API server again when the runner pod is created.
 """
 
@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue
-from pydantic.alias_generators import to_camel
+from pydantic import ConfigDict, Field, JsonValue
 
+from flowkube_api.base import Model, Time
 from flowkube_api.constants import ConditionType, Phase, RunResult, Trigger
-from flowkube_api.report import TokenUsage, Usage
+from flowkube_api.report import FeedbackRequest, TokenUsage, Usage
 
 _DOTTED = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
 FLOW_REF_PATTERN = f"^{_DOTTED}:{_DOTTED}$"
@@ -30,14 +30,6 @@ def cel(rule: str, message: str, field_path: str | None = None) -> dict[str, Jso
     if field_path:
         r["fieldPath"] = field_path
     return r
-
-
-class Model(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
-
-    def dump(self) -> dict[str, Any]:
-        """JSON-ready dict with the API's camelCase names, unset fields left out."""
-        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
 
 
 # ---------------------------------------------------------------------------------------------- spec
@@ -142,15 +134,15 @@ class Condition(Model):
     status: str = Field(pattern="^(True|False|Unknown)$")
     reason: str
     message: str = ""
-    last_transition_time: str
+    last_transition_time: Time
     observed_generation: int | None = None
 
 
 class Run(Model):
     pod: str
     trigger: Trigger
-    started_at: str | None = None
-    finished_at: str | None = None
+    started_at: Time | None = None
+    finished_at: Time | None = None
     result: RunResult | None = None
     exit_code: int | None = None
     reason: str | None = None
@@ -158,15 +150,10 @@ class Run(Model):
     usage: Usage | None = None
 
 
-class FeedbackRequest(Model):
-    id: str
-    method: str
-    message: str = ""
-    emit: list[str] | None = None
-    default_outcome: str | None = None
-    output: str | None = None
-    requested_at: str | None = None
-    deadline: str | None = None
+class PendingFeedback(FeedbackRequest):
+    """``status.feedback.request``: the runner's request plus the deadline the operator set."""
+
+    deadline: Time | None = None
 
 
 class FeedbackResponse(Model):
@@ -184,14 +171,14 @@ class FeedbackRecord(Model):
     method: str
     response: str | None = None
     outcome: str | None = None
-    requested_at: str | None = None
-    responded_at: str | None = None
+    requested_at: Time | None = None
+    responded_at: Time | None = None
     responded_by: str | None = None
     timed_out: bool = False
 
 
 class FeedbackStatus(Model):
-    request: FeedbackRequest | None = None
+    request: PendingFeedback | None = None
     response: FeedbackResponse | None = None
     history: list[FeedbackRecord] | None = None
 
@@ -204,8 +191,8 @@ class FlowStatus(Model):
     phase: Phase | None = None
     conditions: list[Condition] | None = None
     observed_generation: int | None = None
-    started_at: str | None = None
-    finished_at: str | None = None
+    started_at: Time | None = None
+    finished_at: Time | None = None
     message: str | None = None
     definition: str | None = Field(default=None, description="The flow's own name (printer column).")
     flow_id: str | None = None
@@ -235,6 +222,7 @@ __all__ = [
     "FlowSpec",
     "FlowStatus",
     "Model",
+    "PendingFeedback",
     "PodTemplate",
     "ResourceRequirements",
     "Result",

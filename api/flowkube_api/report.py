@@ -6,7 +6,7 @@ While the run is going, that key holds an interim report (``Failed``/``RunInterr
 tokens counted so far, refreshed after every model call), so a runner killed without warning still
 leaves its tokens behind; the final report replaces it.
 The operator is the only writer of Flow status; it folds reports into ``status.runs[]``,
-``status.usage``, ``status.feedback`` and ``status.result``. Field names match API.md.
+``status.usage``, ``status.feedback`` and ``status.result``. Field names match docs/api.md.
 
 Pydantic only: this module is imported by both sides and must not pull in crewAI.
 """
@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import gzip
 import json
-from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-from pydantic.alias_generators import to_camel
+from pydantic import Field
 
+from flowkube_api.base import Model, Time
 from flowkube_api.constants import EXCERPT_LIMIT, Reason, RunResult, Trigger
 
 TERMINATION_MESSAGE_LIMIT = 4096  # kubelet truncates the termination message beyond this
@@ -35,11 +34,7 @@ def excerpt(text: str, limit: int = EXCERPT_LIMIT) -> str:
     return raw[:limit].decode("utf-8", errors="ignore")
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
-
-
-class TokenUsage(_Model):
+class TokenUsage(Model):
     """Token counters of one model, or the totals of a run/flow (``status.usage`` fields)."""
 
     total_tokens: int = 0
@@ -76,19 +71,19 @@ class Usage(TokenUsage):
         return TokenUsage(**{name: getattr(self, name) for name in TokenUsage.model_fields})
 
 
-class FeedbackRequest(_Model):
-    """A pending human-feedback request (``status.feedback.request`` minus operator-owned times)."""
+class FeedbackRequest(Model):
+    """A human-feedback request as the runner reports it; ``status.feedback.request`` adds its deadline."""
 
     id: str
     method: str
     message: str = ""
     emit: list[str] | None = None
     default_outcome: str | None = None
-    output: str = Field(default="", description=f"excerpt, at most {EXCERPT_LIMIT} bytes")
-    requested_at: datetime | None = None
+    output: str | None = Field(default=None, description=f"excerpt, at most {EXCERPT_LIMIT} bytes")
+    requested_at: Time | None = None
 
 
-class FeedbackApplied(_Model):
+class FeedbackApplied(Model):
     """The feedback a resumed run consumed, for ``status.feedback.history[]``."""
 
     request_id: str
@@ -98,7 +93,7 @@ class FeedbackApplied(_Model):
     timed_out: bool = False
 
 
-class RunReport(_Model):
+class RunReport(Model):
     pod: str
     flow: str = ""
     trigger: Trigger
@@ -111,8 +106,8 @@ class RunReport(_Model):
     output: str | None = Field(default=None, description=f"excerpt, at most {EXCERPT_LIMIT} bytes")
     feedback_request: FeedbackRequest | None = None
     feedback_applied: FeedbackApplied | None = None
-    started_at: datetime | None = None
-    finished_at: datetime | None = None
+    started_at: Time | None = None
+    finished_at: Time | None = None
 
     def to_json(self) -> str:
         return self.model_dump_json(by_alias=True, exclude_none=True)

@@ -19,7 +19,6 @@ import datetime as dt
 from flowkube_api.constants import ConditionType, Phase, Reason
 from flowkube_api.models import Condition, FeedbackStatus, FlowStatus
 from flowkube_api.report import excerpt
-from flowkube_operator.meta import fmt
 
 # (type, status, reason, message) of one condition, before it gets its times
 _Entry = tuple[ConditionType, str, str, str]
@@ -143,6 +142,6 @@ class _Description:
 
     def _condition(self, ctype: ConditionType, status: str, reason: str, message: str) -> Condition:
         prev = self._previous(ctype)
-        since = prev.last_transition_time if prev is not None and prev.status == status else fmt(self.now)
+        since = prev.last_transition_time if prev is not None and prev.status == status else self.now
         return Condition(type=ctype, status=status, reason=str(reason), message=excerpt(message, 1024),
                          last_transition_time=since, observed_generation=self.generation)

@@ -1,4 +1,4 @@
-"""What the operator reads off Kubernetes objects, and the time format of status fields.
+"""What the operator reads off Kubernetes objects.
 
 Pure: plain dicts in, plain values out. The reconcile (`reconcile.plan`) and the I/O edges (`kube`,
 `stateapi`, `controller`) share these, so none of the edges needs the state machine for them.
@@ -11,22 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from flowkube_api import constants as c
+from flowkube_api.base import parse_time
 
 Body = dict[str, Any]
-
-# -- times: status fields hold RFC 3339 UTC to the second, as Kubernetes writes its own ----------------
-
-
-def now_utc() -> dt.datetime:
-    return dt.datetime.now(dt.UTC).replace(microsecond=0)
-
-
-def fmt(t: dt.datetime) -> str:
-    return t.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def parse(t: str | None) -> dt.datetime | None:
-    return dt.datetime.fromisoformat(t.replace("Z", "+00:00")) if t else None
 
 
 # -- owners -----------------------------------------------------------------------------------------
@@ -54,12 +41,12 @@ class PodView:
 
     name: str
     phase: str
-    created_at: str
+    created_at: dt.datetime | None
     deleting: bool = False
     exit_code: int | None = None
     reason: str | None = None
     message: str | None = None
-    finished_at: str | None = None
+    finished_at: dt.datetime | None = None
     resource_version: int = 0
     owner_uid: str = ""  # the Flow this pod belongs to (a re-created Flow of the same name is another)
     uid: str = ""
@@ -80,12 +67,12 @@ class PodView:
         return cls(
             name=meta.get("name", ""),
             phase=status.get("phase") or "Pending",
-            created_at=meta.get("creationTimestamp") or "",
+            created_at=parse_time(meta.get("creationTimestamp")),
             deleting=bool(meta.get("deletionTimestamp")),
             exit_code=exit_code,
             reason=status.get("reason") or reason,
             message=message or status.get("message"),
-            finished_at=finished,
+            finished_at=parse_time(finished),
             resource_version=int(meta.get("resourceVersion") or 0),
             owner_uid=owner_uid(meta),
             uid=meta.get("uid") or "",

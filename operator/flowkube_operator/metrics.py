@@ -8,10 +8,10 @@ so `/metrics` stays fast with tens of thousands of Flows.
 
 from __future__ import annotations
 
-import datetime as dt
 from collections import defaultdict
 from typing import Any
 
+from flowkube_api.base import parse_time
 from flowkube_api.constants import Phase, Trigger
 from flowkube_operator.resources import definition_name
 
@@ -58,10 +58,6 @@ def _num(v: float) -> str:
     return str(int(v)) if float(v).is_integer() else repr(float(v))
 
 
-def _ts(s: str | None) -> dt.datetime | None:
-    return dt.datetime.fromisoformat(s.replace("Z", "+00:00")) if s else None
-
-
 def _definition(body: Body) -> str:
     st = body.get("status") or {}
     return str(st.get("definition") or definition_name(body.get("spec") or {}))
@@ -89,7 +85,7 @@ def contributions(body: Body) -> dict[tuple[str, Labels], float]:
     out[("flowkube_flows", (("namespace", ns), ("phase", phase)))] = 1
     hist: Labels = (("namespace", ns), ("definition", definition))
     for h in (st.get("feedback") or {}).get("history") or []:
-        asked, answered = _ts(h.get("requestedAt")), _ts(h.get("respondedAt"))
+        asked, answered = parse_time(h.get("requestedAt")), parse_time(h.get("respondedAt"))
         if asked is None or answered is None:
             continue
         wait = max((answered - asked).total_seconds(), 0.0)

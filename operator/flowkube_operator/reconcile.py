@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flowkube_api import constants as c
+from flowkube_api.base import now as now_utc
 from flowkube_api.constants import Phase, Reason, RunResult, Trigger
 from flowkube_api.models import (
     FeedbackRecord,
@@ -30,12 +31,13 @@ from flowkube_api.models import (
     FeedbackStatus,
     FlowSpec,
     FlowStatus,
+    PendingFeedback,
     Result,
     Run,
 )
 from flowkube_api.report import RunReport, Usage, excerpt
 from flowkube_operator.conditions import describe
-from flowkube_operator.meta import PodView, fmt, now_utc, parse
+from flowkube_operator.meta import PodView
 from flowkube_operator.resources import definition_name
 
 Body = dict[str, Any]
@@ -124,7 +126,7 @@ class _Reconciler:
         st = self.st
         st.observed_generation = self.meta.get("generation")
         st.definition = definition_name(self.spec.model_dump(by_alias=True, exclude_none=True))
-        st.started_at = st.started_at or fmt(self.now)
+        st.started_at = st.started_at or self.now
         if self.fb.request is None:
             self._refuse_stray_response()  # answered before anything asked: never applied to a later request
         if st.phase in c.TERMINAL_PHASES:
@@ -146,7 +148,7 @@ class _Reconciler:
     def _follow(self, run: Run) -> None:
         pod = self.pods.get(run.pod)
         if pod is not None and run.started_at is None:
-            run.started_at = pod.created_at or fmt(self.now)
+            run.started_at = pod.created_at or self.now
         if pod is None and run.started_at is None:
             # Recorded but never seen: the pod was not created yet (or the cache lags). Ensure it.
             self.plan.create_pod = self._intent(len(self.runs) - 1, run.trigger)
@@ -157,7 +159,7 @@ class _Reconciler:
             rep = self._report_of(run)
             final = rep if rep is not None and rep.reason != Reason.RUN_INTERRUPTED else None
         # The deadline is judged at the moment the run ended, if it did, not when we look.
-        ended = parse(pod.finished_at) if pod is not None and pod.terminated else (final.finished_at if final else None)
+        ended = pod.finished_at if pod is not None and pod.terminated else (final.finished_at if final else None)
         limit = self.spec.active_deadline_seconds
         over = running_seconds(self.runs, ended or self.now) - limit if limit is not None else None
         # A run that finished on its own just as time ran out stands as it finished.
@@ -173,7 +175,7 @@ class _Reconciler:
             self._end_run(run, self._report_of(run), RunResult.FAILED, Reason.DEADLINE_EXCEEDED,
                           f"the flow ran longer than activeDeadlineSeconds={limit}",
                           finished_at=pod.finished_at if pod is not None else (
-                              fmt(final.finished_at) if final is not None and final.finished_at else None))
+                              final.finished_at if final is not None else None))
             return
         if pod is None:
             if final is not None:
@@ -181,7 +183,7 @@ class _Reconciler:
                 # was down). The run stands as reported: running it again would repeat its work.
                 run.exit_code = final.exit_code
                 self._end_run(run, final, final.result, final.reason, final.message,
-                              finished_at=fmt(final.finished_at) if final.finished_at else None)
+                              finished_at=final.finished_at)
                 return
             self._end_run(run, self._report_of(run), RunResult.FAILED, Reason.POD_DELETED,
                           f"runner pod {run.pod} disappeared before it finished")
@@ -230,7 +232,7 @@ class _Reconciler:
                       finished_at=pod.finished_at)
 
     def _end_run(self, run: Run, rep: RunReport | None, result: RunResult, reason: Reason | str,
-                 message: str, finished_at: str | None = None) -> None:
+                 message: str, finished_at: dt.datetime | None = None) -> None:
         run.result, run.reason, run.message = result, str(reason), excerpt(message, 1024)
         if rep is not None:
             run.usage = rep.usage  # every LLM call the run made counts, however it ended
@@ -240,7 +242,7 @@ class _Reconciler:
             for h in self.fb.history or []:
                 if applied is not None and h.request_id == applied.request_id and not h.outcome:
                     h.outcome = applied.outcome  # the outcome crewAI collapsed the answer to
-        run.finished_at = finished_at or fmt(self.now)
+        run.finished_at = finished_at or self.now
         if run.started_at is None:
             run.started_at = run.finished_at
         if result == RunResult.SUCCEEDED:
@@ -250,11 +252,9 @@ class _Reconciler:
         elif result == RunResult.PAUSED and rep is not None and rep.feedback_request is not None:
             fr = rep.feedback_request
             timeout = self.spec.feedback.timeout_seconds if self.spec.feedback else None
-            self.fb.request = FeedbackRequest(
-                id=fr.id, method=fr.method, message=fr.message, emit=fr.emit,
-                default_outcome=fr.default_outcome, output=excerpt(fr.output),
-                requested_at=fmt(self.now),
-                deadline=fmt(self.now + dt.timedelta(seconds=timeout)) if timeout else None,
+            self.fb.request = PendingFeedback(
+                **fr.model_dump(exclude={"output", "requested_at"}), output=excerpt(fr.output or ""),
+                requested_at=self.now, deadline=self.now + dt.timedelta(seconds=timeout) if timeout else None,
             )
             self.st.phase = Phase.AWAITING_FEEDBACK
             self.plan.event(Reason.FEEDBACK_REQUESTED,
@@ -293,7 +293,7 @@ class _Reconciler:
             return
         last = self.runs[-1]
         if last.result == RunResult.FAILED:
-            due = parse(last.finished_at) or self.now
+            due = last.finished_at or self.now
             wait = backoff_seconds(self.spec, trailing_failures(self.runs), self.backoff_cap)
             left = (due + dt.timedelta(seconds=wait) - self.now).total_seconds()
             if left > 0:
@@ -321,7 +321,7 @@ class _Reconciler:
                 self._answer(req, text=resp.text or "", outcome=None, timed_out=False,
                              by=resp.responded_by)
             return
-        deadline = parse(req.deadline)
+        deadline = req.deadline
         if deadline is None:
             return
         if self.now < deadline:
@@ -340,7 +340,7 @@ class _Reconciler:
         history = list(self.fb.history or [])
         history.append(FeedbackRecord(
             request_id=req.id, method=req.method, response=text or None, outcome=outcome,
-            requested_at=req.requested_at, responded_at=fmt(self.now), responded_by=by, timed_out=timed_out,
+            requested_at=req.requested_at, responded_at=self.now, responded_by=by, timed_out=timed_out,
         ))
         self.fb.history = history
         self.fb.request = None
@@ -394,7 +394,7 @@ class _Reconciler:
 
     def _terminal(self, phase: Phase, reason: Reason | str, message: str) -> None:
         self.st.phase = phase
-        self.st.finished_at = self.st.finished_at or fmt(self.now)
+        self.st.finished_at = self.st.finished_at or self.now
         if phase == Phase.FAILED:
             self.failure = (reason, message)
             self.fb.request = None
@@ -402,7 +402,7 @@ class _Reconciler:
 
     def _expire(self) -> None:
         ttl = self.spec.ttl_seconds_after_finished
-        finished = parse(self.st.finished_at)
+        finished = self.st.finished_at
         if ttl is None or finished is None:
             return
         left = (finished + dt.timedelta(seconds=ttl) - self.now).total_seconds()
@@ -437,9 +437,9 @@ def running_seconds(runs: list[Run], now: dt.datetime) -> float:
     """Time runner pods existed: waiting for feedback or in retry backoff does not count."""
     spent = 0.0
     for r in runs:
-        start = parse(r.started_at)
+        start = r.started_at
         if start is not None:
-            spent += ((parse(r.finished_at) or now) - start).total_seconds()
+            spent += ((r.finished_at or now) - start).total_seconds()
     return spent
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from flowkube_api.constants import Phase, Reason, RunResult, Trigger
 from flowkube_api.report import FeedbackRequest, RunReport, TokenUsage, Usage
-from flowkube_operator.meta import PodView, fmt
+from flowkube_operator.meta import PodView
 from flowkube_operator.reconcile import Plan, plan
 
 T0 = dt.datetime(2026, 11, 22, 12, 0, 0, tzinfo=dt.UTC)
@@ -33,8 +33,8 @@ def step(body: dict[str, Any], pods: dict[str, PodView] | None = None, report: R
 
 
 def pod(name: str, phase: str, exit_code: int | None = None, at: float = 0) -> dict[str, PodView]:
-    return {name: PodView(name=name, phase=phase, created_at=fmt(T0 + dt.timedelta(seconds=at)),
-                          exit_code=exit_code, finished_at=fmt(T0 + dt.timedelta(seconds=at + 5))
+    return {name: PodView(name=name, phase=phase, created_at=T0 + dt.timedelta(seconds=at),
+                          exit_code=exit_code, finished_at=T0 + dt.timedelta(seconds=at + 5)
                           if exit_code is not None else None)}
 
 
@@ -80,7 +80,7 @@ def test_run_succeeds_with_usage_and_output() -> None:
     step(body)
     step(body, pod("f-0", "Running"), at=1)
     assert body["status"]["phase"] == Phase.RUNNING
-    assert body["status"]["runs"][0]["startedAt"] == fmt(T0)
+    assert body["status"]["runs"][0]["startedAt"] == "2026-11-22T12:00:00Z"
     rep = report("f-0", RunResult.SUCCEEDED, usage=usage(10, 5), output="done", flow_id="abc")
     p = step(body, pod("f-0", "Succeeded", exit_code=0), rep, at=6)
     st = body["status"]
@@ -136,7 +136,7 @@ def test_pause_records_the_request_and_a_valid_answer_resumes_exactly_once() -> 
     assert st["phase"] == Phase.AWAITING_FEEDBACK
     req = st["feedback"]["request"]
     assert req["id"] == "req-1" and req["emit"] == ["approved", "rejected"] and req["output"] == "draft text"
-    assert req["deadline"] == fmt(T0 + dt.timedelta(seconds=605))
+    assert req["deadline"] == "2026-11-22T12:10:05Z"
     assert cond(body, "AwaitingFeedback")["status"] == "True"
 
     st["feedback"]["response"] = {"text": "approved", "requestId": "req-1", "respondedBy": "alice"}
@@ -280,7 +280,7 @@ def test_a_run_over_the_deadline_ends_once_its_pod_is_gone_with_every_token() ->
     # call and write a newer interim report before it is gone.
     p = step(body, pod("f-0", "Running"), at=11)
     assert p.delete_pods == ["f-0"] and body["status"]["runs"][0].get("finishedAt") is None
-    stopping = {"f-0": PodView(name="f-0", phase="Running", created_at=fmt(T0), deleting=True)}
+    stopping = {"f-0": PodView(name="f-0", phase="Running", created_at=T0, deleting=True)}
     p = step(body, stopping, at=12)
     assert p.delete_pods == [] and body["status"]["phase"] == Phase.RUNNING  # not deleted twice
     late = report("f-0", RunResult.FAILED, reason=Reason.RUN_INTERRUPTED, usage=usage(4, 3))
@@ -305,7 +305,7 @@ def test_a_pod_that_will_not_stop_at_the_deadline_ends_its_run_anyway() -> None:
     step(body)
     step(body, pod("f-0", "Running"), at=1)
     step(body, pod("f-0", "Running"), at=11)
-    stuck = {"f-0": PodView(name="f-0", phase="Running", created_at=fmt(T0), deleting=True)}
+    stuck = {"f-0": PodView(name="f-0", phase="Running", created_at=T0, deleting=True)}
     interim = report("f-0", RunResult.FAILED, reason=Reason.RUN_INTERRUPTED, usage=usage(4, 1))
     p = step(body, stuck, interim, at=40)
     assert body["status"]["phase"] == Phase.RUNNING and p.requeue_after is not None
@@ -316,8 +316,8 @@ def test_a_pod_that_will_not_stop_at_the_deadline_ends_its_run_anyway() -> None:
 def test_a_pod_killed_by_its_deadline_is_deadline_exceeded_with_its_tokens() -> None:
     body = flow(retries={"limit": 3})
     step(body)
-    killed = {"f-0": PodView(name="f-0", phase="Failed", created_at=fmt(T0), exit_code=137,
-                             reason="DeadlineExceeded", finished_at=fmt(T0))}
+    killed = {"f-0": PodView(name="f-0", phase="Failed", created_at=T0, exit_code=137,
+                             reason="DeadlineExceeded", finished_at=T0)}
     interim = report("f-0", RunResult.FAILED, reason=Reason.RUN_INTERRUPTED, usage=usage(2, 2))
     p = step(body, killed, interim, at=5)
     assert p.create_pod is None and body["status"]["phase"] == Phase.FAILED
