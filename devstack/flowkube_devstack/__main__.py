@@ -5,7 +5,9 @@
     flowkube-dev down      stop it
     flowkube-dev status    is it running, and where
     flowkube-dev test      the whole test suite (lint, types, import contracts, unit + integration)
-    flowkube-dev build     build (or verify) the control-plane binaries
+    flowkube-dev build     build (or verify) the control-plane binaries and the images
+    flowkube-dev generate  rewrite every generated file (CRD, chart, dashboard, docs/configuration.md);
+                           --check lists stale ones and fails
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from flowkube_devstack import build, images, procs
+from flowkube_devstack import build, generate, images, procs
 from flowkube_devstack.demo import demo
 from flowkube_devstack.stack import dev_stack
 
@@ -136,6 +139,7 @@ def run_tests(pytest_args: list[str]) -> int:
         ["ruff", [py, "-m", "ruff", "check", "."]],
         ["mypy", [py, "-m", "mypy"]],
         ["import contracts", [str(Path(py).parent / "lint-imports")]],
+        ["generated files", [py, "-m", "flowkube_devstack.generate", "--check"]],
     ]
     for name, cmd in steps:
         print(f"== {name}: {' '.join(cmd)}", flush=True)
@@ -161,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     for name in ("demo", "up", "down", "status", "build"):
         sub.add_parser(name)
+    g = sub.add_parser("generate")
+    g.add_argument("--check", action="store_true")
     t = sub.add_parser("test")
     t.add_argument("pytest_args", nargs=argparse.REMAINDER)
     s = sub.add_parser("_supervise")
@@ -171,26 +177,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "test":
         args.pytest_args = [*extra, *args.pytest_args]
     root = stack_dir()
+    commands: dict[str, Callable[[], int]] = {
+        "up": lambda: up(root),
+        "demo": lambda: up(root) or demo(json.loads((root / "ready.json").read_text())),
+        "down": lambda: down(root),
+        "status": lambda: status(root),
+        "build": lambda: build.main([]) or images.main([]),
+        "generate": lambda: generate.main(["--check"] if args.check else []),
+        "test": lambda: run_tests(args.pytest_args),
+        "_supervise": lambda: _supervise(args.dir),
+    }
     try:
-        if args.cmd == "up":
-            return up(root)
-        if args.cmd == "demo":
-            rc = up(root)
-            return rc or demo(json.loads((root / "ready.json").read_text()))
-        if args.cmd == "down":
-            return down(root)
-        if args.cmd == "status":
-            return status(root)
-        if args.cmd == "build":
-            return build.main([]) or images.main([])
-        if args.cmd == "test":
-            return run_tests(args.pytest_args)
-        if args.cmd == "_supervise":
-            return _supervise(args.dir)
+        return commands[args.cmd]()
     except build.BuildError as e:
         print(f"flowkube: {e}", file=sys.stderr)
         return 1
-    return 2
 
 
 if __name__ == "__main__":

@@ -1,16 +1,13 @@
 """The Grafana dashboard, generated as code with grafana-foundation-sdk into the Helm chart.
 
-    python -m flowkube_devstack.dashboard --write   # charts/flowkube/dashboards/flowkube.json
-
-A unit test fails when the committed JSON differs; an integration test runs every PromQL
+`./dev generate` writes it to charts/flowkube/dashboards/flowkube.json (`./dev test` fails when
+the committed JSON is stale); an integration test runs every PromQL
 expression of the dashboard against a real Prometheus scraping the operator.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -122,20 +119,3 @@ def expressions(doc: dict[str, Any] | None = None) -> list[tuple[str, str]]:
     doc = doc or build()
     return [(p.get("title", ""), t["expr"]) for p in doc.get("panels", []) for t in p.get("targets") or []
             if "expr" in t]
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--write", action="store_true")
-    args = parser.parse_args(argv)
-    text = render()
-    if args.write:
-        OUT.parent.mkdir(parents=True, exist_ok=True)
-        OUT.write_text(text)
-    else:
-        sys.stdout.write(text)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
