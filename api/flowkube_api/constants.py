@@ -75,6 +75,7 @@ class Reason(StrEnum):
     RUN_PAUSED = "RunPaused"
     RUN_INTERRUPTED = "RunInterrupted"
     POD_DELETED = "PodDeleted"
+    LATE_REPORT = "LateReport"
     RETRY_BACKOFF = "RetryBackoff"
     RETRIES_EXHAUSTED = "RetriesExhausted"
     DEADLINE_EXCEEDED = "DeadlineExceeded"

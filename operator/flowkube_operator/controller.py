@@ -28,7 +28,7 @@ from flowkube_api.report import RunReport
 from flowkube_operator import resources, selfmetrics
 from flowkube_operator.kube import ApiError, Kube, collection_path, delete_namesake_garbage, flow_path, ns_path
 from flowkube_operator.meta import PodView, owner_uid
-from flowkube_operator.reconcile import Plan, plan
+from flowkube_operator.reconcile import Plan, late_pods, plan
 from flowkube_operator.settings import Settings
 
 Body = dict[str, Any]
@@ -141,6 +141,9 @@ class Controller:
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
         self._failures: dict[Key, int] = {}  # consecutive failed reconciles, for backoff
+        # Reports the state API took from pods of closed runs, not yet folded into the status. Lost
+        # with the process, harmlessly: the pod's final report is read again when the pod ends.
+        self._late: dict[Key, dict[str, RunReport]] = {}
         self.instance = socket.gethostname()
 
     # -- watch side (called by kopf handlers; must stay cheap) ---------------------------------------
@@ -155,6 +158,7 @@ class Controller:
                 return  # an earlier Flow of this name (kopf handles each uid apart, in no set order)
             self.flows.pop(key, None)
             self.pods.pop(key, None)
+            self._late.pop(key, None)
             self._track_active(key, "", None)
             self._on_flow_change(key, None)
         else:
@@ -209,6 +213,13 @@ class Controller:
         flow, uid = hit
         view = self.pods.get((namespace, flow), {}).get(pod)
         return flow, uid, view.uid if view is not None and view.owner_uid == uid else ""
+
+    def late_report(self, namespace: str, flow: str, report: RunReport) -> None:
+        """The state API stored a report from a pod whose run is closed: fold it in soon."""
+        key = (namespace, flow)
+        if key in self.flows:
+            self._late.setdefault(key, {})[report.pod] = report
+            self.queue.add(key)
 
     # -- workers -------------------------------------------------------------------------------------
 
@@ -286,11 +297,21 @@ class Controller:
         if not self.settings.webhook_enabled:
             # Only the mutating webhook can vouch for who answered; without it the name is unknown.
             (((body.get("status") or {}).get("feedback") or {}).get("response") or {}).pop("respondedBy", None)
-        p = plan(body, pods, report, backoff_cap=self.settings.retry_backoff_cap_seconds, report_checked=checked)
+        pending = self._late.get(key, {})
+        late: dict[str, RunReport | None] = dict(pending)
+        for pod_name in late_pods(status, pods):  # pods that ended after their run was closed
+            late[pod_name] = await self._load_report(ns, name, uid, pod_name, pods[pod_name])
+        cap = self.settings.retry_backoff_cap_seconds
+        p = plan(body, pods, report, backoff_cap=cap, report_checked=checked, late=late)
         if p.need_report and active is not None:
             report = await self._load_report(ns, name, uid, active, pods.get(active))
-            p = plan(body, pods, report, backoff_cap=self.settings.retry_backoff_cap_seconds, report_checked=True)
+            p = plan(body, pods, report, backoff_cap=cap, report_checked=True, late=late)
         await self._apply(key, body, p)
+        for pod_name, rep in list(pending.items()):
+            if self._late.get(key, {}).get(pod_name) is rep:  # folded; a newer one stays queued
+                del self._late[key][pod_name]
+        if not self._late.get(key, True):
+            del self._late[key]
 
     async def _load_report(self, ns: str, name: str, uid: str, pod_name: str,
                            pod: PodView | None) -> RunReport | None:

@@ -104,7 +104,8 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     serving: tls.ServingTLS = memo.get("tls") or await prepare_tls()
     memo.tls = serving
     runtime = memo.runtime = Runtime()
-    state_api = StateApi(lambda: runtime.kube, CONTROLLER.active_run)
+    state_api = StateApi(lambda: runtime.kube, CONTROLLER.active_run,
+                         lambda t, report: CONTROLLER.late_report(t.namespace, t.flow, report))
     CONTROLLER.on_flow_deleted = state_api.forget_flow
     if SETTINGS.webhook_enabled:
         settings.admission.server = webhook.FlowkubeWebhookServer(

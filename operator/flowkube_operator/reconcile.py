@@ -19,11 +19,13 @@ import-linter contract in pyproject.toml keeps kopf, aiohttp and the I/O modules
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from flowkube_api import constants as c
 from flowkube_api.base import now as now_utc
+from flowkube_api.base import parse_time
 from flowkube_api.constants import Phase, Reason, RunResult, Trigger
 from flowkube_api.models import (
     FeedbackRecord,
@@ -83,13 +85,28 @@ class Plan:
 
 
 def plan(flow: Body, pods: dict[str, PodView], report: RunReport | None = None, *,
-         now: dt.datetime | None = None, backoff_cap: int = 3600, report_checked: bool = False) -> Plan:
+         now: dt.datetime | None = None, backoff_cap: int = 3600, report_checked: bool = False,
+         late: Mapping[str, RunReport | None] | None = None) -> Plan:
     """The status the Flow should have and the actions that make it so.
 
     `report` is the active run's report when the caller has read it (`report_checked`); a plan
     that needs it to end a run says so with `need_report`, and changes nothing until then.
+    `late` holds the reports of closed runs whose pods outlived them (see `late_pods`), by pod,
+    None where the pod left none.
     """
-    return _Reconciler(flow, pods, report, now or now_utc(), backoff_cap, report_checked).run()
+    return _Reconciler(flow, pods, report, now or now_utc(), backoff_cap, report_checked, late or {}).run()
+
+
+def late_pods(status: Body, pods: Mapping[str, PodView]) -> list[str]:
+    """Pods of closed runs that ended after their run was closed (stopped at the deadline, or still
+    finishing a model call): their final report may hold calls the run's entry does not have yet."""
+    out = []
+    for r in (status.get("runs") or []):
+        pod = pods.get(r.get("pod", ""))
+        closed = parse_time(r.get("finishedAt"))
+        if pod is not None and closed is not None and pod.terminated and pod.finished_at and pod.finished_at > closed:
+            out.append(pod.name)
+    return out
 
 
 class _NeedReport(Exception):
@@ -98,8 +115,10 @@ class _NeedReport(Exception):
 
 class _Reconciler:
     def __init__(self, flow: Body, pods: dict[str, PodView], report: RunReport | None,
-                 now: dt.datetime, backoff_cap: int, report_checked: bool) -> None:
+                 now: dt.datetime, backoff_cap: int, report_checked: bool,
+                 late: Mapping[str, RunReport | None]) -> None:
         self.report_checked = report_checked or report is not None
+        self.late = late
         self.meta: Body = flow.get("metadata") or {}
         self.spec = FlowSpec.model_validate(flow.get("spec") or {})
         self.old = FlowStatus.model_validate(flow.get("status") or {})
@@ -127,6 +146,7 @@ class _Reconciler:
         st.observed_generation = self.meta.get("generation")
         st.definition = definition_name(self.spec.model_dump(by_alias=True, exclude_none=True))
         st.started_at = st.started_at or self.now
+        self._fold_late_reports()
         if self.fb.request is None:
             self._refuse_stray_response()  # answered before anything asked: never applied to a later request
         if st.phase in c.TERMINAL_PHASES:
@@ -142,6 +162,25 @@ class _Reconciler:
                 self._next()
         self._finish()
         return self.plan
+
+    def _fold_late_reports(self) -> None:
+        """A closed run's pod that kept going reports what it did after the close: those calls were
+        answered and billed, so they count, once, in that run's entry (a run's reports are
+        cumulative, so the latest replaces the entry's usage). Its end is when its pod ended."""
+        for run in self.runs:
+            if run.finished_at is None or run.pod not in self.late:
+                continue
+            rep, pod = self.late[run.pod], self.pods.get(run.pod)
+            counted = run.usage or Usage()
+            if rep is not None and rep.pod == run.pod and (
+                    rep.usage.successful_requests, rep.usage.total_tokens) > (
+                    counted.successful_requests, counted.total_tokens):
+                added = rep.usage.total_tokens - counted.total_tokens
+                run.usage = rep.usage
+                self.plan.event(Reason.LATE_REPORT, f"run {run.pod} reported {added} more tokens after it was "
+                                f"closed; they count in its entry")
+            if pod is not None and pod.terminated and pod.finished_at and pod.finished_at > run.finished_at:
+                run.finished_at = pod.finished_at
 
     # -- the active run -----------------------------------------------------------------------------
 

@@ -7,6 +7,11 @@ bound to from the review, checks that pod is a runner pod of a live Flow, and re
 binaryData key of that Flow's `<flow>-state` ConfigMap. No request can name another Flow, and a
 token stops working when its pod is deleted.
 
+Only the running attempt may read or write the flow's state. A pod whose run was closed while it
+still ran (stopped at the deadline, finishing its last model call after SIGTERM) may still write its
+own report, for as long as the pod exists: the calls it reports were made and are billed, so they
+count, once, in that run's entry. A report must be about the pod that sends it.
+
 This replaces a ServiceAccount, Role and RoleBinding per Flow (three writes, two of them RBAC
 escalation checks, on every Flow's first run) with one TokenReview per runner pod.
 """
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import hashlib
 import json
 import logging
@@ -26,8 +32,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from pydantic import ValidationError
 
 from flowkube_api import constants as c
+from flowkube_api.report import RunReport
 from flowkube_operator import resources, selfmetrics
 from flowkube_operator.kube import ApiError, Kube, delete_namesake_garbage, flow_path, ns_path
 from flowkube_operator.meta import owner_uid
@@ -64,6 +72,7 @@ class Target:
     flow_uid: str
     pod: str
     pod_uid: str
+    late: bool = False  # its run was closed: only its own report key is writable
 
 
 class StateError(Exception):
@@ -126,9 +135,11 @@ def plausible(token: str) -> bool:
 
 
 class StateApi:
-    def __init__(self, kube: Callable[[], Kube | None], active_run: ActiveRun) -> None:
+    def __init__(self, kube: Callable[[], Kube | None], active_run: ActiveRun,
+                 on_late_report: Callable[[Target, RunReport], None] = lambda t, r: None) -> None:
         self._kube = kube
         self._active_run = active_run
+        self._on_late_report = on_late_report
         self._tokens: dict[str, tuple[float, Target | StateError]] = {}  # sha256(token) -> (until, outcome)
         self._cm_uids: dict[str, str] = {}  # Flow uid -> uid of its state ConfigMap
         self._reviews = asyncio.Semaphore(REVIEW_CONCURRENCY)
@@ -159,7 +170,7 @@ class StateApi:
         if hit is not None and hit[0] > now:
             if isinstance(hit[1], StateError):
                 raise hit[1]  # refused a moment ago: no second TokenReview for it yet
-            if self._running(hit[1]):
+            if hit[1].late or self._running(hit[1]):
                 return hit[1]
         try:
             outcome: Target | StateError = await self._authorize(token)
@@ -193,6 +204,7 @@ class StateApi:
             raise StateError(401, f"not a valid pod-bound token for audience {c.STATE_AUDIENCE}")
         refused = StateError(403, f"pod {caller.namespace}/{caller.pod} is not the running attempt of a Flow")
         active = self._active_run(caller.namespace, caller.pod)
+        late = False
         if active is not None and active[2]:
             flow, flow_uid, pod_uid = active
         else:  # the caches lag (a restarted operator, a pod just made): ask the API server
@@ -201,18 +213,19 @@ class StateApi:
             except ApiError as e:
                 log.warning("state API: reading %s/%s: %s", caller.namespace, caller.pod, e)
                 raise StateError(503, "could not read the pod or its Flow; retry") from e
-            if found is None or (active is not None and active[:2] != (found.flow, found.flow_uid)):
+            if found is None or (active is not None and active[:2] != (found.flow, found.flow_uid)
+                                 and not found.late):
                 raise refused
-            flow, flow_uid, pod_uid = found.flow, found.flow_uid, found.pod_uid
+            flow, flow_uid, pod_uid, late = found.flow, found.flow_uid, found.pod_uid, found.late
         if pod_uid != caller.pod_uid:
             raise refused
         return Target(namespace=caller.namespace, flow=flow, flow_uid=flow_uid, pod=caller.pod,
-                      pod_uid=caller.pod_uid)
+                      pod_uid=caller.pod_uid, late=late)
 
     @staticmethod
     async def _live_target(kube: Kube, caller: Caller) -> Target | None:
         """The caller's pod and Flow as the API server has them: a runner pod, controlled by a Flow
-        whose last run is this pod and is not finished."""
+        whose last run is this pod and is not finished, or (``late``) one of its closed runs."""
         pod = await kube.get(ns_path(caller.namespace, "pods", caller.pod))
         target = target_of_pod(pod) if pod is not None else None
         if target is None:
@@ -221,8 +234,10 @@ class StateApi:
         if flow is None or flow["metadata"].get("uid") != target.flow_uid:
             return None
         runs = (flow.get("status") or {}).get("runs") or []
-        running = bool(runs) and runs[-1].get("pod") == caller.pod and not runs[-1].get("finishedAt")
-        return target if running else None
+        if runs and runs[-1].get("pod") == caller.pod and not runs[-1].get("finishedAt"):
+            return target
+        closed = any(r.get("pod") == caller.pod and r.get("finishedAt") for r in runs)
+        return dataclasses.replace(target, late=True) if closed else None
 
     # -- the Flow's state ConfigMap ------------------------------------------------------------------
 
@@ -296,6 +311,9 @@ class StateApi:
                 target = await self.authenticate(request.headers.get("Authorization", ""))
                 if key not in (c.STATE_KEY, c.report_key(target.pod)):
                     raise StateError(403, f"a run may use only {c.STATE_KEY} and its own report key")
+                if target.late and (key != c.report_key(target.pod) or request.method != "PUT"):
+                    raise StateError(403, f"the run of pod {target.pod} was closed: only its own report "
+                                          "may still be written")
                 response = await fn(request, target, key)
             except StateError as e:
                 response = _error(e.status, str(e))
@@ -329,7 +347,17 @@ class StateApi:
         value = await request.read()
         if len(value) > c.STATE_LIMIT:
             return _error(413, f"{len(value)} bytes is over the {c.STATE_LIMIT}-byte limit of one value")
+        report = None
+        if key != c.STATE_KEY:
+            try:
+                report = RunReport.decode(value)
+            except (ValidationError, OSError, ValueError, EOFError):
+                return _error(400, f"{key} must hold a run report (gzip JSON)")
+            if report.pod != t.pod:
+                return _error(403, f"pod {t.pod} may report only its own run, not {report.pod!r}")
         await self.put(t, key, value)
+        if report is not None and t.late:
+            self._on_late_report(t, report)
         return web.Response(status=204)
 
     async def serve(self, host: str, port: int, cert: str, key: str) -> web.AppRunner:

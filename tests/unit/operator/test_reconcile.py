@@ -313,6 +313,38 @@ def test_a_pod_that_will_not_stop_at_the_deadline_ends_its_run_anyway() -> None:
     assert body["status"]["phase"] == Phase.FAILED and body["status"]["usage"]["totalTokens"] == 5
 
 
+def test_a_closed_runs_pod_that_kept_going_counts_its_late_calls_once() -> None:
+    from flowkube_operator.reconcile import late_pods
+
+    body = flow(activeDeadlineSeconds=10)
+    step(body)
+    step(body, pod("f-0", "Running"), at=1)
+    stuck = {"f-0": PodView(name="f-0", phase="Running", created_at=T0, deleting=True)}
+    interim = report("f-0", RunResult.FAILED, reason=Reason.RUN_INTERRUPTED, usage=usage(4, 1))
+    step(body, stuck, interim, at=80)  # closed with 5 tokens while the pod still runs a call
+    assert body["status"]["phase"] == Phase.FAILED and body["status"]["usage"]["totalTokens"] == 5
+    # The call in flight was answered after the close: the state API passes the pod's new report on.
+    later = interim.model_copy(update={"usage": interim.usage + usage(10, 2)})
+    p = plan(body, stuck, now=T0 + dt.timedelta(seconds=85), late={"f-0": later})
+    body["status"] = p.status.dump()
+    assert body["status"]["usage"]["totalTokens"] == 17
+    assert body["status"]["runs"][0]["usage"]["successfulRequests"] == 2
+    assert [e[1] for e in p.events] == [Reason.LATE_REPORT]
+    # The same report again (the operator restarted, or the pod ended and its final report is read)
+    # adds nothing; the run's end moves to when its pod ended, so it is not read again.
+    ended = {"f-0": PodView(name="f-0", phase="Failed", created_at=T0, exit_code=3,
+                            finished_at=T0 + dt.timedelta(seconds=90))}
+    assert late_pods(body["status"], ended) == ["f-0"]
+    p = plan(body, ended, now=T0 + dt.timedelta(seconds=91), late={"f-0": later})
+    body["status"] = p.status.dump()
+    assert body["status"]["usage"]["totalTokens"] == 17 and p.events == []
+    assert late_pods(body["status"], ended) == []
+    # A report claiming to be another pod's is ignored.
+    forged = later.model_copy(update={"pod": "f-9", "usage": usage(1000, 0)})
+    assert plan(body, ended, now=T0 + dt.timedelta(seconds=92), late={"f-0": forged}).status.dump()["usage"] \
+        == body["status"]["usage"]
+
+
 def test_a_pod_killed_by_its_deadline_is_deadline_exceeded_with_its_tokens() -> None:
     body = flow(retries={"limit": 3})
     step(body)

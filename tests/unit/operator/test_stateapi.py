@@ -16,6 +16,8 @@ import pytest
 from cryptography import x509
 
 from flowkube_api import constants as c
+from flowkube_api.constants import Reason, RunResult, Trigger
+from flowkube_api.report import RunReport, Usage
 from flowkube_operator import tls
 from flowkube_operator.kube import ApiError
 from flowkube_operator.stateapi import (
@@ -138,7 +140,7 @@ def test_only_plausible_tokens_reach_a_token_review() -> None:
     assert not plausible("not-a-jwt") and not plausible("a.b.c")
 
 
-def test_a_token_is_accepted_only_while_its_pod_is_the_running_attempt() -> None:
+def test_a_token_is_accepted_while_its_pod_is_a_run_of_the_flow_and_late_once_the_run_closed() -> None:
     kube = FakeKube()
     active = {("ns", "demo-0"): ("demo", FLOW_UID, "pod-uid")}
     state = api(kube, active)
@@ -147,8 +149,12 @@ def test_a_token_is_accepted_only_while_its_pod_is_the_running_attempt() -> None
         assert await state.authenticate(f"Bearer {jwt('good')}") == POD
         assert await state.authenticate(f"Bearer {jwt('good')}") == POD
         assert [m for m, _ in kube.calls] == ["POST"]  # one review, and the controller's caches
-        active.clear()  # the run ended: the Flow's status recorded it finished
+        active.clear()  # the run ended: the Flow's status recorded it finished; its pod still runs
         kube.flows["demo"]["status"]["runs"][0]["finishedAt"] = "2026-11-22T00:00:00Z"
+        late = await state.authenticate(f"Bearer {jwt('good')}")
+        assert late == Target(**{**POD.__dict__, "late": True})
+        kube.flows["demo"]["status"]["runs"] = [{"pod": "demo-1"}]  # a run this pod never was
+        state._tokens.clear()
         with pytest.raises(StateError) as refused:
             await state.authenticate(f"Bearer {jwt('good')}")
         assert refused.value.status == 403
@@ -163,6 +169,40 @@ def test_a_token_is_accepted_only_while_its_pod_is_the_running_attempt() -> None
             assert e.value.status == status, header
 
     asyncio.run(scenario())
+
+
+def test_a_closed_runs_pod_may_write_only_its_own_report_and_the_controller_hears_of_it() -> None:
+    from aiohttp.test_utils import TestClient, TestServer
+
+    kube = FakeKube()
+    kube.flows["demo"]["status"]["runs"] = [{"pod": "demo-0", "finishedAt": "2026-11-22T00:00:00Z"},
+                                            {"pod": "demo-1"}]
+    heard: list[tuple[Target, RunReport]] = []
+    state = StateApi(lambda: kube, lambda ns, pod: None,  # type: ignore[arg-type,return-value]
+                     lambda t, r: heard.append((t, r)))
+    auth = {"Authorization": f"Bearer {jwt('good')}"}
+    report = RunReport(pod="demo-0", trigger=Trigger.KICKOFF, result=RunResult.FAILED,
+                       reason=Reason.RUN_INTERRUPTED, exit_code=3, usage=Usage(total_tokens=42, successful_requests=3))
+
+    async def scenario() -> None:
+        async with TestClient(TestServer(state.app())) as client:
+            url = c.STATE_API_PREFIX
+            assert (await client.get(url + c.STATE_KEY, headers=auth)).status == 403  # the state is the retry's
+            assert (await client.put(url + c.STATE_KEY, data=b"x", headers=auth)).status == 403
+            assert (await client.get(url + c.report_key("demo-0"), headers=auth)).status == 403
+            ok = await client.put(url + c.report_key("demo-0"), data=report.encode(), headers=auth)
+            assert ok.status == 204
+            # A report about another run (a replay) or that is not a report at all is refused.
+            replay = report.model_copy(update={"pod": "demo-1"}).encode()
+            refused = await client.put(url + c.report_key("demo-0"), data=replay, headers=auth)
+            assert refused.status == 403 and "only its own run" in (await refused.json())["message"]
+            junk = await client.put(url + c.report_key("demo-0"), data=b"junk", headers=auth)
+            assert junk.status == 400
+
+    asyncio.run(scenario())
+    assert [(t.pod, t.late, r.usage.total_tokens) for t, r in heard] == [("demo-0", True, 42)]
+    stored = kube.configmaps["demo-state"]["binaryData"][c.report_key("demo-0")]
+    assert RunReport.decode(base64.b64decode(stored)) == report
 
 
 def test_a_restarted_operator_asks_the_api_server_about_a_pod_it_has_not_seen() -> None:
@@ -263,6 +303,8 @@ def test_the_http_edge_refuses_bad_requests_with_clear_statuses() -> None:
             assert (await client.get(c.STATE_API_PREFIX + "bad%20key", headers=auth)).status == 400
             other = await client.put(c.STATE_API_PREFIX + c.report_key("demo-1"), data=b"x", headers=auth)
             assert other.status == 403  # another run's report
+            junk = await client.put(c.STATE_API_PREFIX + c.report_key("demo-0"), data=b"x", headers=auth)
+            assert junk.status == 400  # its own report key holds only a report
             big = await client.put(c.STATE_API_PREFIX + c.STATE_KEY, data=b"x" * (c.STATE_LIMIT + 1), headers=auth)
             assert big.status == 413 and "limit" in (await big.json())["message"]
             huge = await client.put(c.STATE_API_PREFIX + c.STATE_KEY, data=b"x" * (3 * 1024 * 1024), headers=auth)
