@@ -75,6 +75,8 @@ class Reason(StrEnum):
     RUN_PAUSED = "RunPaused"
     RUN_INTERRUPTED = "RunInterrupted"
     POD_DELETED = "PodDeleted"
+    DISRUPTED = "Disrupted"
+    DISRUPTIONS_EXHAUSTED = "DisruptionsExhausted"
     LATE_REPORT = "LateReport"
     RETRY_BACKOFF = "RetryBackoff"
     RETRIES_EXHAUSTED = "RetriesExhausted"
@@ -91,6 +93,10 @@ class Reason(StrEnum):
 
 
 # Runner process exit codes: the operator retries only what is worth retrying.
+# Runner pods lost to disruptions that are replaced, over a flow's life, when retries.disruptionLimit is
+# not set (a Job with a podFailurePolicy that ignores DisruptionTarget has no such cap).
+DEFAULT_DISRUPTION_LIMIT = 10
+
 EXIT_OK = 0  # the run ended Succeeded or Paused; the report says which
 EXIT_PERMANENT = 2  # invalid definition, import error, bad inputs, corrupt state, budget: never retried
 EXIT_RETRYABLE = 3  # lost model connection, API errors: a retry may succeed

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 from pydantic import ConfigDict, Field, JsonValue
 
 from flowkube_api.base import Model, Time
-from flowkube_api.constants import ConditionType, Phase, RunResult, Trigger
+from flowkube_api.constants import DEFAULT_DISRUPTION_LIMIT, ConditionType, Phase, RunResult, Trigger
 from flowkube_api.report import FeedbackRequest, TokenUsage, Usage
 
 _DOTTED = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
@@ -62,6 +62,12 @@ class PodTemplate(Model):
 
 class Retries(Model):
     limit: int = Field(default=0, ge=0, le=100, description="Failed runner pods replaced at most this often.")
+    disruption_limit: int = Field(
+        default=DEFAULT_DISRUPTION_LIMIT, ge=0, le=1000,
+        description="Runner pods lost to a disruption (eviction, preemption, a lost node, deletion by "
+        "someone other than the operator) are replaced without counting against limit, at most this "
+        "often over the flow's life; then the flow fails with DisruptionsExhausted.",
+    )
     backoff_seconds: int = Field(
         default=10, ge=0, le=86400,
         description="Delay before the first replacement; doubles with each further failure (capped at 1h).",

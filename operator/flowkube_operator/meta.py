@@ -50,6 +50,10 @@ class PodView:
     resource_version: int = 0
     owner_uid: str = ""  # the Flow this pod belongs to (a re-created Flow of the same name is another)
     uid: str = ""
+    # Why Kubernetes took the pod away, when it did: the DisruptionTarget condition's reason
+    # (EvictionByEvictionAPI, PreemptionByScheduler, DeletionByTaintManager, TerminationByKubelet,
+    # ...) or the kubelet's Evicted.
+    disruption: str | None = None
 
     @property
     def terminated(self) -> bool:
@@ -64,6 +68,9 @@ class PodView:
             if term:
                 exit_code, reason = term.get("exitCode"), term.get("reason")
                 message, finished = term.get("message"), term.get("finishedAt")
+        disruption = next((cond.get("reason") or "DisruptionTarget" for cond in status.get("conditions") or []
+                           if cond.get("type") == "DisruptionTarget" and cond.get("status") == "True"),
+                          "Evicted" if status.get("reason") == "Evicted" else None)
         return cls(
             name=meta.get("name", ""),
             phase=status.get("phase") or "Pending",
@@ -76,4 +83,5 @@ class PodView:
             resource_version=int(meta.get("resourceVersion") or 0),
             owner_uid=owner_uid(meta),
             uid=meta.get("uid") or "",
+            disruption=disruption,
         )

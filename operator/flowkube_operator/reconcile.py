@@ -50,6 +50,10 @@ PERMANENT_REASONS = frozenset({
     Reason.STATE_TOO_LARGE, Reason.BUDGET_EXCEEDED, Reason.DEADLINE_EXCEEDED,
 })
 
+# A run that ended for one of these reasons was taken away by Kubernetes or by someone else, not
+# failed by the flow: it is replaced at once, counted against retries.disruptionLimit, not limit.
+DISRUPTION_REASONS = frozenset({Reason.DISRUPTED, Reason.POD_DELETED})
+
 # How long a pod stopped at the deadline gets to be gone before its run is ended anyway (a node that
 # is down never confirms the deletion). Pods are deleted with their default 30 s grace period.
 STOP_GRACE_SECONDS = 60.0
@@ -266,6 +270,10 @@ class _Reconciler:
                 message += f": {excerpt(pod.message, 512)}"
         if pod.exit_code == c.EXIT_PERMANENT and result == RunResult.FAILED and reason not in PERMANENT_REASONS:
             reason = Reason.FLOW_ERROR if reason in (Reason.RUN_FAILED, "") else reason
+        elif result == RunResult.FAILED and reason not in PERMANENT_REASONS and (pod.disruption or pod.deleting):
+            # Evicted, preempted, its node lost or drained, or deleted by someone: not the flow's fault.
+            reason = Reason.DISRUPTED
+            message = f"runner pod {pod.name} was stopped by a disruption ({pod.disruption or 'deleted'}): {message}"
         run.exit_code = pod.exit_code
         self._end_run(run, rep if rep is not None and rep.pod == run.pod else None, result, reason, message,
                       finished_at=pod.finished_at)
@@ -305,6 +313,9 @@ class _Reconciler:
             self._after_failure(run, reason, message)
 
     def _after_failure(self, run: Run, reason: Reason | str, message: str) -> None:
+        if reason in DISRUPTION_REASONS:
+            self._after_disruption(run, message)
+            return
         permanent = reason in PERMANENT_REASONS or run.exit_code == c.EXIT_PERMANENT
         limit = self.spec.retries.limit if self.spec.retries else 0
         failures = trailing_failures(self.runs)
@@ -316,6 +327,17 @@ class _Reconciler:
             self._terminal(Phase.FAILED, Reason.RETRIES_EXHAUSTED, why)
         else:
             self.st.phase = Phase.PENDING
+
+    def _after_disruption(self, run: Run, message: str) -> None:
+        limit = self.spec.retries.disruption_limit if self.spec.retries else c.DEFAULT_DISRUPTION_LIMIT
+        lost = sum(1 for r in self.runs if r.reason in DISRUPTION_REASONS)
+        if lost > limit:
+            why = f"{lost} runner pods lost to disruptions, retries.disruptionLimit={limit}; last: {message}"
+            self._terminal(Phase.FAILED, Reason.DISRUPTIONS_EXHAUSTED, why)
+            return
+        self.plan.event(Reason.DISRUPTED, f"{excerpt(message, 512)}; replacing it ({lost} of "
+                        f"retries.disruptionLimit={limit}; retries.limit is not used)", warning=True)
+        self.st.phase = Phase.PENDING
 
     # -- what comes next when no run is active ------------------------------------------------------
 
@@ -331,7 +353,9 @@ class _Reconciler:
             self._start(Trigger.KICKOFF)
             return
         last = self.runs[-1]
-        if last.result == RunResult.FAILED:
+        if last.result == RunResult.FAILED and last.reason in DISRUPTION_REASONS:
+            self._start(Trigger.RETRY)  # a replacement, at once, like a Job's pod lost to a disruption
+        elif last.result == RunResult.FAILED:
             due = last.finished_at or self.now
             wait = backoff_seconds(self.spec, trailing_failures(self.runs), self.backoff_cap)
             left = (due + dt.timedelta(seconds=wait) - self.now).total_seconds()
@@ -483,8 +507,11 @@ def running_seconds(runs: list[Run], now: dt.datetime) -> float:
 
 
 def trailing_failures(runs: list[Run]) -> int:
+    """Failed runs since the last one that did not fail; disruptions are not the flow's failures."""
     n = 0
     for r in reversed(runs):
+        if r.result == RunResult.FAILED and r.reason in DISRUPTION_REASONS:
+            continue
         if r.result != RunResult.FAILED:
             break
         n += 1

@@ -218,14 +218,70 @@ def test_ttl_deletes_the_finished_flow() -> None:
     assert step(body, at=32).delete_flow is True
 
 
-def test_pod_deleted_from_outside_counts_as_a_failed_attempt() -> None:
-    body = flow(retries={"limit": 1, "backoffSeconds": 0})
+def test_a_pod_deleted_from_outside_is_replaced_without_using_a_retry() -> None:
+    body = flow()  # no retries at all
     step(body)
     step(body, pod("f-0", "Running"), at=1)
     p = step(body, {}, at=2)
     assert body["status"]["runs"][0]["result"] == RunResult.FAILED
     assert body["status"]["runs"][0]["reason"] == Reason.POD_DELETED
-    assert p.create_pod is not None and p.create_pod.trigger == Trigger.RETRY
+    assert p.create_pod is not None and p.create_pod.trigger == Trigger.RETRY  # at once: no backoff
+    assert body["status"]["phase"] == Phase.PENDING
+    assert [e[1] for e in p.events] == [Reason.DISRUPTED]
+
+
+def evicted(name: str, at: float, *, deleting: bool = True, disruption: str | None = "EvictionByEvictionAPI",
+            exit_code: int = 3) -> dict[str, PodView]:
+    return {name: PodView(name=name, phase="Failed", created_at=T0 + dt.timedelta(seconds=at), exit_code=exit_code,
+                          finished_at=T0 + dt.timedelta(seconds=at + 1), deleting=deleting, disruption=disruption)}
+
+
+def test_evictions_and_graceful_deletes_are_disruptions_not_failures_of_the_flow() -> None:
+    body = flow(retries={"limit": 1, "backoffSeconds": 60})
+    step(body)
+    step(body, pod("f-0", "Running"), at=1)
+    # Evicted through the Eviction API during a call: the runner finished the call, reported it, and
+    # exited with the retryable code after SIGTERM.
+    stopped = report("f-0", RunResult.FAILED, reason=Reason.RUN_INTERRUPTED, exit_code=3, usage=usage(5, 5))
+    p = step(body, evicted("f-0", 2), stopped, at=3)
+    run = body["status"]["runs"][0]
+    assert run["reason"] == Reason.DISRUPTED and "EvictionByEvictionAPI" in run["message"]
+    assert p.create_pod is not None and p.create_pod.index == 1  # replaced at once, backoff not applied
+    step(body, pod("f-1", "Running", at=4), at=4)
+    # `kubectl delete pod` (no DisruptionTarget, just a deletion the operator did not ask for).
+    p = step(body, evicted("f-1", 5, disruption=None), report("f-1", RunResult.FAILED,
+                                                            reason=Reason.RUN_INTERRUPTED, exit_code=3), at=6)
+    assert body["status"]["runs"][1]["reason"] == Reason.DISRUPTED and p.create_pod is not None
+    # The flow's own failure still follows retries: limit 1 allows one, the second ends the flow.
+    step(body, pod("f-2", "Failed", exit_code=3, at=7), report("f-2", RunResult.FAILED, reason=Reason.FLOW_ERROR,
+                                                             exit_code=3), at=13)
+    assert body["status"]["phase"] == Phase.PENDING  # retry 1 of 1, after its backoff
+    step(body, at=80)
+    step(body, pod("f-3", "Failed", exit_code=3, at=80), report("f-3", RunResult.FAILED, exit_code=3,
+                                                              reason=Reason.FLOW_ERROR), at=90)
+    assert body["status"]["phase"] == Phase.FAILED and cond(body, "Succeeded")["reason"] == Reason.RETRIES_EXHAUSTED
+    assert body["status"]["usage"]["totalTokens"] == 10
+
+
+def test_a_pod_evicted_by_the_kubelet_is_a_disruption_and_the_cap_stops_a_loop() -> None:
+    body = flow(retries={"disruptionLimit": 2})
+    step(body)
+    for i in range(3):
+        kubelet = evicted(f"f-{i}", i * 10, deleting=False, disruption="TerminationByKubelet", exit_code=137)
+        p = step(body, kubelet, at=i * 10 + 5)
+        if i < 2:
+            assert p.create_pod is not None and p.create_pod.index == i + 1
+    assert body["status"]["phase"] == Phase.FAILED
+    assert cond(body, "Succeeded")["reason"] == Reason.DISRUPTIONS_EXHAUSTED
+    assert "retries.disruptionLimit=2" in cond(body, "Succeeded")["message"]
+
+
+def test_a_permanent_failure_during_a_disruption_is_still_permanent() -> None:
+    body = flow()
+    step(body)
+    bad = report("f-0", RunResult.FAILED, reason=Reason.INVALID_INPUTS, exit_code=2)
+    p = step(body, evicted("f-0", 0, exit_code=2), bad, at=3)
+    assert p.create_pod is None and cond(body, "Succeeded")["reason"] == Reason.INVALID_INPUTS
 
 
 def test_a_run_that_reported_before_its_pod_vanished_stands_as_reported() -> None:
