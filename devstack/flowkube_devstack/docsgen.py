@@ -1,21 +1,17 @@
 """Generate docs/configuration.md from the operator's `Settings` and the chart's Deployment template.
 
-    python -m flowkube_devstack.docsgen            # print the page
-    python -m flowkube_devstack.docsgen --write    # rewrite docs/configuration.md
-    python -m flowkube_devstack.docsgen --check    # exit 1 when docs/configuration.md is stale
+    ./dev generate            # rewrite docs/configuration.md (with every other generated file)
+    ./dev generate --check    # exit 1 when it is stale (run by ./dev test)
 
 One row per field of `flowkube_operator.settings.Settings`: its environment variable, type, default
 and description (the field's own `description`), and the Helm value the chart sets it from, read
-off `charts/flowkube/templates/deployment.yaml` (includes resolved through `_helpers.tpl`). A unit
-test regenerates the page and fails on any difference.
+off `charts/flowkube/templates/deployment.yaml` (includes resolved through `_helpers.tpl`).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
-import sys
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -205,29 +201,3 @@ itself (`FLOWKUBE_STATE_RETRY_SECONDS`, `FLOWKUBE_STATE_TOKEN_FILE`) are in
 def render_configuration() -> str:
     """The full text of docs/configuration.md."""
     return HEADER + settings_table()
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--write", action="store_true", help=f"write {CONFIGURATION_FILE.relative_to(REPO)}")
-    mode.add_argument("--check", action="store_true",
-                      help=f"exit 1 when {CONFIGURATION_FILE.relative_to(REPO)} is not what would be written")
-    args = parser.parse_args(argv)
-    text = render_configuration()
-    if args.write:
-        CONFIGURATION_FILE.parent.mkdir(parents=True, exist_ok=True)
-        CONFIGURATION_FILE.write_text(text)
-    elif args.check:
-        current = CONFIGURATION_FILE.read_text() if CONFIGURATION_FILE.exists() else ""
-        if current != text:
-            print(f"{CONFIGURATION_FILE.relative_to(REPO)} is stale: run `{COMMAND}` "
-                  "or `python -m flowkube_devstack.docsgen --write`", file=sys.stderr)
-            return 1
-    else:
-        sys.stdout.write(text)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

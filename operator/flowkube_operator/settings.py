@@ -1,4 +1,7 @@
-"""Operator configuration: environment variables with the prefix FLOWKUBE_ (see README, "Configuration")."""
+"""Operator configuration: environment variables with the prefix FLOWKUBE_.
+
+docs/configuration.md is generated from this class.
+"""
 
 from __future__ import annotations
 
@@ -31,7 +34,8 @@ class Settings(BaseSettings):
         description="JSON object: resources (requests/limits) of runner containers whose Flow sets no spec.resources.",
     )
     runner_run_as_user: int = Field(default=65532, ge=1, description="UID of runner pods (non-root).")
-    retry_backoff_cap_seconds: int = Field(default=3600, ge=1)
+    retry_backoff_cap_seconds: int = Field(
+        default=3600, ge=1, description="Longest delay between retries: the doubling backoff stops here.")
     workers: int = Field(default=8, ge=1, le=256, description="Flows reconciled concurrently.")
 
     health_port: int = Field(default=8080, description="Port of /healthz (0 disables it).")
@@ -48,8 +52,10 @@ class Settings(BaseSettings):
         default="", description="URL runner pods use for the state API; empty: derived from "
         "FLOWKUBE_WEBHOOK_SERVICE (https://<name>.<namespace>.svc:<state port>) or FLOWKUBE_WEBHOOK_HOST.")
 
-    webhook_enabled: bool = False
-    webhook_port: int = 9443
+    webhook_enabled: bool = Field(
+        default=False, description="Serve the admission webhooks (Flow validation, feedback answers); the "
+        "chart turns it on and registers them.")
+    webhook_port: int = Field(default=9443, description="Port of the admission webhook server (HTTPS).")
     webhook_host: str = Field(default="127.0.0.1",
                               description="Name or IP the API server and runner pods use to reach the operator.")
     webhook_service: str = Field(default="",
@@ -67,8 +73,8 @@ class Settings(BaseSettings):
         default="", description="URL of the definition validator (runner image sidecar); empty: none."
     )
 
-    log_format: Literal["json", "text"] = "json"
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_format: Literal["json", "text"] = Field(default="json", description="Log lines as JSON or as text.")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(default="INFO", description="Lowest level logged.")
 
     @property
     def state_endpoint(self) -> str:
