@@ -72,7 +72,7 @@ def crd() -> dict[str, Any]:
         {"name": "Tokens", "type": "integer", "jsonPath": ".status.usage.totalTokens"},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
         {"name": "Message", "type": "string", "jsonPath": ".status.message"},
-        {"name": "Runs", "type": "integer", "jsonPath": ".status.runs[*].pod", "priority": 1},
+        {"name": "Last-Run", "type": "string", "jsonPath": ".status.runs[-1:].pod", "priority": 1},
         {"name": "Flow-ID", "type": "string", "jsonPath": ".status.flowId", "priority": 1},
     ]
     schema = {
