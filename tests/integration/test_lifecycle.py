@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from flowkube_api.constants import report_key
 from flowkube_devstack.cluster import LocalCluster, wait_for
 from flowkube_devstack.operator import ChartOperator
 from tests.integration.conftest import Flows, terminated_states, watched_pods
@@ -30,6 +31,8 @@ def test_flow_succeeds_with_usage_output_and_a_restricted_owned_pod(flows: Flows
     assert cond(st, "Succeeded")["status"] == "True" and st["definition"] == "Research"
     (pod,) = flows.pods("ok")
     assert pod["metadata"]["name"] == "ok-0"
+    header, row = flows.cluster.kubectl("get", "flow", "ok", "-n", flows.ns, "-o", "wide").stdout.splitlines()
+    assert header.split()[-2:] == ["LAST-RUN", "FLOW-ID"] and "ok-0" in row.split()
     assert pod["metadata"]["ownerReferences"][0]["kind"] == "Flow"
     sc = pod["spec"]["containers"][0]["securityContext"]
     assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"]
@@ -79,7 +82,9 @@ def test_active_deadline_stops_the_flow_and_counts_every_token_it_reported(
     # message). The run ends only once the pod is gone, so every call is in the status, also those
     # completed after SIGTERM, not just those reported when the deadline passed.
     with watched_pods(cluster, flows.ns, "-l", "flowkube.io/flow=slow") as watch:
-        flows.apply("slow", {"flowRef": "a:B", "activeDeadlineSeconds": 2, "retries": {"limit": 3}, "inputs": {
+        # 8 s: long enough for the pod's Python to be up and handling SIGTERM on a loaded machine (as
+        # PID 1 it ignores a SIGTERM that comes before its handler, and runs on until SIGKILL).
+        flows.apply("slow", {"flowRef": "a:B", "activeDeadlineSeconds": 8, "retries": {"limit": 3}, "inputs": {
             "plan": [{"sleep": 120, "interim": 0.1, "finish_on_term": 1}]}})
         flows.wait_phase("slow", "Running")
         st = flows.wait_phase("slow", "Failed", timeout=60)
@@ -88,10 +93,52 @@ def test_active_deadline_stops_the_flow_and_counts_every_token_it_reported(
         messages = [t.get("message", "") for t in terminated_states(watch.seen)]
     assert cond(st, "Succeeded")["reason"] == "DeadlineExceeded"
     assert len(st["runs"]) == 1
+    assert messages and messages[-1].startswith("calls="), (messages, terminated_states(watch.seen))
     fields = dict(kv.split("=") for kv in messages[-1].split())
     made, at_term = int(fields["calls"]), int(fields["at_term"])
     # Calls completed after SIGTERM exist, and every call, before and after, is counted once.
     assert made > at_term and st["usage"]["totalTokens"] == made, (made, at_term, st["usage"])
+
+
+@pytest.mark.parametrize("how", ["evicted", "deleted"])
+def test_a_disrupted_runner_is_replaced_without_a_retry_and_every_call_counts(
+        flows: Flows, cluster: LocalCluster, how: str) -> None:
+    # No `retries`: a pod taken away by Kubernetes (the Eviction API, as a drain does) or deleted by
+    # someone is not the flow's failure. The pod finishes its call in flight after SIGTERM, reports
+    # it, and a replacement continues the flow.
+    name = f"moved-{how}"
+    with watched_pods(cluster, flows.ns, "-l", f"flowkube.io/flow={name}") as watch:
+        flows.apply(name, {"flowRef": "a:B", "inputs": {
+            "plan": [{"sleep": 120, "interim": 0.1, "finish_on_term": 1}, {"tokens": 2}]}})
+        flows.wait_phase(name, "Running")
+
+        def reported() -> bool:  # the pod is up and its interim report is in (a call "answered")
+            cm = cluster.kubectl("get", "configmap", f"{name}-state", "-n", flows.ns, "-o", "json", check=False)
+            return cm.returncode == 0 and report_key(f"{name}-0") in json.loads(cm.stdout).get("binaryData", {})
+
+        wait_for(reported, 60, "the first runner's interim report")
+        if how == "evicted":
+            eviction = {"apiVersion": "policy/v1", "kind": "Eviction",
+                        "metadata": {"name": f"{name}-0", "namespace": flows.ns}}
+            cluster.kubectl("create", "--raw", f"/api/v1/namespaces/{flows.ns}/pods/{name}-0/eviction",
+                            "-f", "-", input=json.dumps(eviction))
+        else:
+            cluster.kubectl("delete", "pod", "-n", flows.ns, f"{name}-0", "--wait=false")
+        st = flows.wait_phase(name, "Succeeded", timeout=90)
+        watch.wait(lambda pods: any(t.get("message", "").startswith("calls=") for t in terminated_states(pods)),
+                   30, "the first runner's termination message")
+        messages = [t["message"] for t in terminated_states(watch.seen) if t.get("message", "").startswith("calls=")]
+    runs = st["runs"]
+    assert [r["trigger"] for r in runs] == ["kickoff", "retry"], runs
+    assert runs[0]["reason"] in ("Disrupted", "PodDeleted") and runs[1]["result"] == "Succeeded", runs
+    if how == "evicted" and runs[0]["reason"] == "Disrupted":
+        assert "EvictionByEvictionAPI" in runs[0]["message"]
+    fields = dict(kv.split("=") for kv in messages[-1].split())
+    made, at_term = int(fields["calls"]), int(fields["at_term"])
+    assert made > at_term and st["usage"]["totalTokens"] == made + 2, (made, at_term, st["usage"])
+    events = cluster.kubectl("get", "events", "-n", flows.ns, "--field-selector",
+                             f"involvedObject.name={name},reason=Disrupted", "-o", "json").stdout
+    assert json.loads(events)["items"], "a Disrupted event for `kubectl describe`"
 
 
 def test_suspend_and_unsuspend(flows: Flows, cluster: LocalCluster) -> None:
