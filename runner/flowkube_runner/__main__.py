@@ -1,6 +1,9 @@
 """``flowkube-runner`` / ``python -m flowkube_runner``.
 
-- no arguments (or ``run``): run one Flow run from the pod environment (what runner pods do);
+- no arguments (or ``run``): run one Flow run from the pod environment (what runner pods do). On
+  SIGTERM (the pod deleted, evicted or drained) it lets the model call in flight finish, starts no
+  new one, reports the run ``RunInterrupted`` with every answered call counted, and exits with the
+  retryable code, within the pod's grace period;
 - ``validate-server [--host H] [--port P]``: the definition validator the operator's admission
   webhook asks (see ``validate.py``).
 """
@@ -9,8 +12,11 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import sys
+import threading
 from datetime import UTC, datetime
+from types import FrameType
 
 from flowkube_api import constants as c
 from flowkube_api.report import RunReport
@@ -59,8 +65,28 @@ def main(argv: list[str] | None = None) -> int:
     return run_from_environment()
 
 
+STOP_LOG = "SIGTERM: stopping; the model call in flight may finish, no new one starts"
+
+
+def stop_on_sigterm() -> threading.Event:
+    """An event SIGTERM sets. Installed first thing, so a stop during the seconds crewAI takes to
+    import is not lost (a runner pod's process is PID 1, which ignores a signal it has no handler for).
+    The handler only sets the event: logging from it could re-enter a stream the main thread is
+    writing, so a thread says it."""
+    stop = threading.Event()
+
+    def on_sigterm(_signum: int, _frame: FrameType | None) -> None:
+        if not stop.is_set():
+            stop.set()
+            threading.Thread(target=log.warning, args=(STOP_LOG,), daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    return stop
+
+
 def run_from_environment() -> int:
     started_at = datetime.now(UTC)
+    stop = stop_on_sigterm()
     try:
         config = RunnerConfig.from_env()
     except ConfigError as e:
@@ -94,7 +120,7 @@ def run_from_environment() -> int:
             finished_at=datetime.now(UTC),
         )
     else:
-        report = execute(config, store, started_at=started_at)
+        report = execute(config, store, started_at=started_at, stop=stop)
     publish(report, store, config.termination_log)
     log.info("run ended: %s %s (exit %d)", report.result, report.reason, report.exit_code)
     return report.exit_code

@@ -2,6 +2,9 @@
 
 ``execute`` never raises for anything a flow or its state can do wrong; it turns every ending
 into a ``RunReport`` whose reason and exit code tell the operator whether a retry can help.
+
+crewAI stays behind ``engine``: a run drives a ``FlowSession`` and reads a ``UsageRecorder``, and
+imports them (and with them crewAI, seconds of imports) only when it starts.
 """
 
 from __future__ import annotations
@@ -11,18 +14,19 @@ import threading
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-from pydantic import BaseModel, ValidationError
+from typing import TYPE_CHECKING
 
 from flowkube_api import constants as c
 from flowkube_api.report import FeedbackApplied, FeedbackRequest, RunReport, Usage, excerpt
 
 from .config import RunnerConfig
+from .engine.api import Ending, InvalidFlow, InvalidInputs
+from .engine.state import StateDocument
 from .store import StateCorrupt, StateStore, StateTooLarge, StoreError
 
 if TYPE_CHECKING:
-    from .engine import StateDocument, StorePersistence, UsageRecorder
+    from .engine.session import FlowSession
+    from .engine.usage import UsageRecorder
 
 log = logging.getLogger("flowkube_runner")
 
@@ -72,6 +76,10 @@ def _is_api_error(error: BaseException) -> bool:
 
 
 INTERRUPTED_MESSAGE = "the runner stopped before finishing"
+STOPPED_MESSAGE = (
+    "the runner was stopped (SIGTERM) before the flow finished: the model call in flight was let finish "
+    "and is counted, no new one was started; a retry continues after the last completed method"
+)
 
 
 class InterimReport:
@@ -116,82 +124,36 @@ class InterimReport:
 
 
 class _Run:
-    def __init__(self, config: RunnerConfig, store: StateStore, engine: Any, interim: InterimReport) -> None:
+    def __init__(
+        self, config: RunnerConfig, store: StateStore, interim: InterimReport, stop: threading.Event | None
+    ) -> None:
+        from .engine.usage import UsageRecorder  # crewAI loads here, when the run starts
+
         self.config = config
         self.store = store
-        self.engine = engine  # the module, imported late: see execute()
-        self.persistence: StorePersistence = engine.StorePersistence()
         self.interim = interim
-        self.recorder: UsageRecorder = engine.UsageRecorder(
+        self.stop = stop
+        self.recorder: UsageRecorder = UsageRecorder(
             prior_total_tokens=config.prior_total_tokens,
             max_total_tokens=config.spec.budget.max_total_tokens,
             on_call=self._after_model_call,
+            stop=stop,
         )
-        self.definition: Any = None
-        self.flow_class: Any = None
-        self.flow: Any = None
+        self.session: FlowSession | None = None
         self.feedback_applied: FeedbackApplied | None = None
 
     def _after_model_call(self, recorder: UsageRecorder) -> None:
         self.interim.update(recorder.recorded, self.flow_id())
 
     def flow_id(self) -> str | None:
-        if self.flow is not None and self.flow.flow_id:
-            return str(self.flow.flow_id)
-        if self.persistence.document is not None:
-            return self.persistence.document.flow_id
-        return None
+        return self.session.flow_id() if self.session is not None else None
 
-    # --- loading ---
-
-    def load(self) -> None:
-        spec = self.config.spec
-        try:
-            if spec.definition is not None:
-                self.definition = self.engine.load_definition(spec.definition)
-                self.flow_class = self.engine.Flow
-            else:
-                assert spec.flow_ref is not None
-                self.flow_class = self.engine.import_flow_class(spec.flow_ref)
-        except self.engine.InvalidFlow as e:
-            reason = c.Reason.INVALID_DEFINITION if spec.definition is not None else c.Reason.INVALID_FLOW_REF
-            raise _permanent(reason, str(e)) from e
-
-    def _construct(self, build: Any) -> Any:
-        """crewAI resolves actions and state when the instance is built; failures there are the
-        definition's fault, not the run's."""
-        try:
-            flow = build()
-        except (ValueError, TypeError, ImportError, ValidationError) as e:
-            reason = c.Reason.INVALID_DEFINITION if self.definition is not None else c.Reason.INVALID_FLOW_REF
-            raise _permanent(reason, f"{type(e).__name__}: {e}") from e
-        self.persistence.attach(flow)
-        self.flow = flow
-        return flow
-
-    def new_flow(self) -> Any:
-        if self.definition is not None:
-            return self._construct(lambda: self.flow_class.from_declaration(contents=self.definition))
-        return self._construct(self.flow_class)
-
-    def validate_inputs(self, flow: Any, inputs: dict[str, Any]) -> None:
-        state = flow.state
-        if not inputs or not isinstance(state, BaseModel):
-            return
-        try:
-            type(state).model_validate({**state.model_dump(), **inputs})
-        except ValidationError as e:
-            raise _permanent(c.Reason.INVALID_INPUTS, f"inputs do not fit the flow state: {e}") from e
+    def feedback_request(self) -> FeedbackRequest | None:
+        return self.session.feedback_request() if self.session is not None else None
 
     # --- triggers ---
 
-    def kickoff(self) -> Any:
-        flow = self.new_flow()
-        inputs = dict(self.config.spec.inputs)
-        self.validate_inputs(flow, inputs)
-        return flow.kickoff(inputs=inputs or None)
-
-    def resume(self, document: StateDocument) -> Any:
+    def resume(self, session: FlowSession, document: StateDocument) -> Ending:
         pending = document.pending
         if pending is None:
             raise _permanent(c.Reason.STATE_CORRUPT, "resume requested but the state has no pending feedback request")
@@ -203,107 +165,107 @@ class _Run:
                 c.Reason.FEEDBACK_REFUSED,
                 f"feedback is for request {feedback.request_id!r}, but {pending.request_id!r} is pending",
             )
-        context = pending.context
-        emit = context.get("emit") or None
-        default_outcome = context.get("default_outcome")
         text = feedback.text
         if feedback.timed_out:
-            if not default_outcome:
+            if not pending.default_outcome:
                 raise _permanent(
                     c.Reason.FEEDBACK_TIMED_OUT,
                     f"feedback request {pending.request_id} timed out and step "
-                    f"{context.get('method_name')!r} has no default outcome",
+                    f"{pending.method!r} has no default outcome",
                 )
             # crewAI resolves empty feedback to the step's default outcome without asking a model.
             text = ""
-        if feedback.outcome is not None and (not emit or feedback.outcome not in emit):
+        if feedback.outcome is not None and (not pending.emit or feedback.outcome not in pending.emit):
             raise _permanent(
                 c.Reason.FEEDBACK_REFUSED,
-                f"outcome {feedback.outcome!r} is not one of the step's outcomes {emit}",
+                f"outcome {feedback.outcome!r} is not one of the step's outcomes {pending.emit}",
             )
-
-        def build() -> Any:
-            flow_id, persistence = document.flow_id, self.persistence
-            if self.definition is not None:
-                return self.flow_class.from_pending(flow_id, persistence, definition=self.definition)
-            return self.flow_class.from_pending(flow_id, persistence)
-
-        flow = self._construct(build)
-        self.engine.restore_runtime(flow, document.runtime, completed=False)
-        if feedback.outcome is not None and not feedback.timed_out:
-            self.engine.choose_outcome(flow.pending_feedback, feedback.outcome)
-        method = str(context.get("method_name", ""))
-        result = flow.resume(text)
-        outcome = next(
-            (h.outcome for h in reversed(flow.human_feedback_history) if h.method_name == method),
-            None,
-        )
+        outcome = feedback.outcome if not feedback.timed_out else None
+        ending = session.resume(document, text, outcome=outcome)
         self.feedback_applied = FeedbackApplied(
             request_id=pending.request_id,
-            method=method,
+            method=pending.method,
             response=feedback.text,
-            outcome=outcome,
+            outcome=session.feedback_outcome(pending.method),
             timed_out=feedback.timed_out,
         )
-        return result
+        return ending
 
-    def retry(self, document: StateDocument | None) -> Any:
-        if document is None or not document.runtime.get("completedMethods"):
+    def retry(self, session: FlowSession, document: StateDocument | None) -> Ending:
+        if document is None or not document.has_completed_methods:
             log.info("nothing completed yet: the retry starts the flow from the beginning")
-            return self.kickoff()
+            return session.kickoff(dict(self.config.spec.inputs))
         if document.pending is not None:
             if self.config.feedback is not None:
-                return self.resume(document)
-            # Paused is where the earlier run ended; report the same request again.
-            return _StillPaused()
-        flow = self.new_flow()
-        self.engine.restore_runtime(flow, document.runtime, completed=True, state=document.state)
-        return flow.kickoff()
+                return self.resume(session, document)
+            # Paused is where the earlier run ended; report the same request again, running nothing.
+            return Ending(paused=True)
+        return session.retry(document)
 
     # --- the whole run ---
 
-    def drive(self) -> Any:
+    def _document(self) -> StateDocument | None:
         trigger = self.config.trigger
-        document = None
-        if trigger is not c.Trigger.KICKOFF:
-            try:
-                document = self.engine.StateDocument.load(self.store)
-            except StateCorrupt as e:
-                raise _permanent(c.Reason.STATE_CORRUPT, str(e)) from e
-            if document is None and trigger is c.Trigger.RESUME:
-                raise _permanent(c.Reason.STATE_CORRUPT, f"resume requested but state key {c.STATE_KEY} is missing")
-        self.persistence.bind(self.store, self.config.pod, document)
-        self.engine.install(self.persistence)
-        self.load()
+        if trigger is c.Trigger.KICKOFF:
+            return None
+        try:
+            document = StateDocument.load(self.store)
+        except StateCorrupt as e:
+            raise _permanent(c.Reason.STATE_CORRUPT, str(e)) from e
+        if document is None and trigger is c.Trigger.RESUME:
+            raise _permanent(c.Reason.STATE_CORRUPT, f"resume requested but state key {c.STATE_KEY} is missing")
+        return document
+
+    def drive(self) -> Ending:
+        from .engine.session import FlowSession
+
+        trigger, spec = self.config.trigger, self.config.spec
+        document = self._document()
+        self.session = session = FlowSession(self.store, self.config.pod, document)
+        session.load(definition=spec.definition, flow_ref=spec.flow_ref)
         if self.recorder.budget_already_spent():
             self.recorder.exceeded = True
             raise _permanent(c.Reason.BUDGET_EXCEEDED, self.recorder.budget_message())
+        if self.stop is not None and self.stop.is_set():
+            raise RunFailure(c.Reason.RUN_INTERRUPTED, STOPPED_MESSAGE, permanent=False)
         with self.recorder.recording():
             if trigger is c.Trigger.KICKOFF:
-                return self.kickoff()
+                return session.kickoff(dict(spec.inputs))
             if trigger is c.Trigger.RESUME:
                 assert document is not None
-                return self.resume(document)
-            return self.retry(document)
+                return self.resume(session, document)
+            return self.retry(session, document)
+
+    def _known_failure(self, cause: BaseException) -> RunFailure | None:
+        """What the runner's own exceptions, and the engine's and the store's, mean for the run."""
+        if isinstance(cause, RunFailure):
+            return cause
+        if isinstance(cause, InvalidFlow):
+            inline = self.config.spec.definition is not None
+            return _permanent(c.Reason.INVALID_DEFINITION if inline else c.Reason.INVALID_FLOW_REF, str(cause))
+        if isinstance(cause, InvalidInputs):
+            return _permanent(c.Reason.INVALID_INPUTS, str(cause))
+        if isinstance(cause, StateTooLarge):
+            return _permanent(c.Reason.STATE_TOO_LARGE, str(cause))
+        if isinstance(cause, StateCorrupt):
+            return _permanent(c.Reason.STATE_CORRUPT, str(cause))
+        if isinstance(cause, StoreError):
+            return RunFailure(c.Reason.INTERNAL_ERROR, f"state store: {cause}", permanent=False)
+        return None
 
     def classify(self, error: BaseException) -> RunFailure:
         if self.recorder.exceeded:
             return _permanent(c.Reason.BUDGET_EXCEEDED, self.recorder.budget_message())
         causes = [*_chain(error)]
-        if self.persistence.failure is not None:
-            causes.insert(0, self.persistence.failure)
+        storage_failure = self.session.storage_failure if self.session is not None else None
+        if storage_failure is not None:
+            causes.insert(0, storage_failure)
         for cause in causes:
-            if isinstance(cause, RunFailure):
-                return cause
-            if isinstance(cause, StateTooLarge):
-                return _permanent(c.Reason.STATE_TOO_LARGE, str(cause))
-            if isinstance(cause, StateCorrupt):
-                return _permanent(c.Reason.STATE_CORRUPT, str(cause))
-            if isinstance(cause, StoreError):
-                return RunFailure(c.Reason.INTERNAL_ERROR, f"state store: {cause}", permanent=False)
+            if (known := self._known_failure(cause)) is not None:
+                return known
+        if self.recorder.stopped:  # the stop refused a model call: that is why the flow ended here
+            return RunFailure(c.Reason.RUN_INTERRUPTED, STOPPED_MESSAGE, permanent=False)
         for cause in causes:
-            if isinstance(cause, ValueError) and str(cause).startswith("Invalid inputs for structured state"):
-                return _permanent(c.Reason.INVALID_INPUTS, str(cause))
             if _is_connection_error(cause):
                 return RunFailure(c.Reason.MODEL_UNREACHABLE, f"model connection lost: {cause}", permanent=False)
         for cause in causes:
@@ -312,11 +274,15 @@ class _Run:
         return RunFailure(c.Reason.FLOW_ERROR, f"{type(error).__name__}: {error}", permanent=False)
 
 
-class _StillPaused:
-    """Marker result: the retried run had already paused; nothing ran."""
-
-
-def execute(config: RunnerConfig, store: StateStore, *, started_at: datetime | None = None) -> RunReport:
+def execute(
+    config: RunnerConfig,
+    store: StateStore,
+    *,
+    started_at: datetime | None = None,
+    stop: threading.Event | None = None,
+) -> RunReport:
+    """``stop``, once set (the process got SIGTERM), lets the model call in flight finish and starts
+    no new one; the run then ends ``RunInterrupted`` with a retryable exit code."""
     started_at = started_at or datetime.now(UTC)
     report = RunReport(
         pod=config.pod,
@@ -330,18 +296,16 @@ def execute(config: RunnerConfig, store: StateStore, *, started_at: datetime | N
     run: _Run | None = None
     interim = InterimReport(store, report)
     try:
-        from . import engine  # the one crewAI import of the process
-
-        run = _Run(config, store, engine, interim)
-        result = run.drive()
+        run = _Run(config, store, interim, stop)
+        ending = run.drive()
         usage = run.recorder.usage()
         if run.recorder.exceeded:
             raise _permanent(c.Reason.BUDGET_EXCEEDED, run.recorder.budget_message())
         report.usage = usage
-        if isinstance(result, engine.HumanFeedbackPending | _StillPaused):
+        if ending.paused:
             report.result, report.reason = c.RunResult.PAUSED, c.Reason.RUN_PAUSED
             report.exit_code = c.EXIT_OK
-            report.feedback_request = _feedback_request(run.persistence.document)
+            report.feedback_request = run.feedback_request()
             report.message = (
                 f"awaiting feedback on {report.feedback_request.method}"
                 if report.feedback_request
@@ -353,8 +317,7 @@ def execute(config: RunnerConfig, store: StateStore, *, started_at: datetime | N
                 c.Reason.RUN_SUCCEEDED,
                 c.EXIT_OK,
             )
-            text = engine.render_output(result)
-            report.output = excerpt(text) if text is not None else None
+            report.output = excerpt(ending.output) if ending.output is not None else None
             report.message = "flow finished"
     except BaseException as error:
         if isinstance(error, KeyboardInterrupt | SystemExit):
@@ -362,7 +325,8 @@ def execute(config: RunnerConfig, store: StateStore, *, started_at: datetime | N
         failure = run.classify(error) if run is not None else _fallback_failure(error)
         if run is not None:
             report.usage = _safe_usage(run)
-        log.error("run failed: %s: %s", failure.reason, failure, exc_info=not isinstance(error, RunFailure))
+        expected = isinstance(error, RunFailure | InvalidFlow | InvalidInputs)  # no traceback for the flow's own faults
+        log.error("run failed: %s: %s", failure.reason, failure, exc_info=not expected)
         report.result = c.RunResult.FAILED
         report.reason = failure.reason
         report.message = str(failure)
@@ -388,24 +352,6 @@ def _safe_usage(run: _Run) -> Usage:
     except Exception:
         log.exception("could not read usage")
         return Usage()
-
-
-def _feedback_request(document: StateDocument | None) -> FeedbackRequest | None:
-    if document is None or document.pending is None:
-        return None
-    from . import engine
-
-    context = document.pending.context
-    requested_at = context.get("requested_at")
-    return FeedbackRequest(
-        id=document.pending.request_id,
-        method=str(context.get("method_name", "")),
-        message=str(context.get("message", "")),
-        emit=context.get("emit"),
-        default_outcome=context.get("default_outcome"),
-        output=excerpt(engine.render_output(context.get("method_output")) or ""),
-        requested_at=datetime.fromisoformat(requested_at) if isinstance(requested_at, str) else None,
-    )
 
 
 def publish(report: RunReport, store: StateStore | None, termination_log: Path) -> None:

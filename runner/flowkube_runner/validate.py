@@ -26,7 +26,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .engine import DefinitionProblem
+    from .engine.definitions import DefinitionProblem
 
 log = logging.getLogger("flowkube_runner.validate")
 
@@ -48,7 +48,7 @@ def verdict(problems: list[DefinitionProblem]) -> dict[str, Any]:
 
 
 def validate(definition: Any) -> dict[str, Any]:
-    from .engine import check_definition
+    from .engine.definitions import check_definition
 
     _, problems = check_definition(definition)
     return verdict(problems)
@@ -109,9 +109,9 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def make_server(host: str, port: int) -> ThreadingHTTPServer:
-    from . import engine  # crewAI loads here, before the port opens: listening means ready
+    from .engine import definitions  # crewAI loads here, before the port opens: listening means ready
 
-    del engine
+    del definitions
     server = ThreadingHTTPServer((host, port), _Handler)
     server.daemon_threads = True
     return server

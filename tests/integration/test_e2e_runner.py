@@ -7,6 +7,7 @@ truth the flows' ``status.usage`` must equal.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -14,7 +15,9 @@ from typing import Any
 import pytest
 
 from flowkube_api.report import Usage
-from flowkube_devstack.cluster import LocalCluster
+from flowkube_devstack.cluster import LocalCluster, wait_for
+from flowkube_devstack.stubmodel import Rules, ledger_usage
+from flowkube_runner.__main__ import STOP_LOG
 from tests.integration.conftest import Flows
 from tests.integration.realrunner import MODEL, RealRunnerStack, real_runner_stack
 
@@ -56,6 +59,7 @@ def review_definition() -> dict[str, Any]:
     }
 
 
+ARTICLE_FLOW = "flowkube_runner.examples.article:ArticleFlow"
 LOOP = {"name": "Loop", "methods": {"again": {"start": True, "listen": "again",
                                               "do": {"call": "expression", "expr": "1"}}}}
 LOOP_MESSAGE = "A listener triggered by its own completion creates an infinite loop"
@@ -107,8 +111,7 @@ def test_inline_definition_pauses_for_feedback_and_resumes_on_a_raw_status_patch
 
 def test_class_flow_by_reference(stack: RealRunnerStack, flows: Flows) -> None:
     mark = len(stack.stub.ledger())
-    flows.apply("article", {"flowRef": "flowkube_runner.examples.article:ArticleFlow",
-                            "inputs": {"topic": "cats"}})
+    flows.apply("article", {"flowRef": ARTICLE_FLOW, "inputs": {"topic": "cats"}})
     st = flows.wait_phase("article", "Succeeded", timeout=RUN_TIMEOUT)
     assert st["definition"] == "ArticleFlow"
     assert st["result"]["output"] == "A plain reply."
@@ -137,3 +140,54 @@ def test_without_the_validator_an_invalid_definition_fails_once_and_is_not_retri
     (run,) = st["runs"]
     assert (run["result"], run["reason"], run["exitCode"]) == ("Failed", "InvalidDefinition", 2)
     assert len(flows.pods("loop")) <= 1
+
+
+def test_a_pod_deleted_during_a_model_call_reports_the_call_and_a_retry_finishes_the_flow(
+        stack: RealRunnerStack, flows: Flows) -> None:
+    """``kubectl delete pod`` (30 s grace, as a drain or an eviction) while each flow's first model call
+    is in flight: the runner lets the call finish, starts no new one, reports it and exits retryable.
+    ``graceful`` has retries and finishes on its next run without calling the model for the completed
+    step again; ``graceful-once`` has none. Each Flow's usage must equal the calls the model served it.
+    (One test for both: the stub releases held calls once, for good.)"""
+    topics = {"graceful": "dogs", "graceful-once": "owls"}
+    # Each topic's draft reply names it, so the summarize call that follows is the flow's too.
+    held = [{"contains": f"draft about {t}.", "hold": True, "times": 1, "reply": f"A draft on {t}."}
+            for t in topics.values()]
+    stack.stub.set_rules(Rules.from_json({**RULES, "rules": [*held, *RULES["rules"]]}))
+    mark = len(stack.stub.ledger())
+    try:
+        flows.apply("graceful", {"flowRef": ARTICLE_FLOW, "inputs": {"topic": "dogs"},
+                                 "retries": {"limit": 1, "backoffSeconds": 0}})
+        flows.apply("graceful-once", {"flowRef": ARTICLE_FLOW, "inputs": {"topic": "owls"}})
+        assert stack.stub.wait_held(2, timeout=RUN_TIMEOUT), "both flows' first model calls should be held"
+        pods = [flows.status(name)["runs"][0]["pod"] for name in topics]
+        for pod in pods:
+            stack.cluster.kubectl("delete", "pod", pod, "-n", flows.ns, "--wait=false")
+
+        def took_sigterm(pod: str) -> bool:
+            out = stack.cluster.kubectl("logs", pod, "-n", flows.ns, check=False)
+            return STOP_LOG in out.stdout + out.stderr
+
+        for pod in pods:  # the kubelet's SIGTERM reached the runner while its call was still held
+            wait_for(functools.partial(took_sigterm, pod), 60, f"runner pod {pod} to take the SIGTERM")
+    finally:
+        stack.stub.release_held()
+        stack.stub.set_rules(Rules.from_json(RULES))
+
+    st = flows.wait_phase("graceful", "Succeeded", timeout=RUN_TIMEOUT)
+    once = flows.wait("graceful-once", lambda s: s.get("phase") in ("Succeeded", "Failed"), "an end",
+                      timeout=RUN_TIMEOUT)
+    served = stack.stub.ledger()[mark:]
+    for name, status in (("graceful", st), ("graceful-once", once)):
+        calls = [e for e in served if topics[name] in e["lastUser"]]
+        stopped = status["runs"][0]
+        assert usage_of({"usage": stopped["usage"]}) == ledger_usage(calls[:1]), json.dumps(status, indent=1)
+        assert usage_of(status) == ledger_usage(calls), f"{name}: each answered call counted once"
+    drafts = [e for e in served if "Write a short draft about dogs" in e["lastUser"]]
+    assert len(drafts) == 1, "the retry must not call the model for the step completed before the stop"
+    assert [r["result"] for r in st["runs"]] == ["Failed", "Succeeded"], json.dumps(st, indent=1)
+    assert st["result"]["output"] == "A plain reply."
+    # Without retries the operator decides (issue 16: a disruption should not fail the flow).
+    print(f"graceful-once ended {once['phase']} ({once.get('reason')}): {once.get('message')}; "
+          f"runs: {[(r['result'], r.get('reason'), r.get('exitCode')) for r in once['runs']]}; graceful's runs: "
+          f"{[(r['result'], r.get('reason'), r.get('exitCode')) for r in st['runs']]}")

@@ -19,6 +19,8 @@ from flowkube_api import constants as c
 from flowkube_api.report import RunReport, Usage
 from flowkube_devstack.cluster import wait_for
 from flowkube_devstack.stubmodel import Rules, StubModel, ledger_usage
+from flowkube_runner.__main__ import STOP_LOG
+from flowkube_runner.run import STOPPED_MESSAGE
 from flowkube_runner.store import FileStore, decode_json
 
 pytestmark = pytest.mark.slow
@@ -96,24 +98,29 @@ class Harness:
 
     def spawn(self, trigger: c.Trigger, spec: dict[str, Any], **kwargs: Any) -> tuple[str, subprocess.Popen[str]]:
         pod = self.next_pod()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "flowkube_runner"],
-            env=self.env(pod, trigger, spec, **kwargs),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        with (self.root / f"{pod}.stderr").open("w") as stderr:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "flowkube_runner"],
+                env=self.env(pod, trigger, spec, **kwargs),
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+                text=True,
+            )
         return pod, proc
 
+    def stderr(self, pod: str) -> str:
+        """The runner's log so far (it writes to a file, so a test can read it while it runs)."""
+        return (self.root / f"{pod}.stderr").read_text()
+
     def finish(self, pod: str, proc: subprocess.Popen[str], timeout: float = 120) -> Finished:
-        _, stderr = proc.communicate(timeout=timeout)
+        proc.wait(timeout=timeout)
         data = self.store.get(c.report_key(pod))
         termination = self.root / f"{pod}.termination"
         return Finished(
             exit_code=proc.returncode,
             report=RunReport.decode(data) if data is not None else None,
             termination=termination.read_text() if termination.exists() else "",
-            stderr=stderr,
+            stderr=self.stderr(pod),
         )
 
     def run(self, trigger: c.Trigger, spec: dict[str, Any], **kwargs: Any) -> Finished:
@@ -476,6 +483,40 @@ def test_killed_run_retries_from_the_last_completed_method(harness: Harness, stu
     assert report.usage.successful_requests == 1
     state = harness.state()
     assert state is not None and state["state"]["topic"] == "cats" and state["state"]["summary"] == "A plain reply."
+
+
+def test_sigterm_lets_the_call_in_flight_finish_counts_it_and_starts_no_new_one(
+    harness: Harness, stub: StubModel
+) -> None:
+    """A graceful stop (the pod deleted or evicted): the answered call is reported, the state holds
+    the method it completed, and the exit code asks for a retry, which finishes the flow."""
+    stub.set_rules(Rules.from_json({"default": "A plain reply.", "rules": [{"contains": "Write a short draft",
+                                                                            "hold": True, "times": 1}]}))
+    spec = {"flowRef": ARTICLE_FLOW, "inputs": {"topic": "cats"}}
+    pod, proc = harness.spawn(c.Trigger.KICKOFF, spec)
+    try:
+        assert stub.wait_held(1, timeout=120), "the model call to hold never arrived"
+        proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: STOP_LOG in harness.stderr(pod), 30, f"{pod} to take the SIGTERM")
+        stub.release_held()
+        stopped = harness.finish(pod, proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+    report = failed(stopped, c.Reason.RUN_INTERRUPTED, c.EXIT_RETRYABLE)
+    assert report.message == STOPPED_MESSAGE
+    ledger = stub.ledger()
+    assert [("Write a short draft" in e["lastUser"]) for e in ledger] == [True], "summarize must not start"
+    assert report.usage == ledger_usage(ledger) and report.usage.successful_requests == 1
+    state = harness.state()
+    assert state is not None and state["runtime"]["completedMethods"] == ["write_draft"]
+
+    retried = succeeded(harness.run(c.Trigger.RETRY, spec))
+    ledger = stub.ledger()
+    assert len(ledger) == 2 and "Summarise" in ledger[1]["lastUser"], "the retry runs only summarize"
+    assert retried.usage == ledger_usage(ledger[1:])
+    assert report.usage + retried.usage == ledger_usage(ledger)  # every answered call counted once
 
 
 def test_invalid_definition_fails_permanently_with_crewai_message(harness: Harness, stub: StubModel) -> None:

@@ -1,0 +1,147 @@
+"""crewAI's persistence and human-feedback extension points, routed to the runner's state object."""
+
+from __future__ import annotations
+
+import threading
+from datetime import UTC, datetime
+from typing import Any
+
+from crewai.flow.async_feedback.types import HumanFeedbackPending, PendingFeedbackContext
+from crewai.flow.flow import Flow
+from crewai.flow.flow_config import flow_config
+from crewai.flow.persistence.base import FlowPersistence
+from crewai.flow.persistence.factory import set_flow_persistence_factory
+from pydantic import BaseModel, PrivateAttr
+
+from flowkube_api.constants import STATE_KEY
+
+from ..store import StateCorrupt, StateStore
+from .runtime import json_safe, resumed_step_output, snapshot_runtime
+from .state import PendingRequest, StateDocument
+
+
+class StorePersistence(FlowPersistence):  # type: ignore[misc]
+    """crewAI persistence backed by the flow's state object, one document per flow.
+
+    A process runs one flow, so this is a singleton bound to it: ``save_state`` reads the bound
+    flow's runtime alongside the state crewAI hands over. Writes are serialised and take the
+    snapshot under the lock, so the last write always carries the newest runtime.
+    """
+
+    persistence_type: str = "flowkube"
+    _store: StateStore | None = PrivateAttr(default=None)
+    _flow: Flow[Any] | None = PrivateAttr(default=None)
+    _document: StateDocument | None = PrivateAttr(default=None)
+    _pod: str = PrivateAttr(default="")
+    _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
+    _failure: BaseException | None = PrivateAttr(default=None)
+
+    def bind(self, store: StateStore, pod: str, document: StateDocument | None) -> None:
+        self._store = store
+        self._pod = pod
+        self._document = document
+
+    def attach(self, flow: Flow[Any]) -> None:
+        self._flow = flow
+
+    @property
+    def document(self) -> StateDocument | None:
+        return self._document
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The storage error behind a failed save; crewAI wraps it in a generic RuntimeError."""
+        return self._failure
+
+    def init_db(self) -> None:
+        """Nothing to set up: the operator pre-creates the state object."""
+
+    def _write(self, document: StateDocument) -> None:
+        if self._store is None:
+            raise RuntimeError("StorePersistence used before bind()")
+        document.pod = self._pod
+        document.updated_at = datetime.now(UTC)
+        try:
+            self._store.put(STATE_KEY, document.encode())
+        except Exception as e:
+            self._failure = e
+            raise
+        self._document = document
+
+    def _state_dict(self, state_data: dict[str, Any] | BaseModel) -> dict[str, Any]:
+        data = state_data.model_dump(mode="json") if isinstance(state_data, BaseModel) else state_data
+        return dict(json_safe(data))
+
+    def _base(self, flow_uuid: str) -> StateDocument:
+        current = self._document
+        if current is not None and current.flow_id == flow_uuid:
+            return current.model_copy()
+        return StateDocument(flow_id=flow_uuid, state={})
+
+    def save_state(self, flow_uuid: str, method_name: str, state_data: dict[str, Any] | BaseModel) -> None:
+        with self._lock:
+            document = self._base(flow_uuid)
+            document.state = self._state_dict(state_data)
+            if self._flow is not None:
+                document.runtime = snapshot_runtime(self._flow)
+                document.runtime["methodOutputs"].extend(resumed_step_output(self._flow, method_name))
+            document.last_method = method_name
+            # Completing the step that asked for feedback settles the request in the same write,
+            # so a crash right after cannot make a retry consume the same answer twice.
+            if document.pending is not None and document.pending.method == method_name:
+                document.pending = None
+            self._write(document)
+
+    def load_state(self, flow_uuid: str) -> dict[str, Any] | None:
+        document = self._document
+        if document is None or document.flow_id != flow_uuid:
+            return None
+        return dict(document.state)
+
+    def save_pending_feedback(
+        self, flow_uuid: str, context: PendingFeedbackContext, state_data: dict[str, Any] | BaseModel
+    ) -> None:
+        with self._lock:
+            document = self._base(flow_uuid)
+            document.state = self._state_dict(state_data)
+            if self._flow is not None:
+                document.runtime = snapshot_runtime(self._flow)
+            document.feedback_count += 1
+            request_id = f"{context.method_name}-{document.feedback_count}"
+            document.pending = PendingRequest(request_id=request_id, context=context.to_dict())
+            self._write(document)
+
+    def load_pending_feedback(self, flow_uuid: str) -> tuple[dict[str, Any], PendingFeedbackContext] | None:
+        document = self._document
+        if document is None or document.flow_id != flow_uuid or document.pending is None:
+            return None
+        try:
+            context = PendingFeedbackContext.from_dict(document.pending.context)
+        except (KeyError, TypeError, ValueError) as e:
+            raise StateCorrupt(f"pending feedback context is malformed: {e}") from e
+        return dict(document.state), context
+
+    def clear_pending_feedback(self, flow_uuid: str) -> None:
+        with self._lock:
+            document = self._base(flow_uuid)
+            if document.pending is None:
+                return
+            document.pending = None
+            self._write(document)
+
+
+class PauseForFeedback:
+    """The HITL provider: never blocks a pod on a human; crewAI then persists and returns."""
+
+    def request_feedback(self, context: PendingFeedbackContext, flow: Flow[Any]) -> str:
+        raise HumanFeedbackPending(context=context)
+
+
+def install(persistence: StorePersistence) -> None:
+    """Route crewAI's default persistence and human feedback to the runner.
+
+    Must happen before a ``flowRef`` module is imported: a bare ``@persist`` resolves the default
+    backend at decoration time.
+    """
+    set_flow_persistence_factory(lambda: persistence)
+    flow_config.hitl_provider = PauseForFeedback()
