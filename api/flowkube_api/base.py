@@ -8,9 +8,10 @@ Times are timezone-aware ``datetime`` objects in Python and RFC 3339 UTC to the 
 from __future__ import annotations
 
 import datetime as dt
+from decimal import Decimal
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, PlainSerializer
+from pydantic import AfterValidator, BaseModel, ConfigDict, PlainSerializer, WithJsonSchema
 from pydantic.alias_generators import to_camel
 
 
@@ -24,6 +25,33 @@ def _rfc3339(t: dt.datetime) -> str:
 
 
 Time = Annotated[dt.datetime, AfterValidator(_utc_second), PlainSerializer(_rfc3339, return_type=str, when_used="json")]
+
+
+# Money: a decimal amount in USD, exact (never a float), a string on the wire ("0.00042").
+MONEY_PATTERN = r"^[0-9]+(\.[0-9]+)?$"
+MONEY_PLACES = Decimal("1e-12")  # finer than any price per token
+
+
+def _money_text(d: Decimal) -> str:
+    text = format(d.quantize(MONEY_PLACES), "f")
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def _money_value(d: Decimal) -> Decimal:
+    if not d.is_finite() or d < 0:
+        raise ValueError("an amount of money is a decimal number >= 0")
+    return d
+
+
+Money = Annotated[
+    Decimal, AfterValidator(_money_value), PlainSerializer(_money_text, return_type=str, when_used="json"),
+    WithJsonSchema({"type": "string", "pattern": MONEY_PATTERN}),
+]
+
+
+def money_text(d: Decimal) -> str:
+    """An amount as written in the status and in messages ("0.00042")."""
+    return _money_text(d)
 
 
 def now() -> dt.datetime:

@@ -70,6 +70,7 @@ def crd() -> dict[str, Any]:
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
         {"name": "Definition", "type": "string", "jsonPath": ".status.definition"},
         {"name": "Tokens", "type": "integer", "jsonPath": ".status.usage.totalTokens"},
+        {"name": "Cost", "type": "string", "jsonPath": ".status.usage.cost", "description": "USD spent by all runs"},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
         {"name": "Message", "type": "string", "jsonPath": ".status.message"},
         {"name": "Last-Run", "type": "string", "jsonPath": ".status.runs[-1:].pod", "priority": 1},

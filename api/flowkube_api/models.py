@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 from pydantic import ConfigDict, Field, JsonValue
 
-from flowkube_api.base import Model, Time
+from flowkube_api.base import Model, Money, Time
 from flowkube_api.constants import DEFAULT_DISRUPTION_LIMIT, ConditionType, Phase, RunResult, Trigger
 from flowkube_api.report import FeedbackRequest, TokenUsage, Usage
 
@@ -83,7 +83,15 @@ class FeedbackSpec(Model):
 
 
 class Budget(Model):
-    max_total_tokens: int = Field(ge=1, description="Hard cap on total tokens across all runs.")
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        cel("has(self.maxTotalTokens) || has(self.maxCost)", "budget sets maxTotalTokens, maxCost or both"),
+    ]})
+
+    max_total_tokens: int | None = Field(default=None, ge=1, description="Hard cap on total tokens across all runs.")
+    max_cost: Money | None = Field(
+        default=None,
+        description='Hard cap on the flow\'s spend across all runs, in USD, as a decimal string ("2.50"); '
+        "checked after every LLM call like maxTotalTokens.")
 
 
 class FlowDefinitionSpec(Model):

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import gzip
 import json
-from typing import Any
+from decimal import Decimal
+from typing import Any, Literal
 
 from pydantic import Field
 
-from flowkube_api.base import Model, Time
+from flowkube_api.base import Model, Money, Time
 from flowkube_api.constants import EXCERPT_LIMIT, Reason, RunResult, Trigger
 
 TERMINATION_MESSAGE_LIMIT = 4096  # kubelet truncates the termination message beyond this
@@ -35,7 +36,11 @@ def excerpt(text: str, limit: int = EXCERPT_LIMIT) -> str:
 
 
 class TokenUsage(Model):
-    """Token counters of one model, or the totals of a run/flow (``status.usage`` fields)."""
+    """Token counters and spend of one model, or the totals of a run/flow (``status.usage`` fields).
+
+    ``cost`` is what the priced calls cost, in USD, priced by the runner at the time of each call;
+    ``unpriced_tokens`` are the tokens of calls whose model has no price (never silently zero).
+    """
 
     total_tokens: int = 0
     prompt_tokens: int = 0
@@ -44,8 +49,10 @@ class TokenUsage(Model):
     reasoning_tokens: int = 0
     cache_creation_tokens: int = 0
     successful_requests: int = 0
+    cost: Money = Decimal(0)
+    unpriced_tokens: int = 0
 
-    def _summed(self, other: TokenUsage) -> dict[str, int]:
+    def _summed(self, other: TokenUsage) -> dict[str, Any]:
         return {name: getattr(self, name) + getattr(other, name) for name in TokenUsage.model_fields}
 
     def plus_tokens(self, other: TokenUsage) -> TokenUsage:
@@ -55,6 +62,7 @@ class TokenUsage(Model):
 class Usage(TokenUsage):
     """Totals plus ``byModel``; runs add up to the flow's usage with ``+``."""
 
+    currency: Literal["USD"] = "USD"
     by_model: dict[str, TokenUsage] = Field(default_factory=dict)
 
     def plus(self, other: Usage) -> Usage:

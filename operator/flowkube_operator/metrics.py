@@ -9,6 +9,7 @@ so `/metrics` stays fast with tens of thousands of Flows.
 from __future__ import annotations
 
 from collections import defaultdict
+from decimal import Decimal
 from typing import Any
 
 from flowkube_api.base import parse_time
@@ -31,19 +32,25 @@ WAIT_BUCKETS = (1.0, 5.0, 15.0, 30.0, 60.0, 300.0, 900.0, 1800.0, 3600.0, 7200.0
 FAMILIES: dict[str, tuple[str, str]] = {
     "flowkube_flow_tokens_total": ("counter", "LLM tokens used by a flow over all its runs, by model and type."),
     "flowkube_flow_llm_requests_total": ("counter", "Successful LLM requests of a flow over all its runs."),
+    "flowkube_flow_cost_usd_total": ("counter", "USD a flow's LLM calls cost over all its runs, by model "
+                                     "(priced by the runner at the time of each call)."),
+    "flowkube_flow_unpriced_tokens_total": ("counter", "Tokens of a flow's LLM calls whose model has no price."),
+    "flowkube_namespace_cost_usd_total": ("counter", "USD spent by the flows of a namespace, by definition and model; "
+                                          "a deleted Flow's spend stays."),
     "flowkube_flow_runs_total": ("counter", "Runner pods started for a flow, by trigger."),
     "flowkube_flow_phase": ("gauge", "1 for the flow's current phase, 0 for the others."),
     "flowkube_flows": ("gauge", "Flows by namespace and phase."),
     "flowkube_feedback_wait_seconds": ("histogram", "Time feedback requests waited for an answer or timeout."),
 }
 PER_FLOW = ("flowkube_flow_tokens_total", "flowkube_flow_llm_requests_total", "flowkube_flow_runs_total",
-            "flowkube_flow_phase")
+            "flowkube_flow_phase", "flowkube_flow_cost_usd_total", "flowkube_flow_unpriced_tokens_total")
 
 
 # In rollup mode (no `flow` label) these sum over Flows; a deleted Flow's part stays, so the
 # counters never decrease while the operator runs (a restart is a counter reset, as usual).
 ROLLUP_COUNTERS = frozenset({"flowkube_flow_tokens_total", "flowkube_flow_llm_requests_total",
-                             "flowkube_flow_runs_total"})
+                             "flowkube_flow_runs_total", "flowkube_flow_cost_usd_total",
+                             "flowkube_flow_unpriced_tokens_total", "flowkube_namespace_cost_usd_total"})
 
 
 def _escape(v: str) -> str:
@@ -74,6 +81,11 @@ def contributions(body: Body) -> dict[tuple[str, Labels], float]:
         for tname, field in TOKEN_TYPES.items():
             out[("flowkube_flow_tokens_total", (*base, ("model", model), ("type", tname)))] = u.get(field, 0)
         out[("flowkube_flow_llm_requests_total", (*base, ("model", model)))] = u.get("successfulRequests", 0)
+        cost = float(Decimal(u.get("cost") or 0))
+        out[("flowkube_flow_cost_usd_total", (*base, ("model", model)))] = cost
+        out[("flowkube_flow_unpriced_tokens_total", (*base, ("model", model)))] = u.get("unpricedTokens", 0)
+        out[("flowkube_namespace_cost_usd_total", (("namespace", ns), ("definition", definition),
+                                                   ("model", model)))] = cost
     counts = dict.fromkeys((t.value for t in Trigger), 0)
     for r in st.get("runs") or []:
         counts[r.get("trigger", "kickoff")] = counts.get(r.get("trigger", "kickoff"), 0) + 1

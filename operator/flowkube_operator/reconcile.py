@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flowkube_api import constants as c
+from flowkube_api.base import money_text, parse_time
 from flowkube_api.base import now as now_utc
-from flowkube_api.base import parse_time
 from flowkube_api.constants import Phase, Reason, RunResult, Trigger
 from flowkube_api.models import (
     FeedbackRecord,
@@ -425,11 +425,9 @@ class _Reconciler:
             self._refuse(validate_response(None, None, None) or "")
 
     def _start(self, trigger: Trigger) -> None:
-        usage = total_usage(self.runs)
-        cap = self.spec.budget.max_total_tokens if self.spec.budget else None
-        if cap is not None and usage.total_tokens >= cap:
-            self._terminal(Phase.FAILED, Reason.BUDGET_EXCEEDED,
-                           f"{usage.total_tokens} tokens used of budget.maxTotalTokens={cap}")
+        spent = budget_spent(self.spec, total_usage(self.runs))
+        if spent is not None:
+            self._terminal(Phase.FAILED, Reason.BUDGET_EXCEEDED, spent)
             return
         index = len(self.runs)
         self.runs.append(Run(pod=c.run_pod_name(str(self.meta.get("name")), index), trigger=trigger))
@@ -494,6 +492,18 @@ def total_usage(runs: list[Run]) -> Usage:
         if r.usage is not None:
             total = total + r.usage
     return total
+
+
+def budget_spent(spec: FlowSpec, usage: Usage) -> str | None:
+    """Why no further run may start (the budget is used up), naming the figure; None while it is not."""
+    budget = spec.budget
+    if budget is None:
+        return None
+    if budget.max_total_tokens is not None and usage.total_tokens >= budget.max_total_tokens:
+        return f"{usage.total_tokens} tokens used of budget.maxTotalTokens={budget.max_total_tokens}"
+    if budget.max_cost is not None and usage.cost >= budget.max_cost:
+        return f"USD {money_text(usage.cost)} spent of budget.maxCost={money_text(budget.max_cost)}"
+    return None
 
 
 def running_seconds(runs: list[Run], now: dt.datetime) -> float:

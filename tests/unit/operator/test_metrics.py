@@ -124,3 +124,22 @@ def test_rollup_counters_never_decrease_when_flows_are_deleted() -> None:
     m.update(("team-a", "f1"), None)
     lab = 'namespace="team-a",definition="research",model="gpt-4o"'
     assert samples(m.render())[f'flowkube_flow_tokens_total{{{lab},type="prompt"}}'] == 3
+
+
+def test_spend_per_flow_and_model_and_a_namespace_rollup_that_keeps_deleted_flows() -> None:
+    m = FlowMetrics()
+    for name, cost, unpriced in (("f1", "0.0125", 0), ("f2", "0.5", 40)):
+        b = body(name)
+        b["status"]["usage"]["byModel"]["gpt-4o"] = {**b["status"]["usage"]["byModel"]["gpt-4o"], "cost": cost,
+                                                     "unpricedTokens": unpriced}
+        m.update(("team-a", name), b)
+    s = samples(m.render())
+    base = 'namespace="team-a",flow="f1",definition="research"'
+    assert s[f'flowkube_flow_cost_usd_total{{{base},model="gpt-4o"}}'] == 0.0125
+    assert s['flowkube_flow_unpriced_tokens_total{namespace="team-a",flow="f2",definition="research",model="gpt-4o"}'] \
+        == 40
+    rollup = 'flowkube_namespace_cost_usd_total{namespace="team-a",definition="research",model="gpt-4o"}'
+    assert s[rollup] == 0.5125
+    m.update(("team-a", "f2"), None)  # deleted: its series go, its spend stays in the namespace's counter
+    s = samples(m.render())
+    assert not any('flow="f2"' in k for k in s) and s[rollup] == 0.5125

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from decimal import Decimal
 from typing import Any
 
 from flowkube_api.constants import Phase, Reason, RunResult, Trigger
@@ -467,3 +468,18 @@ def test_a_finished_flow_stops_a_runner_pod_left_alive() -> None:
     step(body, pod("f-0", "Succeeded", exit_code=0), report("f-0", RunResult.SUCCEEDED), at=1)
     p = step(body, {**pod("f-0", "Succeeded", exit_code=0), **pod("f-9", "Running")}, at=5)
     assert p.delete_pods == ["f-9"] and body["status"]["phase"] == Phase.SUCCEEDED
+
+
+def test_a_money_budget_stops_the_flow_before_another_run() -> None:
+    body = flow(budget={"maxCost": "0.01"}, retries={"limit": 3, "backoffSeconds": 0})
+    step(body)
+    spent = usage(100, 20)
+    spent = spent.model_copy(update={"cost": Decimal("0.012"), "by_model": {
+        m: t.model_copy(update={"cost": Decimal("0.012")}) for m, t in spent.by_model.items()}})
+    p = step(body, pod("f-0", "Failed", exit_code=3), report("f-0", RunResult.FAILED, reason=Reason.FLOW_ERROR,
+                                                          exit_code=3, usage=spent), at=1)
+    p = step(body, at=10)  # the retry is due: the budget is spent, so none starts
+    assert p.create_pod is None and body["status"]["phase"] == Phase.FAILED
+    assert cond(body, "Succeeded")["reason"] == Reason.BUDGET_EXCEEDED
+    assert "USD 0.012 spent of budget.maxCost=0.01" in cond(body, "Succeeded")["message"]
+    assert body["status"]["usage"]["cost"] == "0.012" and body["status"]["usage"]["currency"] == "USD"
