@@ -37,7 +37,7 @@ def build() -> dict[str, Any]:
         dashboard.Dashboard("flowkube")
         .uid("flowkube")
         .tags(["flowkube", "crewai", "llm"])
-        .description("crewAI Flows run by flowkube: LLM token usage, flows, feedback, operator health.")
+        .description("crewAI Flows run by flowkube: LLM token usage and spend, flows, feedback, operator health.")
         .refresh("1m")
         .time("now-6h", "now")
         .with_variable(dashboard.DatasourceVariable("datasource").label("Data source").type("prometheus"))
@@ -71,6 +71,25 @@ def build() -> dict[str, Any]:
         .with_panel(_ts("LLM requests per second by definition and model", "reqps",
                         _q(f"sum by (definition, model) (rate(flowkube_flow_llm_requests_total{{{NS}}}"
                            "[$__rate_interval]))", "{{definition}} {{model}}")))
+        .with_row(dashboard.Row("Spend"))
+        .with_panel(stat.Panel().title("Spend, USD (all time)").unit("currencyUSD").decimals(2).height(4).span(6)
+                    .datasource(DS)
+                    .with_target(_q(f"sum(flowkube_namespace_cost_usd_total{{{NS}}})", "USD", instant=True)))
+        .with_panel(stat.Panel().title("Unpriced tokens (all time)").unit("short").height(4).span(6).datasource(DS)
+                    .description("Tokens of calls whose model has no price in the table or the overrides "
+                                 "(runner.prices): their cost is unknown, not zero.")
+                    .with_target(_q(f"sum(flowkube_flow_unpriced_tokens_total{{{NS}}})", "tokens", instant=True)))
+        .with_panel(bargauge.Panel().title("Top flows by spend, USD").unit("currencyUSD").height(8).span(12)
+                    .datasource(DS)
+                    .with_target(_q(f"topk(10, sum by (namespace, flow, definition) "
+                                    f"(flowkube_flow_cost_usd_total{{{NS}}}))", "{{namespace}}/{{flow}}",
+                                    instant=True)))
+        .with_panel(_ts("Spend per hour by namespace and definition, USD", "currencyUSD",
+                        _q(f"sum by (namespace, definition) (increase(flowkube_namespace_cost_usd_total{{{NS}}}"
+                           "[1h]))", "{{namespace}}/{{definition}}")))
+        .with_panel(_ts("Spend per hour by model, USD", "currencyUSD",
+                        _q(f"sum by (model) (increase(flowkube_namespace_cost_usd_total{{{NS}}}[1h]))",
+                           "{{model}}")))
         .with_row(dashboard.Row("Flows and feedback"))
         .with_panel(_ts("Flows by phase", "short",
                         _q(f"sum by (phase) (flowkube_flows{{{NS}}})", "{{phase}}")))

@@ -1,7 +1,8 @@
 """A scripted runner for operator lifecycle tests only (not shipped, not crewAI).
 
 It behaves as the Flow's `spec.inputs.plan[run index]` says — sleep (with an interim report every
-`interim` seconds, one more token each, as after each LLM call), exit code, result, tokens,
+`interim` seconds, one more token each, as after each LLM call), exit code, result, tokens, cost (a
+decimal string) and unpriced tokens,
 feedback request — and reports exactly like the real runner: a gzip RunReport in the Flow's state,
 written through the operator's state API with the pod's bound token (the runner's own client).
 The real runner is exercised end to end by the runner and feedback tests.
@@ -15,6 +16,7 @@ import os
 import signal
 import sys
 import time
+from decimal import Decimal
 from pathlib import Path
 
 from flowkube_api import constants as c
@@ -62,7 +64,8 @@ def main() -> int:
             return 143
     elif step.get("sleep"):
         time.sleep(float(step["sleep"]))
-    t = TokenUsage(prompt_tokens=tokens, total_tokens=tokens, successful_requests=1 if tokens else 0)
+    t = TokenUsage(prompt_tokens=tokens, total_tokens=tokens, successful_requests=1 if tokens else 0,
+                   cost=Decimal(step.get("cost", "0")), unpriced_tokens=int(step.get("unpriced", 0)))
     result = step.get("result", "Succeeded")
     exit_code = int(step.get("exit", 0 if result != "Failed" else c.EXIT_RETRYABLE))
     fr = FeedbackRequest(**step["feedback"]) if result == "Paused" else None

@@ -76,10 +76,11 @@ def flowkube_lines(text: str, namespace: str) -> list[str]:
 def test_dashboard_queries_on_a_real_prometheus(flows: Flows, prom: Prometheus, operator: ChartOperator) -> None:
     ns = flows.ns
     flows.apply("paused", {"flowRef": "m:Review", "inputs": {"plan": [
-        {"result": "Paused", "feedback": REVIEW, "tokens": 2}, {"tokens": 3}]}})
+        {"result": "Paused", "feedback": REVIEW, "tokens": 2, "cost": "0.02"}, {"tokens": 3, "cost": "0.03"}]}})
     flows.apply("flaky", {"flowRef": "m:Flaky", "retries": {"limit": 1, "backoffSeconds": 0},
                           "inputs": {"plan": [{"result": "Failed", "exit": 3, "tokens": 1}, {"tokens": 4}]}})
-    flows.apply("simple", {"definition": {"name": "simple-def", "methods": []}, "inputs": {"plan": [{"tokens": 7}]}})
+    flows.apply("simple", {"definition": {"name": "simple-def", "methods": []},
+                           "inputs": {"plan": [{"tokens": 7, "cost": "0.0725", "unpriced": 4}]}})
     flows.wait_phase("paused", "AwaitingFeedback")
     assert flows.patch_status("paused", {"status": {"feedback": {"response": {"text": "approved"}}}})[0] == 0
     for name in ("paused", "flaky", "simple"):
@@ -109,6 +110,11 @@ def test_dashboard_queries_on_a_real_prometheus(flows: Flows, prom: Prometheus, 
     assert {r["metric"]["definition"] for r in answers["Tokens per second by namespace and definition"]} \
         == {"Review", "Flaky", "simple-def"}
     assert answers["Flows awaiting feedback"][0]["value"][1] == "0"
+    assert float(answers["Spend, USD (all time)"][0]["value"][1]) == pytest.approx(0.1225)
+    spend = {r["metric"]["flow"]: float(r["value"][1]) for r in answers["Top flows by spend, USD"]}
+    assert spend == pytest.approx({"paused": 0.05, "flaky": 0.0, "simple": 0.0725})
+    assert float(answers["Unpriced tokens (all time)"][0]["value"][1]) == 4
+    assert flows.status("paused")["usage"]["cost"] == "0.05"
     assert answers["Reconcile duration p99"], "operator self-metrics are scraped"
 
     # promtool accepts a real scrape.
