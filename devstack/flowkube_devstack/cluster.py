@@ -19,7 +19,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,10 +81,13 @@ def write_kubeconfig(path: Path, server: str, ca: Path, client: pki.KeyPair, use
 class LocalCluster:
     """Start with `start()`, stop with `stop()`; state, certificates and logs live under root."""
 
-    def __init__(self, root: Path, *, with_node: bool = True, fsync: bool = False) -> None:
+    def __init__(self, root: Path, *, with_node: bool = True, fsync: bool = False,
+                 controller_manager_args: Sequence[str] = ()) -> None:
         self.root = root.resolve()
         self.with_node = with_node
         self.fsync = fsync
+        # Extra kube-controller-manager flags, after the stack's own (a repeated flag: the last wins).
+        self.controller_manager_args = list(controller_manager_args)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.bins: dict[str, Path] = {}
         self.apiserver_port = APISERVER_PORT
@@ -304,6 +307,15 @@ class LocalCluster:
         finally:
             self._start_controller_manager()
 
+    def restart_controller_manager(self, args: Sequence[str] | None = None) -> None:
+        """Stop kube-controller-manager and start it again, with `args` as its extra flags when given.
+        Returns at once: its controllers start after their informers sync (callers wait for the effect
+        they need, e.g. a Job's pod)."""
+        if args is not None:
+            self.controller_manager_args = list(args)
+        procs.terminate(self.procs.pop("kube-controller-manager"), grace=5.0)
+        self._start_controller_manager()
+
     def _start_controller_manager(self) -> None:
         cm_cfg = write_kubeconfig(self.root / "controller-manager.kubeconfig", self.server, self.ca,
                                   self.controller_manager, "system:kube-controller-manager")
@@ -317,6 +329,7 @@ class LocalCluster:
             f"--cluster-signing-cert-file={self.ca}", f"--cluster-signing-key-file={self.pki_dir / 'ca.key'}",
             "--concurrent-gc-syncs=10",
             "--v=1",
+            *self.controller_manager_args,
         ])
 
     def _start_node(self, timeout: float) -> None:

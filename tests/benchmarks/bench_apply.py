@@ -1,29 +1,38 @@
-"""Benchmark: apply -> runner pod created, against the local control plane. Prints figures.
+"""Benchmark: apply -> runner pod created, against the local control plane, beside Kubernetes' Job
+controller. Prints figures.
 
-    .venv/bin/python -m tests.benchmarks.bench_apply [--flows 300] [--rate 10]
+    .venv/bin/python -m tests.benchmarks.bench_apply [--flows 300] [--rate 10] [--concurrency 1 16]
 
-1. Paced: N Flows applied at `rate`/s; latency from each POST to the pod's ADDED watch event.
-2. Burst: N Flows applied as fast as C concurrent clients can; sustained Flows/s until all
-   runner pods exist, next to a plain client creating N pods with the same concurrency. Run with
-   one client (a kubectl loop, a CI job) and with 16 (enough to saturate the API server here).
-3. CPU: milliseconds each process spent per Flow and per raw pod in the bursts, from /proc: where a
-   burst's time goes.
 0. Before the operator starts: the API server's CPU per write of each kind a Flow needs (its
-   create, one status update, its pod), one client, nobody watching. A Flow needs all three where a
-   raw pod is one, which bounds the ratio on a host where the API server is the bottleneck.
-No node runs, so pods stay Pending: this measures the operator and the API server only.
+   create, one status update, its pod), one client, nobody watching.
+1. Paced: N Flows applied at `rate`/s; latency from each POST to the pod's ADDED watch event.
+2. Bursts, with 1 and with 16 concurrent clients (a kubectl loop, a CI job; enough to saturate the API
+   server here): N Flows, N Jobs (batch/v1, one pod each, the runner pod as template) and N plain pods;
+   objects/s until all their pods exist. The Jobs run twice: with the controller-manager at Kubernetes'
+   defaults, then restarted at its best (`jobpeer.CM_DEFAULTS`, `jobpeer.CM_BEST`), each beside a
+   Flow burst of the same phase.
+3. Per object, from a burst's first create until the cluster has settled: the API server's writes by
+   verb and resource (its own `apiserver_request_total`, read before and after) and each process's
+   CPU (/proc: the operator, kube-controller-manager, the API server...). Then a stand-in kubelet
+   ends every pod (Succeeded, exit 0; a runner's report in its termination message) and the same
+   until every Flow is Succeeded and every Job Complete.
+No kubelet runs: a stand-in Node (its Lease renewed) lets the scheduler bind each pod once, pods stay
+Pending until the stand-in kubelet ends them; this measures the controllers and the API server only.
+Ratios (flowkube / Job controller) are what to read: the machine is shared.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
-import os
 import ssl
 import statistics
 import tempfile
 import time
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +43,8 @@ from flowkube_api import constants as c
 from flowkube_api import crd
 from flowkube_devstack.cluster import LocalCluster
 from flowkube_devstack.operator import OperatorProcess
+from tests.benchmarks import jobpeer
+from tests.benchmarks.jobpeer import cpu_seconds
 
 
 class Client:
@@ -123,7 +134,7 @@ async def write_costs(cluster: LocalCluster, n: int, pids: dict[str, int]) -> di
             before = cpu_seconds(pids)["kube-apiserver"]
             for i in range(n):
                 await write(i)
-            await asyncio.sleep(0.5)  # the scheduler's answer to the pods
+            await jobpeer.settle(client.session, client.server, pids)  # the scheduler's answer to the pods
             costs[kind] = (cpu_seconds(pids)["kube-apiserver"] - before) * 1000 / n
         # Gone before the operator starts: it must not spend the next phases acting on them.
         for path in (f"/apis/flowkube.io/v1alpha1/namespaces/{ns}/flows", f"/api/v1/namespaces/{ns}/pods"):
@@ -144,75 +155,244 @@ async def write_costs(cluster: LocalCluster, n: int, pids: dict[str, int]) -> di
         await client.session.close()
 
 
-def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
-    """utime + stime of each process, from /proc (Linux)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for name, pid in pids.items():
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        out[name] = (int(fields[11]) + int(fields[12])) / tick
+@dataclass
+class Burst:
+    """One burst of n objects of one kind: until their pods exist, then from pod end until done."""
+
+    kind: str  # "Flow", "Job" or "pod" (a plain client's)
+    cm: str  # the controller-manager's flags: "defaults" or "best"
+    clients: int
+    per_s: float
+    writes: Counter[str]  # per object, by verb and resource, until the pods exist and all is written
+    cpu_ms: dict[str, float]  # per object, by process
+    end_per_s: float = 0.0
+    end_writes: Counter[str] = field(default_factory=Counter)  # pod end -> done; not the stand-in's own
+    end_cpu_ms: dict[str, float] = field(default_factory=dict)
+    reconciles: float = 0.0  # the operator's, per object (its own count), in each phase
+    end_reconciles: float = 0.0
+
+
+@dataclass
+class Bench:
+    client: Client
+    pids: dict[str, int]
+    op: OperatorProcess
+    template: dict[str, Any]  # the Jobs' pod template
+    n: int
+
+    async def reconciles(self) -> float:
+        """Reconciles the operator has done since it started (its own /metrics)."""
+        text = await asyncio.to_thread(self.op.metrics)
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("flowkube_operator_reconcile_duration_seconds_count"))
+
+
+def per_object(writes: Counter[str], n: int) -> Counter[str]:
+    return Counter({k: v / n for k, v in writes.items()})
+
+
+async def burst(b: Bench, ns: str, kind: str, cm: str, concurrency: int) -> Burst:
+    """n objects of `kind` created by `concurrency` clients: objects/s until all their pods exist;
+    the API server's writes and each process's CPU until the cluster settles. Then (Flows, Jobs) the
+    pods end and the same until every object is done."""
+    client, pids, n, template = b.client, b.pids, b.n, b.template
+    make, path = {
+        "Flow": (flow, f"/apis/flowkube.io/v1alpha1/namespaces/{ns}/flows"),
+        "pod": (pod, f"/api/v1/namespaces/{ns}/pods"),
+        "Job": (lambda name: jobpeer.job(name, template), f"/apis/batch/v1/namespaces/{ns}/jobs"),
+    }[kind]
+    session, server = client.session, client.server
+    seen: dict[str, float] = {}
+    ready = asyncio.Event()
+    w = asyncio.create_task(client.watch_pods(ns, seen, ready))
+    await ready.wait()
+    writes0 = await jobpeer.settle(session, server, pids)
+    cpu0, rec0 = jobpeer.cpu_seconds(pids), await b.reconciles()
+    t0 = time.perf_counter()
+    queue = list(range(n))
+
+    async def worker() -> None:
+        while queue:
+            i = queue.pop()
+            await client.post(path, make(f"b{i}"))
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    await until(lambda: len(seen) >= n, 600)
+    per_s = n / (max(seen.values()) - t0)
+    await stop(w)
+    writes1 = await jobpeer.settle(session, server, pids)
+    cpu1, rec1 = jobpeer.cpu_seconds(pids), await b.reconciles()
+    out = Burst(kind, cm, concurrency, per_s, per_object(jobpeer.diff(writes1, writes0), n),
+                {k: (cpu1[k] - cpu0[k]) * 1000 / n for k in pids}, reconciles=(rec1 - rec0) / n)
+    if kind == "pod":
+        # Pending pods are rescheduled every few minutes: gone before the next burst, not in it.
+        await delete_all(client, path)
+        return out
+
+    done: dict[str, float] = {}
+    ready = asyncio.Event()
+    w = asyncio.create_task(jobpeer.watch(session, server + path, jobpeer.flow_succeeded if kind == "Flow"
+                                          else jobpeer.job_complete, done, ready))
+    await ready.wait()
+    cpu2 = jobpeer.cpu_seconds(pids)
+    t1 = time.perf_counter()
+    ended = await jobpeer.end_pods(session, server, ns, list(seen), concurrency, runner=kind == "Flow")
+    await until(lambda: len(done) >= n, 600)
+    out.end_per_s = n / (max(done.values()) - t1)
+    await stop(w)
+    writes3 = await jobpeer.settle(session, server, pids)
+    cpu3, rec3 = jobpeer.cpu_seconds(pids), await b.reconciles()
+    out.end_reconciles = (rec3 - rec1) / n
+    end_writes = jobpeer.diff(writes3, writes1)
+    end_writes["PATCH pods/status"] -= ended  # the stand-in kubelet's own
+    out.end_writes = per_object(+end_writes, n)
+    out.end_cpu_ms = {k: (cpu3[k] - cpu2[k]) * 1000 / n for k in pids}
     return out
 
 
-async def run(cluster: LocalCluster, n: int, rate: float, pids: dict[str, int],
+async def stop(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def delete_all(client: Client, path: str) -> None:
+    async with client.session.delete(client.server + path, params={"gracePeriodSeconds": "0"}) as r:
+        r.raise_for_status()
+    deadline = time.perf_counter() + 120
+    while True:
+        async with client.session.get(client.server + path) as r:
+            if not (await r.json())["items"]:
+                return
+        if time.perf_counter() > deadline:
+            raise TimeoutError(f"{path} not emptied")
+        await asyncio.sleep(0.1)
+
+
+async def probe_job(client: Client, ns: str, name: str, template: dict[str, Any]) -> None:
+    """A Job whose pod appears once the controller-manager's Job controller works; then ended."""
+    seen: dict[str, float] = {}
+    ready = asyncio.Event()
+    w = asyncio.create_task(client.watch_pods(ns, seen, ready))
+    await ready.wait()
+    await client.post(f"/apis/batch/v1/namespaces/{ns}/jobs", jobpeer.job(name, template))
+    await until(lambda: any(p.startswith(name + "-") for p in seen), 180)
+    await stop(w)
+    await jobpeer.end_pods(client.session, client.server, ns, [p for p in seen if p.startswith(name + "-")], 1,
+                           runner=False)
+
+
+async def paced(client: Client, n: int, rate: float) -> list[float]:
+    """n Flows at `rate`/s: ms from each POST to its pod's ADDED event; then their pods end."""
+    seen: dict[str, float] = {}
+    ready = asyncio.Event()
+    watcher = asyncio.create_task(client.watch_pods("bench-paced", seen, ready))
+    await ready.wait()
+    sent: dict[str, float] = {}
+    start = time.perf_counter()
+    for i in range(n):
+        await asyncio.sleep(max(0.0, start + i / rate - time.perf_counter()))
+        sent[f"p{i}-0"] = time.perf_counter()
+        await client.post("/apis/flowkube.io/v1alpha1/namespaces/bench-paced/flows", flow(f"p{i}"))
+    await until(lambda: len(seen) >= n, 120)
+    await stop(watcher)
+    await jobpeer.end_pods(client.session, client.server, "bench-paced", list(seen), 4, runner=True)
+    return sorted((seen[k] - sent[k]) * 1000 for k in sent)
+
+
+async def run(cluster: LocalCluster, op: OperatorProcess, n: int, rate: float, pids: dict[str, int],
               concurrencies: tuple[int, ...]) -> dict[str, Any]:
     client = Client(cluster)
+    template = jobpeer.runner_template(cluster.host_ip, op.state_port, op.ca_file().read_text())
     try:
-        namespaces = ["bench-paced"] + [f"bench-{k}-{c}" for c in concurrencies for k in ("burst", "raw")]
+        namespaces = ["bench-paced", "bench-probe"] + [
+            f"bench-{k}-{cm}-{c}" for c in concurrencies for cm in ("defaults", "best") for k in ("flow", "job")
+        ] + [f"bench-raw-{c}" for c in concurrencies]
         for ns in namespaces:
             await namespace(client, ns)
+        node = asyncio.create_task(jobpeer.node(client.session, client.server))
+        bench = Bench(client, pids, op, template, n)
+        await probe_job(client, "bench-probe", "defaults", template)
 
-        # 1. paced
-        seen: dict[str, float] = {}
-        ready = asyncio.Event()
-        watcher = asyncio.create_task(client.watch_pods("bench-paced", seen, ready))
-        await ready.wait()
-        sent: dict[str, float] = {}
-        start = time.perf_counter()
-        for i in range(n):
-            await asyncio.sleep(max(0.0, start + i / rate - time.perf_counter()))
-            sent[f"p{i}-0"] = time.perf_counter()
-            await client.post("/apis/flowkube.io/v1alpha1/namespaces/bench-paced/flows", flow(f"p{i}"))
-        await until(lambda: len(seen) >= n, 120)
-        watcher.cancel()
-        lat = sorted((seen[k] - sent[k]) * 1000 for k in sent)
-
-        # 2. bursts through the operator, then raw pods, with each process's CPU time
-        async def burst(ns: str, make: Any, path: str, concurrency: int) -> tuple[float, dict[str, float]]:
-            seen_b: dict[str, float] = {}
-            ready_b = asyncio.Event()
-            w = asyncio.create_task(client.watch_pods(ns, seen_b, ready_b))
-            await ready_b.wait()
-            cpu0 = cpu_seconds(pids)
-            t0 = time.perf_counter()
-            queue = list(range(n))
-
-            async def worker() -> None:
-                while queue:
-                    i = queue.pop()
-                    await client.post(path, make(f"b{i}"))
-
-            await asyncio.gather(*(worker() for _ in range(concurrency)))
-            await until(lambda: len(seen_b) >= n, 300)
-            rate_b = n / (max(seen_b.values()) - t0)
-            await asyncio.sleep(0.5)  # the scheduler's last status writes
-            cpu1 = cpu_seconds(pids)
-            w.cancel()
-            return rate_b, {k: (cpu1[k] - cpu0[k]) * 1000 / n for k in pids}
-
+        lat = await paced(client, n, rate)
         result: dict[str, Any] = {"flows": n, "rate": rate, "p50_ms": statistics.median(lat),
                                   "p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))], "max_ms": lat[-1],
                                   "bursts": []}
-        for conc in concurrencies:
-            flows_per_s, flow_cpu = await burst(f"bench-burst-{conc}", flow,
-                                                f"/apis/flowkube.io/v1alpha1/namespaces/bench-burst-{conc}/flows", conc)
-            pods_per_s, pod_cpu = await burst(f"bench-raw-{conc}", pod, f"/api/v1/namespaces/bench-raw-{conc}/pods",
-                                              conc)
-            result["bursts"].append({"concurrency": conc, "flows_per_s": flows_per_s, "pods_per_s": pods_per_s,
-                                     "flow_cpu_ms": flow_cpu, "pod_cpu_ms": pod_cpu})
+        bursts: list[Burst] = result["bursts"]
+        # The controller-manager as the stack starts it (Kubernetes' defaults for the Job controller's
+        # limits), then restarted at its best; Flows again beside each, so every ratio is one phase's.
+        for cm, kinds in (("defaults", ("flow", "raw", "job")), ("best", ("flow", "job"))):
+            if cm == "best":
+                cluster.restart_controller_manager(jobpeer.CM_BEST)
+                pids["kube-controller-manager"] = cluster.procs["kube-controller-manager"].pid
+                await probe_job(client, "bench-probe", "best", template)
+            for conc in concurrencies:
+                for k in kinds:
+                    ns = f"bench-raw-{conc}" if k == "raw" else f"bench-{k}-{cm}-{conc}"
+                    kind = {"flow": "Flow", "raw": "pod", "job": "Job"}[k]
+                    bursts.append(await burst(bench, ns, kind, cm, conc))
+        if node.done():
+            node.result()  # its failure, if it failed
+        await stop(node)
         return result
     finally:
         await client.session.close()
+
+
+def fmt_writes(w: Counter[str]) -> str:
+    return ", ".join(f"{k} {v:.2f}" for k, v in sorted(w.items(), key=lambda kv: (-kv[1], kv[0])) if v >= 0.005)
+
+
+def report(r: dict[str, Any]) -> None:
+    bursts: list[Burst] = r["bursts"]
+    n = r["flows"]
+    procs = ("kube-apiserver", "operator", "kube-controller-manager", "kube-scheduler", "etcd")
+    short = {"kube-apiserver": "apisrv", "operator": "oper", "kube-controller-manager": "kcm",
+             "kube-scheduler": "sched", "etcd": "etcd"}
+    print(f"\nBursts of {n} objects, one control plane, one run. Controller-manager 'defaults': "
+          f"{' '.join(jobpeer.CM_DEFAULTS)} (Kubernetes' own); 'best': {' '.join(jobpeer.CM_BEST)}.")
+    print("CPU in ms per object; writes = the API server's apiserver_request_total (POST/PUT/PATCH/DELETE) "
+          "per object, the client's create included, the stand-in kubelet's pod-end write not.")
+    head = (f"{'clients':>7} {'what':<9} {'kcm':<8} | {'obj/s':>6} {'writes':>6} "
+            + " ".join(f"{short[p]:>6}" for p in procs)
+            + f" | {'end/s':>6} {'writes':>6} " + " ".join(f"{short[p]:>6}" for p in procs[:3]))
+    print(f"{'':27}| {'apply -> all pods exist, until settled':<48} | pod end -> Succeeded / Complete")
+    print(head)
+    for b in bursts:
+        what = {"Flow": "Flows", "Job": "Jobs", "pod": "raw pods"}[b.kind]
+        line = (f"{b.clients:>7} {what:<9} {b.cm:<8} | {b.per_s:>6.1f} {sum(b.writes.values()):>6.2f} "
+                + " ".join(f"{b.cpu_ms.get(p, 0):>6.2f}" for p in procs))
+        if b.kind != "pod":
+            line += (f" | {b.end_per_s:>6.1f} {sum(b.end_writes.values()):>6.2f} "
+                     + " ".join(f"{b.end_cpu_ms.get(p, 0):>6.2f}" for p in procs[:3]))
+        print(line)
+
+    print("\nflowkube / Job controller, same clients, same controller-manager flags (> 1 for obj/s: flowkube faster; "
+          "< 1 for writes and CPU: flowkube cheaper)")
+    print(f"{'clients':>7} {'kcm':<8} | {'obj/s':>6} {'writes':>7} {'apisrv':>7} {'ctrl':>7} | "
+          f"{'end/s':>6} {'writes':>7} {'apisrv':>7} {'ctrl':>7}   (ctrl: operator per Flow / kcm per Job)")
+    for f in (b for b in bursts if b.kind == "Flow"):
+        j = next(b for b in bursts if b.kind == "Job" and b.cm == f.cm and b.clients == f.clients)
+
+        def ratio(a: float, b: float) -> str:
+            return f"{a / b:>7.2f}" if b else f"{'-':>7}"
+
+        print(f"{f.clients:>7} {f.cm:<8} | {f.per_s / j.per_s:>6.2f} "
+              f"{ratio(sum(f.writes.values()), sum(j.writes.values()))} "
+              f"{ratio(f.cpu_ms['kube-apiserver'], j.cpu_ms['kube-apiserver'])} "
+              f"{ratio(f.cpu_ms['operator'], j.cpu_ms['kube-controller-manager'])} | "
+              f"{f.end_per_s / j.end_per_s:>6.2f} {ratio(sum(f.end_writes.values()), sum(j.end_writes.values()))} "
+              f"{ratio(f.end_cpu_ms['kube-apiserver'], j.end_cpu_ms['kube-apiserver'])} "
+              f"{ratio(f.end_cpu_ms['operator'], j.end_cpu_ms['kube-controller-manager'])}")
+
+    print("\nAPI writes per object, by verb and resource:")
+    for b in bursts:
+        print(f"  {b.kind:<4} {b.clients:>2} client(s), kcm {b.cm:<8} to pod: {fmt_writes(b.writes)}")
+        if b.kind != "pod":
+            print(f"  {'':<4} {'':>2}                             end:    {fmt_writes(b.end_writes)}")
+    print("operator reconciles per Flow (its own count): " + "; ".join(
+        f"{b.clients} client(s), kcm {b.cm}: to pod {b.reconciles:.2f}, end {b.end_reconciles:.2f}"
+        for b in bursts if b.kind == "Flow"))
 
 
 def main() -> None:
@@ -222,17 +402,18 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="flowkube-bench-") as tmp:
-        cluster = LocalCluster(Path(tmp), with_node=False).start()
+        # The stack's controller-manager flags, plus Kubernetes' defaults spelt out (the baseline).
+        cluster = LocalCluster(Path(tmp), with_node=False, controller_manager_args=jobpeer.CM_DEFAULTS).start()
         op = OperatorProcess(cluster, env={"FLOWKUBE_LOG_LEVEL": "WARNING"})
         try:
             cluster.kubectl("apply", "--server-side", "-f", str(crd.CRD_FILE))
             cluster.kubectl("wait", "--for=condition=Established", f"crd/{c.PLURAL}.{c.GROUP}", "--timeout=60s")
-            pids = {name: p.pid for name, p in cluster.procs.items()}
+            pids = dict(cluster.describe()["pids"])
             costs = asyncio.run(write_costs(cluster, args.flows, pids))
             op.start()
             assert op.proc is not None
             pids["operator"] = op.proc.pid
-            r = asyncio.run(run(cluster, args.flows, args.rate, pids, tuple(args.concurrency)))
+            r = asyncio.run(run(cluster, op, args.flows, args.rate, pids, tuple(args.concurrency)))
         finally:
             op.stop()
             cluster.stop()
@@ -242,12 +423,11 @@ def main() -> None:
           f"{costs['pod create'] / sum(costs.values()):.0%} where the API server is the bottleneck")
     print(f"apply -> runner pod created, {r['flows']} Flows at {r['rate']:.0f}/s: "
           f"p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms, max {r['max_ms']:.1f} ms")
-    for b in r["bursts"]:
-        print(f"burst of {r['flows']}, {b['concurrency']} client(s): operator {b['flows_per_s']:.1f} Flows/s -> pods; "
-              f"plain client {b['pods_per_s']:.1f} pods/s; ratio {b['flows_per_s'] / b['pods_per_s']:.0%}")
-        for what, cpu in (("per Flow", b["flow_cpu_ms"]), ("per raw pod", b["pod_cpu_ms"])):
-            parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1]))
-            print(f"    CPU ms {what}: {parts}")
+    for f in (b for b in r["bursts"] if b.kind == "Flow" and b.cm == "defaults"):
+        raw = next(b for b in r["bursts"] if b.kind == "pod" and b.clients == f.clients)
+        print(f"burst of {r['flows']}, {f.clients} client(s): operator {f.per_s:.1f} Flows/s -> pods; "
+              f"plain client {raw.per_s:.1f} pods/s; ratio {f.per_s / raw.per_s:.0%}")
+    report(r)
 
 
 if __name__ == "__main__":
