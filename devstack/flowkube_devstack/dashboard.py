@@ -32,6 +32,11 @@ def _ts(title: str, unit: str, *queries: prometheus.Dataquery, w: int = 12) -> t
     return p
 
 
+def _stat(title: str, unit: str, query: prometheus.Dataquery, description: str = "") -> stat.Panel:
+    p = stat.Panel().title(title).unit(unit).height(4).span(6).datasource(DS).with_target(query)
+    return p.description(description) if description else p
+
+
 def build() -> dict[str, Any]:
     d = (
         dashboard.Dashboard("flowkube")
@@ -47,17 +52,14 @@ def build() -> dict[str, Any]:
             .all_value(".*").refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
         )
         .with_row(dashboard.Row("Token usage"))
-        .with_panel(stat.Panel().title("Tokens (all time)").unit("short").height(4).span(6).datasource(DS)
-                    .with_target(_q(f"sum(flowkube_flow_tokens_total{{{NS}}})", "tokens", instant=True)))
-        .with_panel(stat.Panel().title("LLM requests (all time)").unit("short").height(4).span(6).datasource(DS)
-                    .with_target(_q(f"sum(flowkube_flow_llm_requests_total{{{NS}}})", "requests",
-                                    instant=True)))
-        .with_panel(stat.Panel().title("Runs (all time)").unit("short").height(4).span(6).datasource(DS)
-                    .with_target(_q(f"sum by (trigger) (flowkube_flow_runs_total{{{NS}}})", "{{trigger}}",
-                                    instant=True)))
-        .with_panel(stat.Panel().title("Flows awaiting feedback").unit("short").height(4).span(6).datasource(DS)
-                    .with_target(_q(f'sum(flowkube_flows{{{NS},phase="AwaitingFeedback"}})', "awaiting",
-                                    instant=True)))
+        .with_panel(_stat("Tokens (all time)", "short",
+                          _q(f"sum(flowkube_flow_tokens_total{{{NS}}})", "tokens", instant=True)))
+        .with_panel(_stat("LLM requests (all time)", "short",
+                          _q(f"sum(flowkube_flow_llm_requests_total{{{NS}}})", "requests", instant=True)))
+        .with_panel(_stat("Runs (all time)", "short",
+                          _q(f"sum by (trigger) (flowkube_flow_runs_total{{{NS}}})", "{{trigger}}", instant=True)))
+        .with_panel(_stat("Flows awaiting feedback", "short",
+                          _q(f'sum(flowkube_flows{{{NS},phase="AwaitingFeedback"}})', "awaiting", instant=True)))
         .with_panel(_ts("Tokens per second by namespace and definition", "short",
                         _q(f"sum by (namespace, definition) (rate(flowkube_flow_tokens_total{{{NS}}}"
                            "[$__rate_interval]))", "{{namespace}}/{{definition}}")))
@@ -72,13 +74,12 @@ def build() -> dict[str, Any]:
                         _q(f"sum by (definition, model) (rate(flowkube_flow_llm_requests_total{{{NS}}}"
                            "[$__rate_interval]))", "{{definition}} {{model}}")))
         .with_row(dashboard.Row("Spend"))
-        .with_panel(stat.Panel().title("Spend, USD (all time)").unit("currencyUSD").decimals(2).height(4).span(6)
-                    .datasource(DS)
-                    .with_target(_q(f"sum(flowkube_namespace_cost_usd_total{{{NS}}})", "USD", instant=True)))
-        .with_panel(stat.Panel().title("Unpriced tokens (all time)").unit("short").height(4).span(6).datasource(DS)
-                    .description("Tokens of calls whose model has no price in the table or the overrides "
-                                 "(runner.prices): their cost is unknown, not zero.")
-                    .with_target(_q(f"sum(flowkube_flow_unpriced_tokens_total{{{NS}}})", "tokens", instant=True)))
+        .with_panel(_stat("Spend, USD (all time)", "currencyUSD",
+                          _q(f"sum(flowkube_namespace_cost_usd_total{{{NS}}})", "USD", instant=True)))
+        .with_panel(_stat("Unpriced tokens (all time)", "short",
+                          _q(f"sum(flowkube_flow_unpriced_tokens_total{{{NS}}})", "tokens", instant=True),
+                          "Tokens of calls whose model has no price in the table or the overrides "
+                          "(runner.prices): their cost is unknown, not zero."))
         .with_panel(bargauge.Panel().title("Top flows by spend, USD").unit("currencyUSD").height(8).span(12)
                     .datasource(DS)
                     .with_target(_q(f"topk(10, sum by (namespace, flow, definition) "
