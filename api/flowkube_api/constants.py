@@ -114,6 +114,8 @@ ENV_STATE_TOKEN_FILE = "FLOWKUBE_STATE_TOKEN_FILE"  # noqa: S105 - default STATE
 ENV_STATE_RETRY_SECONDS = "FLOWKUBE_STATE_RETRY_SECONDS"  # how long a runner waits out an operator restart
 ENV_FEEDBACK = "FLOWKUBE_FEEDBACK"  # JSON: {"requestId", "text", "timedOut", "outcome"}
 ENV_PRIOR_TOTAL_TOKENS = "FLOWKUBE_PRIOR_TOTAL_TOKENS"
+ENV_PRIOR_COST = "FLOWKUBE_PRIOR_COST"  # USD spent by earlier runs, a decimal string ("0.0123")
+ENV_PRICES = "FLOWKUBE_PRICES"  # JSON: price overrides by model (flowkube_api.prices), set by the operator
 ENV_TERMINATION_LOG = "FLOWKUBE_TERMINATION_LOG"  # default /dev/termination-log
 ENV_STATE_DIR = "FLOWKUBE_STATE_DIR"  # development only: a directory instead of the ConfigMap
 

@@ -41,6 +41,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from decimal import Decimal
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -359,11 +361,30 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
+def ledger_cost(entry: dict[str, Any]) -> Decimal | None:
+    """What the genai-prices table (the version the runner pins) says one served call cost, in USD at
+    the time it was served: cached prompt tokens at the model's cache-read price; None for a model the
+    table does not know. Independent of the runner's pricing code, so tests can hold it to this."""
+    from genai_prices import Usage as CallUsage
+    from genai_prices import calc_price
+
+    u = entry["usage"]
+    call = CallUsage(input_tokens=u["prompt_tokens"], output_tokens=u["completion_tokens"],
+                     cache_read_tokens=u["prompt_tokens_details"]["cached_tokens"])
+    try:
+        return calc_price(call, entry["model"], provider_id="litellm",
+                          genai_request_timestamp=datetime.fromtimestamp(entry["time"], UTC)).total_price
+    except LookupError:
+        return None
+
+
 def ledger_usage(entries: list[dict[str, Any]]) -> Usage:
-    """What the stub says it served, in status.usage terms (crewAI's total = prompt + completion)."""
+    """What the stub says it served, in status.usage terms (crewAI's total = prompt + completion),
+    each call priced by ``ledger_cost`` (or its tokens unpriced)."""
     total = Usage()
     for entry in entries:
         u = entry["usage"]
+        cost = ledger_cost(entry)
         one = {
             "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
             "prompt_tokens": u["prompt_tokens"],
@@ -371,6 +392,8 @@ def ledger_usage(entries: list[dict[str, Any]]) -> Usage:
             "cached_prompt_tokens": u["prompt_tokens_details"]["cached_tokens"],
             "reasoning_tokens": u["completion_tokens_details"]["reasoning_tokens"],
             "successful_requests": 1,
+            "cost": cost or Decimal(0),
+            "unpriced_tokens": 0 if cost is not None else u["prompt_tokens"] + u["completion_tokens"],
         }
         total = total + Usage(**one, by_model={entry["model"]: Usage(**one).totals()})
     return total

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic.alias_generators import to_camel
 
 from flowkube_api import constants as c
+from flowkube_api.base import Money
+from flowkube_api.prices import ModelPrice, prices_from_json
 
 ENV_TERMINATION_LOG = c.ENV_TERMINATION_LOG
 ENV_STATE_DIR = c.ENV_STATE_DIR
@@ -33,6 +36,7 @@ class _Camel(BaseModel):
 
 class Budget(_Camel):
     max_total_tokens: int | None = Field(default=None, ge=0)
+    max_cost: Money | None = None
 
 
 class RunSpec(_Camel):
@@ -68,6 +72,8 @@ class RunnerConfig:
     spec: RunSpec
     feedback: Feedback | None = None
     prior_total_tokens: int = 0
+    prior_cost: Decimal = Decimal(0)
+    prices: dict[str, ModelPrice] = field(default_factory=dict)
     termination_log: Path = DEFAULT_TERMINATION_LOG
     state_dir: Path | None = None
 
@@ -105,6 +111,11 @@ class RunnerConfig:
             prior = int(env.get(c.ENV_PRIOR_TOTAL_TOKENS, "0") or "0")
         except ValueError as e:
             raise ConfigError(c.Reason.INTERNAL_ERROR, f"{c.ENV_PRIOR_TOTAL_TOKENS}: {e}") from e
+        prior_cost = _prior_cost(env.get(c.ENV_PRIOR_COST, ""))
+        try:
+            prices = prices_from_json(env.get(c.ENV_PRICES, ""))
+        except ValueError as e:
+            raise ConfigError(c.Reason.INTERNAL_ERROR, f"{c.ENV_PRICES}: {e}") from e
         state_dir = env.get(ENV_STATE_DIR, "").strip()
         return cls(
             flow=flow,
@@ -114,6 +125,18 @@ class RunnerConfig:
             spec=spec,
             feedback=feedback,
             prior_total_tokens=prior,
+            prior_cost=prior_cost,
+            prices=prices,
             termination_log=cls.termination_log_from_env(env),
             state_dir=Path(state_dir) if state_dir else None,
         )
+
+
+def _prior_cost(text: str) -> Decimal:
+    try:
+        cost = Decimal(text.strip() or "0")
+    except InvalidOperation:
+        raise ConfigError(c.Reason.INTERNAL_ERROR, f"{c.ENV_PRIOR_COST}: not a decimal number: {text!r}") from None
+    if not cost.is_finite() or cost < 0:
+        raise ConfigError(c.Reason.INTERNAL_ERROR, f"{c.ENV_PRIOR_COST}: not an amount >= 0: {text!r}")
+    return cost

@@ -21,6 +21,7 @@ from flowkube_api.report import FeedbackApplied, FeedbackRequest, RunReport, Usa
 
 from .config import RunnerConfig
 from .engine.api import Ending, InvalidFlow, InvalidInputs
+from .engine.pricing import Pricer
 from .engine.state import StateDocument
 from .store import StateCorrupt, StateStore, StateTooLarge, StoreError
 
@@ -136,6 +137,9 @@ class _Run:
         self.recorder: UsageRecorder = UsageRecorder(
             prior_total_tokens=config.prior_total_tokens,
             max_total_tokens=config.spec.budget.max_total_tokens,
+            prior_cost=config.prior_cost,
+            max_cost=config.spec.budget.max_cost,
+            pricer=Pricer(config.prices),
             on_call=self._after_model_call,
             stop=stop,
         )

@@ -10,13 +10,15 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Iterator
+from decimal import Decimal
 from typing import Any
 
 import pytest
 
+from flowkube_api.base import money_text
 from flowkube_api.report import Usage
 from flowkube_devstack.cluster import LocalCluster, wait_for
-from flowkube_devstack.stubmodel import Rules, ledger_usage
+from flowkube_devstack.stubmodel import Rules, ledger_cost, ledger_usage
 from flowkube_runner.__main__ import STOP_LOG
 from tests.integration.conftest import Flows
 from tests.integration.realrunner import MODEL, RealRunnerStack, real_runner_stack
@@ -117,6 +119,14 @@ def test_class_flow_by_reference(stack: RealRunnerStack, flows: Flows) -> None:
     assert st["result"]["output"] == "A plain reply."
     assert usage_of(st) == stack.usage_since(mark) and usage_of(st).successful_requests == 2
     assert "cats" in stack.stub.ledger()[mark]["lastUser"]
+    # Spend: each call the model served, its tokens priced by the genai-prices table at the time
+    # (cached prompt tokens at the cache-read price), summed exactly, to the last decimal place.
+    served = stack.stub.ledger()[mark:]
+    costs = [cost for e in served if (cost := ledger_cost(e)) is not None]
+    assert len(costs) == len(served) == 2 and all(cost > 0 for cost in costs)
+    spent = money_text(sum(costs, Decimal(0)))
+    assert (st["usage"]["cost"], st["usage"]["currency"], st["usage"]["unpricedTokens"]) == (spent, "USD", 0)
+    assert st["usage"]["byModel"][MODEL]["cost"] == spent and st["runs"][0]["usage"]["cost"] == spent
 
 
 def test_invalid_definition_is_refused_at_apply_time_with_crewais_message(

@@ -1,5 +1,6 @@
-"""Model calls: what they cost (crewAI's ``LLMCallCompletedEvent``), and which may start (the token
-budget, a stopping runner), through crewAI's model-call hooks."""
+"""Model calls: what they cost (crewAI's ``LLMCallCompletedEvent``, priced by ``pricing`` when each
+completes), and which may start (the token and money budgets, a stopping runner), through crewAI's
+model-call hooks."""
 
 from __future__ import annotations
 
@@ -7,14 +8,18 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from decimal import Decimal
+from typing import Any, Literal
 
 from crewai.events.event_bus import crewai_event_bus
 from crewai.events.types.llm_events import LLMCallCompletedEvent
 from crewai.hooks.dispatch import HookAborted, InterceptionPoint, register, unregister
 from crewai.types.usage_metrics import UsageMetrics
 
+from flowkube_api.base import money_text
 from flowkube_api.report import TokenUsage, Usage
+
+from .pricing import CallTokens, Price, Pricer
 
 log = logging.getLogger("flowkube_runner")
 
@@ -22,7 +27,12 @@ STOP_MESSAGE = "the runner is stopping: no new model call starts"
 
 
 class UsageRecorder:
-    """Per-run token totals from crewAI's ``LLMCallCompletedEvent``, the token budget, and the stop.
+    """Per-run token totals and spend from crewAI's ``LLMCallCompletedEvent``, the budgets, and the stop.
+
+    Each call is priced when its event is handled, at the time the call completed (``Pricer``); a
+    call whose model has no price adds its tokens to that model's ``unpriced_tokens`` and no cost.
+    The budgets (``maxTotalTokens``, ``maxCost``) count earlier runs (``prior_*``) too: a call that
+    crosses one is counted and ends the run, and once one is reached no further call starts.
 
     The bus runs handlers on a worker pool, so every reading flushes it first: a handler still
     queued would otherwise drop its call's tokens from the report. ``on_call`` runs in the handler
@@ -38,45 +48,93 @@ class UsageRecorder:
         *,
         prior_total_tokens: int = 0,
         max_total_tokens: int | None = None,
+        prior_cost: Decimal = Decimal(0),
+        max_cost: Decimal | None = None,
+        pricer: Pricer | None = None,
         on_call: Callable[[UsageRecorder], None] | None = None,
         stop: threading.Event | None = None,
     ) -> None:
         self._prior = prior_total_tokens
         self._cap = max_total_tokens
+        self._prior_cost = prior_cost
+        self._max_cost = max_cost
+        self._pricer = pricer or Pricer()
         self._on_call = on_call
         self._stop = stop
         self._lock = threading.Lock()
         self._totals = UsageMetrics()
         self._by_model: dict[str, UsageMetrics] = {}
+        self._cost = Decimal(0)
+        self._cost_by_model: dict[str, Decimal] = {}
+        self._unpriced_by_model: dict[str, int] = {}
+        self._crossed: Literal["tokens", "cost"] | None = None  # which budget ended the run
         self.exceeded = False
         self.stopped = False
+
+    def _price(self, model: str, metrics: UsageMetrics, event: LLMCallCompletedEvent) -> Price | None:
+        tokens = CallTokens(prompt=metrics.prompt_tokens, completion=metrics.completion_tokens,
+                            cached_prompt=metrics.cached_prompt_tokens,
+                            cache_creation=metrics.cache_creation_tokens)
+        try:
+            return self._pricer.price(model, tokens, getattr(event, "timestamp", None))
+        except Exception:  # pricing must never lose a call's tokens: unpriced, and said loudly
+            log.exception("could not price a call of model %r; its tokens count as unpriced", model)
+            return None
 
     def _on_llm_call_completed(self, _source: Any, event: LLMCallCompletedEvent) -> None:
         metrics = UsageMetrics.from_provider_dict(event.usage)
         if metrics is None:
             return
         model = event.model or "unknown"
+        price = self._price(model, metrics, event)
         with self._lock:
             self._totals.add_usage_metrics(metrics)
             self._by_model.setdefault(model, UsageMetrics()).add_usage_metrics(metrics)
-            if self._cap is not None and self._prior + self._totals.total_tokens > self._cap:
-                self.exceeded = True
+            if price is None:
+                self._unpriced_by_model[model] = self._unpriced_by_model.get(model, 0) + metrics.total_tokens
+            else:
+                self._cost += price.cost
+                self._cost_by_model[model] = self._cost_by_model.get(model, Decimal(0)) + price.cost
+            self._check_locked(before_call=False)
         if self._on_call is not None:
             self._on_call(self)
 
+    def _budgeted(self) -> bool:
+        return self._cap is not None or self._max_cost is not None
+
+    def _check_locked(self, *, before_call: bool) -> bool:
+        """Whether a budget is crossed (after a call) or reached (before one: any call adds to it);
+        marks the run exceeded and remembers which. The caller holds the lock."""
+        tokens, cost = self._prior + self._totals.total_tokens, self._prior_cost + self._cost
+        crossed: Literal["tokens", "cost"] | None = None
+        if self._cap is not None and (tokens >= self._cap if before_call else tokens > self._cap):
+            crossed = "tokens"
+        elif self._max_cost is not None and (cost >= self._max_cost if before_call else cost > self._max_cost):
+            crossed = "cost"
+        if crossed is not None:
+            self.exceeded = True
+            self._crossed = self._crossed or crossed
+        return crossed is not None
+
     def _over(self, *, before_call: bool) -> bool:
-        if self._cap is None:
+        if not self._budgeted():
             return False
         crewai_event_bus.flush()
         with self._lock:
-            spent = self._prior + self._totals.total_tokens
-        # Before a call, reaching the cap is enough: any call adds tokens and would cross it.
-        return bool(spent >= self._cap if before_call else spent > self._cap)
+            return self._check_locked(before_call=before_call)
 
     def budget_message(self) -> str:
+        usage = self.usage()
+        if self._crossed == "cost" or (self._crossed is None and self._cap is None):
+            assert self._max_cost is not None
+            return (
+                f"money budget exceeded: USD {money_text(self._prior_cost + usage.cost)} spent of "
+                f"budget.maxCost={money_text(self._max_cost)} (USD {money_text(self._prior_cost)} in earlier "
+                f"runs + {money_text(usage.cost)} in this run)"
+            )
         return (
             f"token budget exceeded: {self._prior} tokens from earlier runs + "
-            f"{self.usage().total_tokens} in this run > maxTotalTokens {self._cap}"
+            f"{usage.total_tokens} in this run > maxTotalTokens {self._cap}"
         )
 
     def _check_before_call(self, _ctx: Any) -> None:
@@ -86,28 +144,29 @@ class UsageRecorder:
             self.stopped = True
             raise HookAborted(STOP_MESSAGE, source="flowkube stop")
         if self._over(before_call=True):
-            self.exceeded = True
             raise HookAborted(self.budget_message(), source="flowkube budget")
 
     def _check_after(self, _ctx: Any) -> None:
         if self._over(before_call=False):
-            self.exceeded = True
             raise HookAborted(self.budget_message(), source="flowkube budget")
 
     def budget_already_spent(self) -> bool:
-        return self._cap is not None and self._prior >= self._cap
+        """Earlier runs reached a budget: this run may make no call at all."""
+        with self._lock:
+            return self._check_locked(before_call=True)
 
     def _hooks(self) -> list[tuple[InterceptionPoint, Callable[[Any], None]]]:
         hooks: list[tuple[InterceptionPoint, Callable[[Any], None]]] = []
-        if self._cap is not None or self._stop is not None:
+        if self._budgeted() or self._stop is not None:
             hooks.append((InterceptionPoint.PRE_MODEL_CALL, self._check_before_call))
-        if self._cap is not None:
+        if self._budgeted():
             hooks.append((InterceptionPoint.POST_MODEL_CALL, self._check_after))
             hooks.append((InterceptionPoint.POST_STEP, self._check_after))
         return hooks
 
     @contextmanager
     def recording(self) -> Iterator[UsageRecorder]:
+        self._pricer.load()  # the price table, before the first call needs it
         crewai_event_bus.on(LLMCallCompletedEvent)(self._on_llm_call_completed)
         hooks = self._hooks()
         for point, hook in hooks:
@@ -122,22 +181,24 @@ class UsageRecorder:
 
     def usage(self) -> Usage:
         crewai_event_bus.flush()
-        usage = self.recorded()
-        if self._cap is not None and self._prior + usage.total_tokens > self._cap:
-            self.exceeded = True
-        return usage
+        with self._lock:
+            self._check_locked(before_call=False)
+        return self.recorded()
 
     def recorded(self) -> Usage:
         """What the handlers have counted so far, without flushing the bus: safe inside a handler,
         where a flush would wait for the very handler calling it."""
         with self._lock:
-            totals = self._totals.model_copy()
-            by_model = {m: u.model_copy() for m, u in self._by_model.items()}
-        return Usage(**_tokens(totals).model_dump(), by_model={m: _tokens(u) for m, u in by_model.items()})
+            totals = _tokens(self._totals, self._cost, sum(self._unpriced_by_model.values()))
+            by_model = {m: _tokens(u, self._cost_by_model.get(m, Decimal(0)), self._unpriced_by_model.get(m, 0))
+                        for m, u in self._by_model.items()}
+        return Usage(**totals.model_dump(), by_model=by_model)
 
 
-def _tokens(metrics: UsageMetrics) -> TokenUsage:
+def _tokens(metrics: UsageMetrics, cost: Decimal, unpriced_tokens: int) -> TokenUsage:
     return TokenUsage(
+        cost=cost,
+        unpriced_tokens=unpriced_tokens,
         total_tokens=metrics.total_tokens,
         prompt_tokens=metrics.prompt_tokens,
         completion_tokens=metrics.completion_tokens,
