@@ -59,7 +59,9 @@ kubectl get "$flow" -o jsonpath='{.status.usage}{"\n"}'
 kubectl get flows
 
 echo "--- metrics"
-kubectl -n "$NAMESPACE" port-forward deployment/flowkube "$METRICS_PORT:9090" >/dev/null &
+# The per-flow series come from the replica holding the Lease (the other exports none).
+leader=$(kubectl -n "$NAMESPACE" get lease flowkube-operator -o jsonpath='{.spec.holderIdentity}')
+kubectl -n "$NAMESPACE" port-forward "pod/$leader" "$METRICS_PORT:9090" >/dev/null &
 port_forward=$!
 for _ in $(seq 30); do
   curl -sf "localhost:$METRICS_PORT/metrics" >/dev/null && break

@@ -31,6 +31,7 @@ UNDOCUMENTED = "*(no description in `Settings`)*"
 
 _ENV_NAME = re.compile(r"^\s*- name: (?P<name>[A-Z][A-Z0-9_]*)\s*$")
 _ENV_VALUE = re.compile(r"^\s*value: (?P<expr>.*)$")
+_ENV_FIELD = re.compile(r"^\s*fieldPath: metadata\.namespace\s*$")  # the pod's namespace: the release's
 _OPEN = re.compile(r"\{\{-?\s*(?P<kind>if|with|range)\b(?P<cond>[^}]*)\}\}")
 _END = re.compile(r"\{\{-?\s*end\s*-?\}\}")
 _VALUES_REF = re.compile(r"\.Values\.(?P<key>[A-Za-z0-9_.]+[A-Za-z0-9_])")
@@ -91,6 +92,10 @@ def chart_env_sources(deployment: str | None = None, helpers: str | None = None)
         name = _ENV_NAME.match(line)
         if name is not None:
             pending = name["name"] if name["name"].startswith(Settings.model_config.get("env_prefix", "")) else None
+            continue
+        if pending is not None and _ENV_FIELD.match(line):
+            sources[pending] = ChartSource(values=(), from_release=True, only_when=None)
+            pending = None
             continue
         value = _ENV_VALUE.match(line)
         if value is None or pending is None:

@@ -211,6 +211,10 @@ class ChartOperator(_Operator):
     tests of the lifecycle use the devstack image's scripted runner), ``runner_env`` is the chart's
     ``runner.defaultEnv``, ``values`` more ``--set`` pairs. The operator's HTTP endpoints are reached
     through the chart's Services (this host routes to ClusterIPs), as Prometheus in a cluster would.
+
+    The chart's ``replicaCount`` is one unless ``values`` says otherwise (the tests and the demo start
+    faster and their /metrics Service has a single pod behind it; the chart's default is two, and the
+    HA test runs two). "Ready" includes a pod of this install holding the Lease (it reconciles).
     """
 
     def __init__(self, cluster: LocalCluster, *, runner_image: str | None = None,
@@ -231,6 +235,8 @@ class ChartOperator(_Operator):
         self.extra_env = env
         self.runner_env = dict(runner_env or {})
         self.values = list(values)
+        self.replicas = next((int(v.split("=", 1)[1]) for v in reversed(self.values)
+                              if v.startswith("replicaCount=")), 1)
         self.installed = False
 
     # -- install / uninstall ----------------------------------------------------------------------
@@ -253,7 +259,7 @@ class ChartOperator(_Operator):
             "runner.image.pullPolicy=Never",
             # Ready as soon as /healthz answers: the tests and the demo wait for it.
             "readinessProbe.initialDelaySeconds=0", "readinessProbe.periodSeconds=1",
-            *self.values, *more,
+            "replicaCount=1", *self.values, *more,
         ]
         args: list[str] = []
         for s in sets:
@@ -270,7 +276,8 @@ class ChartOperator(_Operator):
         if not self.installed:
             self.upgrade(timeout=timeout)
         else:
-            self.cluster.kubectl("scale", "deployment", self.fullname, "-n", self.namespace, "--replicas=1")
+            self.cluster.kubectl("scale", "deployment", self.fullname, "-n", self.namespace,
+                                 f"--replicas={self.replicas}")
             self._wait_ready(timeout)
         return self
 
@@ -297,16 +304,25 @@ class ChartOperator(_Operator):
             self.installed = False
 
     def kill(self) -> None:
-        """SIGKILL the operator's process, as a crash or an OOM kill, and keep it down (replicas 0)
-        until ``start``: no cleanup, no goodbye."""
+        """SIGKILL every replica's operator process, as a crash or an OOM kill, and keep them down
+        (replicas 0) until ``start``: no cleanup, no goodbye (the Lease is not released either)."""
         for pod in self.pods():
-            for status in pod.get("status", {}).get("containerStatuses", []):
-                if status["name"] == "operator" and status.get("containerID", "").startswith("containerd://"):
-                    cid = status["containerID"].removeprefix("containerd://")
-                    assert self.cluster.node is not None
-                    self.cluster.node.ctr("tasks", "kill", "--signal", "SIGKILL", cid)
+            self.kill_container(pod)
         self.cluster.kubectl("scale", "deployment", self.fullname, "-n", self.namespace, "--replicas=0")
         wait_for(lambda: not self.pods(), 120, "the operator pod gone")
+
+    def kill_container(self, pod: dict[str, Any] | str) -> str:
+        """SIGKILL the operator container of one pod (its object, or its name) through the node's
+        containerd; the kubelet then restarts it in the same pod. Returns the killed container's id."""
+        if isinstance(pod, str):
+            pod = next(p for p in self.pods() if p["metadata"]["name"] == pod)
+        for status in pod.get("status", {}).get("containerStatuses", []):
+            if status["name"] == "operator" and status.get("containerID", "").startswith("containerd://"):
+                cid = str(status["containerID"]).removeprefix("containerd://")
+                assert self.cluster.node is not None
+                self.cluster.node.ctr("tasks", "kill", "--signal", "SIGKILL", cid)
+                return cid
+        return ""
 
     # -- views ------------------------------------------------------------------------------------
 
@@ -319,15 +335,44 @@ class ChartOperator(_Operator):
 
     def _ready(self) -> bool:
         pods = [p for p in self.pods() if not p["metadata"].get("deletionTimestamp")]
-        if not any(c.get("type") == "Ready" and c.get("status") == "True"
-                   for p in pods for c in p.get("status", {}).get("conditions", [])):
-            return False
+        ready = {p["metadata"]["name"] for p in pods
+                 if any(c.get("type") == "Ready" and c.get("status") == "True"
+                        for c in p.get("status", {}).get("conditions", []))}
+        if len(ready) < self.replicas or self.leader() not in ready:
+            return False  # and after a kill, the new pod reconciles once the old one's Lease ran out
         for kind in ("validatingwebhookconfiguration", "mutatingwebhookconfiguration"):
             out = self.cluster.kubectl("get", kind, self.webhook_configuration, "-o", "json", check=False)
             if out.returncode == 0 and not all(h.get("clientConfig", {}).get("caBundle")
                                                for h in json.loads(out.stdout)["webhooks"]):
                 return False
         return True
+
+    @property
+    def lease_name(self) -> str:
+        return f"{self.fullname}-operator"
+
+    def lease(self) -> dict[str, Any]:
+        """The spec of the Lease whose holder reconciles ({} when there is none yet)."""
+        out = self.cluster.kubectl("get", "lease", self.lease_name, "-n", self.namespace, "-o", "json", check=False)
+        if out.returncode != 0:
+            return {}
+        spec: dict[str, Any] = json.loads(out.stdout).get("spec") or {}
+        return spec
+
+    def leader(self) -> str:
+        """The name of the pod holding the Lease ("" when none does)."""
+        return str(self.lease().get("holderIdentity") or "")
+
+    def pod_ip(self, name: str) -> str:
+        return self.cluster.kubectl("get", "pod", name, "-n", self.namespace,
+                                    "-o", "jsonpath={.status.podIP}").stdout.strip()
+
+    def pod_metrics(self, name: str) -> str:
+        """/metrics of one replica, from its pod IP (this host routes to the pod network), as a
+        Prometheus scraping every endpoint reads it."""
+        with urllib.request.urlopen(f"http://{self.pod_ip(name)}:9090/metrics", timeout=10) as r:
+            text: str = r.read().decode()
+            return text
 
     @property
     def webhook_configuration(self) -> str:
@@ -339,7 +384,11 @@ class ChartOperator(_Operator):
 
     @property
     def metrics_target(self) -> str:
-        """host:port of the chart's metrics Service, what a Prometheus in the cluster scrapes."""
+        """host:port of the chart's metrics Service, what a Prometheus in the cluster scrapes. With
+        several replicas (the Service picks one per connection), the leader's pod: only it exports
+        the per-flow series."""
+        if self.replicas > 1:
+            return f"{self.pod_ip(self.leader())}:9090"
         return f"{self._service_ip(f'{self.fullname}-metrics')}:9090"
 
     @property

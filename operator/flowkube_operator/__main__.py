@@ -26,13 +26,15 @@ def main(argv: list[str] | None = None) -> int:
     liveness = f"http://{settings.bind_address}:{settings.health_port}/healthz" if settings.health_port else None
     with contextlib.suppress(KeyboardInterrupt):
         kopf.run(
-            standalone=True,  # one replica (Deployment strategy Recreate): no peering objects needed
+            # No kopf peering: with several replicas, the one holding the Lease reconciles (leader.py),
+            # while all of them keep watching (peering would pause the followers' watches too).
+            standalone=True,
             clusterwide=not namespaces,
             namespaces=namespaces,
             liveness_endpoint=liveness,
             memo=memo,
         )
-    return 0
+    return 1 if handlers.LOST_LEADERSHIP else 0  # the kubelet restarts it either way
 
 
 if __name__ == "__main__":

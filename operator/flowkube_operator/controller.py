@@ -3,6 +3,10 @@
 Like controller-runtime: watch events only put a Flow's key on a de-duplicating queue; workers
 take keys, read the latest cached Flow and its pods, plan, and apply. A key is never processed by
 two workers at once, and a key that changes while being processed is processed again afterwards.
+
+Every replica keeps the caches warm (the state API and the per-flow metrics read them); only the
+leader (see leader.py) queues and runs workers. Reconciling is level-based, so a replica that begins
+to lead queues every cached Flow once and nothing a follower saw is lost.
 """
 
 from __future__ import annotations
@@ -38,6 +42,10 @@ log = logging.getLogger("flowkube.controller")
 
 class ForeignObjectError(Exception):
     """An object we would create exists, owned by another Flow (an earlier one of the same name)."""
+
+
+class NotLeadingError(Exception):
+    """This replica may no longer write: its Lease ran out (the next leader reconciles the Flow)."""
 
 
 def merge_patch(old: Any, new: Any) -> Any:
@@ -145,6 +153,8 @@ class Controller:
         # with the process, harmlessly: the pod's final report is read again when the pod ends.
         self._late: dict[Key, dict[str, RunReport]] = {}
         self.instance = socket.gethostname()
+        self.leading = False  # workers run: this replica is the one status writer
+        self.fence: Callable[[], bool] = lambda: True  # asked before every write (leader election)
 
     # -- watch side (called by kopf handlers; must stay cheap) ---------------------------------------
 
@@ -170,7 +180,7 @@ class Controller:
                                json.dumps(_slim(body), separators=(",", ":")).encode())
             self._track_active(key, meta.get("uid", ""), body)
             self._on_flow_change(key, body)
-            self.queue.add(key)
+            self._enqueue(key)
         selfmetrics.FLOWS_CACHED.set(len(self.flows))
 
     def pod_event(self, event_type: str, body: Body) -> None:
@@ -191,6 +201,10 @@ class Controller:
                 return  # the same, or older than what we know (our own create's answer can lag the watch)
             pods[view.name] = view
         if key in self.flows:
+            self._enqueue(key)
+
+    def _enqueue(self, key: Key) -> None:
+        if self.leading:  # a follower's view is queued all at once when it begins to lead
             self.queue.add(key)
 
     def _track_active(self, key: Key, uid: str, body: Body | None) -> None:
@@ -215,21 +229,38 @@ class Controller:
         return flow, uid, view.uid if view is not None and view.owner_uid == uid else ""
 
     def late_report(self, namespace: str, flow: str, report: RunReport) -> None:
-        """The state API stored a report from a pod whose run is closed: fold it in soon."""
+        """The state API stored a report from a pod whose run is closed: fold it in soon. (A follower
+        drops the hint: the leader reads the report when the pod ends, see `late_pods`.)"""
         key = (namespace, flow)
-        if key in self.flows:
+        if self.leading and key in self.flows:
             self._late.setdefault(key, {})[report.pod] = report
             self.queue.add(key)
 
     # -- workers -------------------------------------------------------------------------------------
 
-    def start(self, kube: Kube) -> None:
+    def attach(self, kube: Kube) -> None:
+        """The API client of the latest login (kopf logs in again when credentials expire)."""
         self.kube = kube
+
+    def start(self) -> None:
+        """Begin to reconcile (at login, or when this replica begins to lead): every cached Flow is
+        queued once, as a restarted operator's first list would queue it."""
+        if self.leading:
+            return
+        assert self.kube is not None, "attach a client first"
+        self.leading = True
+        selfmetrics.LEADER.set(1)
+        for key in list(self.flows):
+            self.queue.add(key)
         self._tasks.append(asyncio.create_task(self.queue.run_timers()))
         for _ in range(self.settings.workers):
             self._tasks.append(asyncio.create_task(self._worker()))
 
     async def stop(self) -> None:
+        """Stop reconciling at once: the workers are cancelled (a reconcile cut short is repaired by
+        the next leader's, as after a crash)."""
+        self.leading = False
+        selfmetrics.LEADER.set(0)
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -244,6 +275,10 @@ class Controller:
             try:
                 await self.reconcile(key)
                 self._failures.pop(key, None)
+            except NotLeadingError:
+                result = "error"
+                selfmetrics.RECONCILE_ERRORS.labels("NotLeading").inc()
+                log.warning("reconcile %s/%s stopped: no longer the leader", *key)
             except ForeignObjectError as e:
                 result = "error"
                 selfmetrics.RECONCILE_ERRORS.labels("ForeignObject").inc()
@@ -339,6 +374,10 @@ class Controller:
             return summary.model_copy(update={"usage": stored.usage})
         return stored or summary
 
+    def _may_write(self) -> None:
+        if not self.fence():
+            raise NotLeadingError
+
     async def _apply(self, key: Key, body: Body, p: Plan) -> None:
         assert self.kube is not None
         ns, name = key
@@ -348,6 +387,7 @@ class Controller:
         # Two round trips: the status (the run's durable record), then the pod. Runner pods need
         # nothing else made for them: their state goes through the state API (see stateapi).
         if new_status != old_status:
+            self._may_write()
             patch = {"metadata": {"resourceVersion": body["metadata"]["resourceVersion"]},
                      "status": merge_patch(old_status, new_status)}
             body = await self.kube.merge_patch(
@@ -359,6 +399,7 @@ class Controller:
                 feedback=intent.feedback, prior_total_tokens=intent.prior_total_tokens,
                 active_deadline_seconds=intent.active_deadline_seconds, state_ca=self.state_ca,
             )
+            self._may_write()
             try:
                 created = await self._create_owned(pod)
             except ApiError as e:
@@ -369,10 +410,12 @@ class Controller:
                 selfmetrics.RUN_PODS_CREATED.labels(intent.trigger.value).inc()
                 self.pod_event("ADDED", created)
         for pod_name in p.delete_pods:
+            self._may_write()
             await self.kube.delete(ns_path(ns, "pods", pod_name))
         for etype, reason, message in p.events:
             self._post_event(body, etype, reason, message)
         if p.delete_flow:
+            self._may_write()
             await self.kube.delete(flow_path(ns, name),
                                    {"propagationPolicy": "Background"})
         elif p.requeue_after is not None:

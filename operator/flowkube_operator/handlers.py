@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
+import signal
+import socket
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -16,6 +21,7 @@ from flowkube_api import constants as c
 from flowkube_operator import selfmetrics, tls, webhook
 from flowkube_operator.controller import Controller
 from flowkube_operator.kube import Kube
+from flowkube_operator.leader import LeaderElector, LeaseConfig
 from flowkube_operator.metrics import FlowMetrics
 from flowkube_operator.settings import Settings
 from flowkube_operator.stateapi import StateApi
@@ -41,6 +47,12 @@ class Runtime:
     ca_bundle: bytes | None = None  # installed into the webhook configurations at each login
     state_runner: web.AppRunner | None = None
     metrics_runner: web.AppRunner | None = None
+    elector: LeaderElector | None = None  # with leader election: who holds the Lease
+    leadership: asyncio.Task[None] | None = None  # acquires, then holds the Lease
+
+
+# Set when the process stops because it lost the Lease: `main` then exits non-zero.
+LOST_LEADERSHIP = False
 
 
 def _runtime(memo: kopf.Memo) -> Runtime | None:
@@ -121,7 +133,10 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
 
 async def _serve_metrics() -> web.AppRunner:
     async def metrics(_: web.Request) -> web.Response:
-        body = FLOW_METRICS.render().encode() + generate_latest(selfmetrics.REGISTRY)
+        # Per-flow series from the leader only: Prometheus scrapes every replica, and a flow seen by
+        # two of them would be counted twice by any sum. Followers keep theirs current, unexported.
+        flows = FLOW_METRICS.render() if CONTROLLER.leading else ""
+        body = flows.encode() + generate_latest(selfmetrics.REGISTRY)
         return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     app = web.Application()
@@ -148,12 +163,49 @@ async def login(memo: kopf.Memo, **kwargs: Any) -> kopf.ConnectionInfo | None:
     runtime.username = review.get("status", {}).get("userInfo", {}).get("username", "")
     if runtime.ca_bundle is not None:
         await webhook.install_ca_bundle(kube, SETTINGS.webhook_configuration, runtime.ca_bundle)
-    if old is None:
-        CONTROLLER.start(kube)
-    else:
-        CONTROLLER.kube = kube
+    CONTROLLER.attach(kube)
+    if old is not None:
         await old.close()
+    elif SETTINGS.leader_election:
+        runtime.elector = LeaderElector(lambda: runtime.kube, _lease_config())
+        CONTROLLER.fence = runtime.elector.still_leading
+        runtime.leadership = asyncio.create_task(_lead(runtime.elector))
+    else:
+        CONTROLLER.start()
     return info
+
+
+def _lease_namespace() -> str:
+    if SETTINGS.leader_election_namespace:
+        return SETTINGS.leader_election_namespace
+    sa_ns = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+    return sa_ns.read_text().strip() if sa_ns.exists() else "default"
+
+
+def _lease_config() -> LeaseConfig:
+    # The pod's name: a container restarted in the same pod takes its own Lease back at once.
+    return LeaseConfig(namespace=_lease_namespace(), name=SETTINGS.leader_election_lease,
+                       identity=socket.gethostname(),
+                       lease_duration=SETTINGS.leader_election_lease_duration_seconds,
+                       renew_deadline=SETTINGS.leader_election_renew_deadline_seconds,
+                       retry_period=SETTINGS.leader_election_retry_period_seconds)
+
+
+async def _lead(elector: LeaderElector) -> None:
+    """Follow until the Lease is ours, reconcile while it stays ours; once it is lost, stop
+    reconciling at once and end the process (SIGTERM: kopf shuts down cleanly, the kubelet starts
+    the container again and it follows), as controller-runtime does."""
+    global LOST_LEADERSHIP
+    try:
+        await elector.acquire()
+        CONTROLLER.start()
+        await elector.hold()
+        log.error("leadership lost: stopping the operator")
+    except Exception:
+        log.exception("leader election failed: stopping the operator")
+    await CONTROLLER.stop()
+    LOST_LEADERSHIP = True
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 # Async on purpose: the controller's watch side only updates caches and the queue, and kopf would
@@ -207,10 +259,18 @@ if SETTINGS.webhook_enabled:
 
 @kopf.on.cleanup()
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
-    await CONTROLLER.stop()
     runtime = _runtime(memo)
+    if runtime is not None and runtime.leadership is not None:
+        runtime.leadership.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await runtime.leadership
+    await CONTROLLER.stop()  # no status write after the Lease is given up
     if runtime is None:
         return
+    if runtime.elector is not None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(3):
+                await runtime.elector.release()  # the other replica takes over at its next try
     kube, runtime.kube = runtime.kube, None
     if kube is not None:
         await kube.close()

@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from flowkube_api import constants as c
+from flowkube_api.prices import prices_json
 from flowkube_operator.settings import Settings
 
 Body = dict[str, Any]
@@ -88,6 +89,10 @@ def runner_pod(
 
     It holds no Kubernetes API credentials: only a token bound to the pod for the audience of the
     operator's state API (see stateapi), and that API's URL and CA.
+
+    The price overrides (``FLOWKUBE_PRICES``) are the operator's, set even when empty: the variables
+    the operator sets win over a Flow's ``spec.env``, and a container's ``env`` over its ``envFrom``,
+    so a Flow cannot price its own calls (and so dodge its ``budget.maxCost``) by setting them.
     """
     meta = flow["metadata"]
     spec: Body = flow.get("spec") or {}
@@ -105,6 +110,7 @@ def runner_pod(
         {"name": c.ENV_STATE_URL, "value": settings.state_endpoint},
         {"name": c.ENV_STATE_CA, "value": state_ca},
         {"name": c.ENV_PRIOR_TOTAL_TOKENS, "value": str(prior_total_tokens)},
+        {"name": c.ENV_PRICES, "value": prices_json(settings.runner_prices)},
         # The root filesystem is read-only; crewAI and friends write their caches under HOME.
         {"name": "HOME", "value": "/tmp"},
         {"name": "CREWAI_DISABLE_TELEMETRY", "value": "true"},

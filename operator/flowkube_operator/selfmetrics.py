@@ -31,3 +31,6 @@ RUN_PODS_CREATED = Counter("flowkube_operator_runner_pods_created_total", "Runne
 STATE_REQUESTS = Counter("flowkube_operator_state_requests_total",
                          "Runner pods' requests to the state API, by method and HTTP status.",
                          ["method", "code"], registry=REGISTRY)
+LEADER = Gauge("flowkube_operator_leader",
+               "1 while this replica reconciles (holds the Lease, or runs without leader election), else 0. "
+               "Only the leader exports the per-flow series.", registry=REGISTRY)

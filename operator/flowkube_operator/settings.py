@@ -8,8 +8,10 @@ from __future__ import annotations
 import shlex
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from flowkube_api.prices import PriceOverrides
 
 
 class Settings(BaseSettings):
@@ -29,6 +31,15 @@ class Settings(BaseSettings):
         default_factory=dict,
         description="JSON object of env vars every runner pod gets (a Flow's own spec.env wins).",
     )
+    runner_prices: PriceOverrides = Field(
+        default_factory=dict,
+        description='JSON object: USD prices per million tokens by model name (as status.usage.byModel names it), '
+        'for models the bundled genai-prices table lacks or that you pay differently for, e.g. '
+        '`{"my-llama": {"prompt": "0.20", "completion": "0.60", "cachedPrompt": "0.05", "cacheCreation": "0.25"}}` '
+        '(decimal strings; cachedPrompt and cacheCreation default to prompt). An override wins over the table; '
+        "a model priced nowhere counts as unpriced tokens. Checked at start-up; runner pods get it as "
+        "FLOWKUBE_PRICES, which a Flow cannot override.",
+    )
     runner_default_resources: dict[str, dict[str, str]] = Field(
         default_factory=dict,
         description="JSON object: resources (requests/limits) of runner containers whose Flow sets no spec.resources.",
@@ -37,6 +48,25 @@ class Settings(BaseSettings):
     retry_backoff_cap_seconds: int = Field(
         default=3600, ge=1, description="Longest delay between retries: the doubling backoff stops here.")
     workers: int = Field(default=8, ge=1, le=256, description="Flows reconciled concurrently.")
+
+    leader_election: bool = Field(
+        default=False, description="Reconcile only while holding a coordination.k8s.io Lease, so that of "
+        "several replicas exactly one writes Flow status (all of them watch and serve the state API and "
+        "the webhooks); the chart turns it on. Off: this process reconciles from the start.")
+    leader_election_namespace: str = Field(
+        default="", description="Namespace of the Lease; empty: the namespace of the in-cluster service "
+        "account, else `default`.")
+    leader_election_lease: str = Field(default="flowkube-operator", description="Name of the Lease.")
+    leader_election_lease_duration_seconds: float = Field(
+        default=10.0, gt=0, description="How long a follower waits, from the last change of the Lease it "
+        "saw, before it takes the Lease over from a holder that stopped renewing.")
+    leader_election_renew_deadline_seconds: float = Field(
+        default=7.0, gt=0, description="How long the leader keeps trying to renew before it gives up "
+        "leading and exits (the kubelet restarts it); shorter than the lease duration.")
+    leader_election_retry_period_seconds: float = Field(
+        default=1.0, gt=0, description="Time between attempts to acquire or renew the Lease. A follower "
+        "sees the leader's last renewal at most this late, so it takes over at most the lease duration "
+        "plus this after the leader's last renewal.")
 
     health_port: int = Field(default=8080, description="Port of /healthz (0 disables it).")
     metrics_port: int = Field(default=9090, description="Port of /metrics (0 disables it).")
@@ -95,3 +125,10 @@ class Settings(BaseSettings):
     @classmethod
     def _split_words(cls, v: Any) -> Any:
         return shlex.split(v) if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _lease_timing(self) -> Settings:
+        if not (self.leader_election_retry_period_seconds < self.leader_election_renew_deadline_seconds
+                < self.leader_election_lease_duration_seconds):
+            raise ValueError("leader election needs retry period < renew deadline < lease duration")
+        return self

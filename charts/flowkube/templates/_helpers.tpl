@@ -75,6 +75,11 @@ system:serviceaccount:{{ .Release.Namespace }}:{{ include "flowkube.serviceAccou
 {{- include "flowkube.fullname" . }}-{{ .Release.Namespace }}.status.flowkube.io
 {{- end }}
 
+{{/* The Lease whose holder reconciles (templates/rbac/leader-election.yaml). */}}
+{{- define "flowkube.leaseName" -}}
+{{- include "flowkube.fullname" . }}-operator
+{{- end }}
+
 {{/* The Secret keeping the operator's CA across restarts (templates/ca-secret.yaml). */}}
 {{- define "flowkube.caSecretName" -}}
 {{- include "flowkube.fullname" . }}-ca

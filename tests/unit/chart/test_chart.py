@@ -137,8 +137,11 @@ def test_render_is_restricted_and_least_privilege(helm: Path, values: Path) -> N
     objs = render(helm, "-f", str(values), "--api-versions", "monitoring.coreos.com/v1")
     deploy = named(objs, "Deployment", "flowkube")
     pod = deploy["spec"]["template"]["spec"]
-    assert deploy["spec"]["replicas"] == 1
-    assert deploy["spec"]["strategy"] == {"type": "Recreate"}
+    # Two replicas; the Lease, not the strategy, keeps Flow status to one writer, so a rollout may
+    # start the new pod before the old one goes (the state API and the webhooks stay served).
+    assert deploy["spec"]["replicas"] == 2
+    assert deploy["spec"]["strategy"] == {"type": "RollingUpdate",
+                                          "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     for ctr in containers(objs):
@@ -245,12 +248,16 @@ def test_operator_rbac_cluster_scope(helm: Path) -> None:
     binding = named(objs, "ClusterRoleBinding", "flowkube-operator")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "flowkube",
                                     "namespace": "flowkube-system"}]
-    # Its only Role: get/patch on its own CA Secret, by name, in its own namespace (no `create`).
-    (ca_role,) = of_kind(objs, "Role")
+    # Its Roles, both in its own namespace: get/patch on its own CA Secret, by name (no `create`), and
+    # its leader-election Lease.
+    ca_role, leader_role = (named(objs, "Role", n) for n in ("flowkube-operator-ca", "flowkube-operator-leader"))
+    assert len(of_kind(objs, "Role")) == 2
     assert ca_role["metadata"] == {**ca_role["metadata"], "name": "flowkube-operator-ca",
                                    "namespace": "flowkube-system"}
     assert ca_role["rules"] == [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["flowkube-ca"],
                                  "verbs": ["get", "patch"]}]
+    assert leader_role["metadata"]["namespace"] == "flowkube-system"
+    _assert_leader_election_role(leader_role)
     secret = named(objs, "Secret", "flowkube-ca")
     assert "data" not in secret  # filled in by the operator, kept by `helm upgrade`
     env = {e["name"]: e.get("value") for e in named(objs, "Deployment", "flowkube")["spec"]["template"]["spec"][
@@ -258,16 +265,62 @@ def test_operator_rbac_cluster_scope(helm: Path) -> None:
     assert env["FLOWKUBE_TLS_SECRET"] == "flowkube-system/flowkube-ca"
 
 
+def _assert_leader_election_role(role: Obj) -> None:
+    """get/update/patch on the one Lease by name; create on Leases (RBAC cannot restrict it by name)."""
+    assert role["rules"] == [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "resourceNames": ["flowkube-operator"],
+         "verbs": ["get", "update", "patch"]},
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+    ]
+
+
+def test_leader_election_and_the_disruption_budget(helm: Path) -> None:
+    objs = render(helm)
+    env = env_of(next(containers(objs)))
+    assert env["FLOWKUBE_LEADER_ELECTION"] == "true"
+    assert env["FLOWKUBE_LEADER_ELECTION_LEASE"] == "flowkube-operator"
+    operator = next(containers(objs))
+    (ns_env,) = [e for e in operator["env"] if e["name"] == "FLOWKUBE_LEADER_ELECTION_NAMESPACE"]
+    assert ns_env["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    binding = named(objs, "RoleBinding", "flowkube-operator-leader")
+    assert binding["roleRef"]["name"] == "flowkube-operator-leader"
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "flowkube", "namespace": "flowkube-system"}]
+    pdb = named(objs, "PodDisruptionBudget", "flowkube")
+    assert pdb["metadata"]["namespace"] == "flowkube-system"
+    assert pdb["spec"]["minAvailable"] == 1
+    deploy = named(objs, "Deployment", "flowkube")
+    assert pdb["spec"]["selector"]["matchLabels"] == deploy["spec"]["selector"]["matchLabels"]
+    assert deploy["spec"]["template"]["metadata"]["labels"] | pdb["spec"]["selector"]["matchLabels"] \
+        == deploy["spec"]["template"]["metadata"]["labels"]
+    # One replica: no budget (minAvailable 1 would block every drain), leader election still on
+    # (a rollout runs two pods for a moment).
+    single = render(helm, "--set", "replicaCount=1")
+    assert not of_kind(single, "PodDisruptionBudget")
+    assert named(single, "Deployment", "flowkube")["spec"]["replicas"] == 1
+    assert env_of(next(containers(single)))["FLOWKUBE_LEADER_ELECTION"] == "true"
+    # The Lease follows the release's names, so two releases in one namespace do not share it.
+    other = render(helm, release="other")
+    assert env_of(next(containers(other)))["FLOWKUBE_LEADER_ELECTION_LEASE"] == "other-flowkube-operator"
+    assert named(other, "Role", "other-flowkube-operator-leader")["rules"][0]["resourceNames"] == [
+        "other-flowkube-operator"]
+    # Without chart RBAC there is no Role, and the chart says nothing more about the Lease.
+    assert not [r for r in of_kind(render(helm, "--set", "rbac.create=false"), "Role")]
+
+
 def test_operator_rbac_namespaced_scope(helm: Path) -> None:
     objs = render(helm, "-f", str(CHART / "ci" / "namespaced-values.yaml"))
     cluster_role = named(objs, "ClusterRole", "flowkube-operator")
     assert _grants(cluster_role["rules"]) == CLUSTER_GRANTS
-    roles = [r for r in of_kind(objs, "Role") if r["metadata"]["name"] != "flowkube-operator-ca"]
+    roles = [r for r in of_kind(objs, "Role")
+             if r["metadata"]["name"] not in ("flowkube-operator-ca", "flowkube-operator-leader")]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     for role in roles:
         assert _grants(role["rules"]) == EXPECTED_OPERATOR_GRANTS
+    # The Lease stays in the release namespace, whatever namespaces are watched.
+    _assert_leader_election_role(named(objs, "Role", "flowkube-operator-leader"))
+    assert named(objs, "Role", "flowkube-operator-leader")["metadata"]["namespace"] == "flowkube-system"
     assert sorted(b["metadata"]["namespace"] for b in of_kind(objs, "RoleBinding")) == [
-        "flowkube-system", "team-a", "team-b"]
+        "flowkube-system", "flowkube-system", "team-a", "team-b"]
     env = env_of(next(containers(objs)))
     assert env["FLOWKUBE_WATCH_NAMESPACES"] == "team-a,team-b"
     for hook in (of_kind(objs, "ValidatingWebhookConfiguration")[0]["webhooks"]

@@ -19,5 +19,6 @@ def test_chart_values_are_traced_to_their_variables() -> None:
     assert sources["FLOWKUBE_RUNNER_IMAGE"].values == ("runner.image.repository", "runner.image.tag")
     assert sources["FLOWKUBE_VALIDATOR_URL"].only_when == "validator.enabled"
     assert sources["FLOWKUBE_WEBHOOK_SERVICE"].from_release
+    assert sources["FLOWKUBE_LEADER_ELECTION_NAMESPACE"].from_release  # valueFrom: the pod's namespace
     for var in sources:  # the chart sets nothing the operator does not read
         assert var.removeprefix("FLOWKUBE_").lower() in Settings.model_fields, var

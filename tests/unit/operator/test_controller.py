@@ -76,3 +76,19 @@ def test_work_queue_hands_a_key_to_one_worker_and_requeues_changes_made_meanwhil
         return [key, again]
 
     assert asyncio.run(scenario()) == [("ns", "a"), ("ns", "a")]
+
+
+def test_a_follower_keeps_its_caches_but_queues_nothing_until_it_leads() -> None:
+    async def scenario() -> None:
+        ctl = Controller(Settings(), on_flow_change=lambda k, b: None)
+        ctl.flow_event("ADDED", flow(3, "Pending"))
+        ctl.pod_event("ADDED", pod("Running", 4))
+        assert ("ns", "f") in ctl.flows and ctl.pods[("ns", "f")]
+        assert not ctl.queue._queued and not ctl.leading  # a follower writes nothing, so queues nothing
+        ctl.attach(object())  # type: ignore[arg-type]  # no request is made before the first await
+        ctl.start()  # leading begins: everything cached is reconciled once (level-based)
+        assert ctl.leading and ctl.queue._queued == {("ns", "f")}
+        await ctl.stop()
+        assert not ctl.leading
+
+    asyncio.run(scenario())
