@@ -396,7 +396,7 @@ class Controller:
         if intent is not None:
             pod = resources.runner_pod(
                 body, index=intent.index, trigger=intent.trigger, settings=self.settings,
-                feedback=intent.feedback, prior_total_tokens=intent.prior_total_tokens,
+                feedback=intent.feedback, prior=intent.prior,
                 active_deadline_seconds=intent.active_deadline_seconds, state_ca=self.state_ca,
             )
             self._may_write()

@@ -37,7 +37,7 @@ from flowkube_api.models import (
     Result,
     Run,
 )
-from flowkube_api.report import RunReport, Usage, excerpt
+from flowkube_api.report import RunReport, TokenUsage, Usage, excerpt
 from flowkube_operator.conditions import describe
 from flowkube_operator.meta import PodView
 from flowkube_operator.resources import definition_name
@@ -66,7 +66,7 @@ class RunIntent:
     index: int
     trigger: Trigger
     feedback: Body | None
-    prior_total_tokens: int
+    prior: TokenUsage  # what the earlier runs used (the budget is the flow's)
     active_deadline_seconds: int | None
 
 
@@ -448,7 +448,7 @@ class _Reconciler:
         if self.spec.active_deadline_seconds is not None:
             left = int(self.spec.active_deadline_seconds - running_seconds(self.runs[:index], self.now)) + 1
         return RunIntent(index=index, trigger=trigger, feedback=feedback,
-                         prior_total_tokens=total_usage(self.runs[:index]).total_tokens,
+                         prior=total_usage(self.runs[:index]).totals(),
                          active_deadline_seconds=left)
 
     # -- endings ------------------------------------------------------------------------------------

@@ -6,7 +6,9 @@ import json
 from typing import Any
 
 from flowkube_api import constants as c
+from flowkube_api.base import money_text
 from flowkube_api.prices import prices_json
+from flowkube_api.report import TokenUsage
 from flowkube_operator.settings import Settings
 
 Body = dict[str, Any]
@@ -82,7 +84,7 @@ def runner_pod(
     settings: Settings,
     feedback: Body | None = None,
     state_ca: str = "",
-    prior_total_tokens: int = 0,
+    prior: TokenUsage | None = None,
     active_deadline_seconds: int | None = None,
 ) -> Body:
     """The runner pod of attempt `index`. Its name is deterministic, so re-creating it is a no-op.
@@ -109,7 +111,9 @@ def runner_pod(
         {"name": c.ENV_SPEC, "value": runner_spec_env(spec)},
         {"name": c.ENV_STATE_URL, "value": settings.state_endpoint},
         {"name": c.ENV_STATE_CA, "value": state_ca},
-        {"name": c.ENV_PRIOR_TOTAL_TOKENS, "value": str(prior_total_tokens)},
+        # What earlier runs used: the budget (tokens and money) is the flow's, checked per call.
+        {"name": c.ENV_PRIOR_TOTAL_TOKENS, "value": str(prior.total_tokens if prior else 0)},
+        {"name": c.ENV_PRIOR_COST, "value": money_text(prior.cost) if prior else "0"},
         {"name": c.ENV_PRICES, "value": prices_json(settings.runner_prices)},
         # The root filesystem is read-only; crewAI and friends write their caches under HOME.
         {"name": "HOME", "value": "/tmp"},

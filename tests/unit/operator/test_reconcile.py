@@ -483,3 +483,19 @@ def test_a_money_budget_stops_the_flow_before_another_run() -> None:
     assert cond(body, "Succeeded")["reason"] == Reason.BUDGET_EXCEEDED
     assert "USD 0.012 spent of budget.maxCost=0.01" in cond(body, "Succeeded")["message"]
     assert body["status"]["usage"]["cost"] == "0.012" and body["status"]["usage"]["currency"] == "USD"
+
+
+def test_a_retry_carries_what_earlier_runs_spent_into_its_pod() -> None:
+    from flowkube_operator import resources
+    from flowkube_operator.settings import Settings
+
+    body = flow(budget={"maxCost": "1"}, retries={"limit": 1, "backoffSeconds": 0})
+    step(body)
+    spent = usage(100, 20).model_copy(update={"cost": Decimal("0.012")})
+    step(body, pod("f-0", "Failed", exit_code=3), report("f-0", RunResult.FAILED, reason=Reason.FLOW_ERROR,
+                                                      exit_code=3, usage=spent), at=1)
+    p = step(body, at=10)
+    assert p.create_pod is not None and p.create_pod.prior.total_tokens == 120
+    pod_body = resources.runner_pod(body, index=1, trigger=Trigger.RETRY, settings=Settings(), prior=p.create_pod.prior)
+    env = {e["name"]: e.get("value") for e in pod_body["spec"]["containers"][0]["env"]}
+    assert env["FLOWKUBE_PRIOR_TOTAL_TOKENS"] == "120" and env["FLOWKUBE_PRIOR_COST"] == "0.012"
