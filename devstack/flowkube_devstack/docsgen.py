@@ -31,6 +31,7 @@ UNDOCUMENTED = "*(no description in `Settings`)*"
 
 _ENV_NAME = re.compile(r"^\s*- name: (?P<name>[A-Z][A-Z0-9_]*)\s*$")
 _ENV_VALUE = re.compile(r"^\s*value: (?P<expr>.*)$")
+_CONFIGMAP_NAME = re.compile(r"^\s*name: (?P<expr>\{\{.*\}\}[-\w]*)\s*$")  # inside configMapKeyRef
 _ENV_FIELD = re.compile(r"^\s*fieldPath: metadata\.namespace\s*$")  # the pod's namespace: the release's
 _OPEN = re.compile(r"\{\{-?\s*(?P<kind>if|with|range)\b(?P<cond>[^}]*)\}\}")
 _END = re.compile(r"\{\{-?\s*end\s*-?\}\}")
@@ -97,6 +98,12 @@ def chart_env_sources(deployment: str | None = None, helpers: str | None = None)
             sources[pending] = ChartSource(values=(), from_release=True, only_when=None)
             pending = None
             continue
+        configmap = _CONFIGMAP_NAME.match(line)
+        if pending is not None and configmap is not None:  # `valueFrom.configMapKeyRef`: the chart's own
+            sources[pending] = ChartSource(values=_configmap_values(configmap["expr"]), from_release=False,
+                                           only_when=None)
+            pending = None
+            continue
         value = _ENV_VALUE.match(line)
         if value is None or pending is None:
             continue
@@ -111,6 +118,16 @@ def chart_env_sources(deployment: str | None = None, helpers: str | None = None)
         sources[pending] = ChartSource(values=keys, from_release=".Release." in text, only_when=only_when)
         pending = None
     return sources
+
+
+def _configmap_values(name_expr: str) -> tuple[str, ...]:
+    """The values a ConfigMap of the chart is rendered from, found by the name expression its
+    `configMapKeyRef` uses."""
+    for template in sorted(TEMPLATES.glob("*.yaml")):
+        text = template.read_text()
+        if "kind: ConfigMap" in text and f"name: {name_expr}" in text:
+            return tuple(dict.fromkeys(m["key"] for m in _VALUES_REF.finditer(text.split("data:", 1)[-1])))
+    return ()
 
 
 # ---------------------------------------------------------------------------------------- settings

@@ -414,6 +414,9 @@ def test_the_operator_understands_every_setting_the_chart_gives_it(
     objs = render(helm, "-f", str(values), "--set", "runner.defaultEnv.A=b")
     operator = next(ctr for ctr in containers(objs) if ctr["name"] == "operator")
     env = env_of(operator)
+    for e in operator["env"]:  # values the chart keeps in its own ConfigMaps
+        if (ref := (e.get("valueFrom") or {}).get("configMapKeyRef")) is not None:
+            env[e["name"]] = named(objs, "ConfigMap", ref["name"])["data"][ref["key"]]
     for name, value in env.items():
         assert name.startswith("FLOWKUBE_"), name
         assert name.removeprefix("FLOWKUBE_").lower() in Settings.model_fields, f"{name}: no such setting"
@@ -488,7 +491,7 @@ def test_service_monitor_needs_the_api_and_the_switch(helm: Path) -> None:
 
 
 def test_dashboards_configmap(helm: Path) -> None:
-    assert of_kind(render(helm), "ConfigMap") == []
+    assert [o["metadata"]["name"] for o in of_kind(render(helm), "ConfigMap")] == ["flowkube-prices"]
     cm = named(render(helm, "--set", "dashboards.enabled=true"), "ConfigMap", "flowkube-dashboards")
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     files = sorted(p.name for p in (CHART / "dashboards").glob("*.json"))
@@ -552,3 +555,20 @@ def test_dockerfiles_install_the_right_extra_as_non_root(component: str, extra: 
     assert f'ENTRYPOINT ["flowkube-{component}"]' in final
     assert "--no-cache-dir" in final
     assert "apt-get" not in final and "build-essential" not in final
+
+
+def test_price_overrides_reach_the_operator_from_a_configmap_and_roll_it_on_change(helm: Path) -> None:
+    objs = render(helm, "--set-json", 'runner.prices={"my-llama":{"prompt":"0.20","completion":"0.60"}}')
+    cm = named(objs, "ConfigMap", "flowkube-prices")
+    assert json.loads(cm["data"]["prices.json"]) == {"my-llama": {"prompt": "0.20", "completion": "0.60"}}
+    deployment = named(objs, "Deployment", "flowkube")
+    operator = deployment["spec"]["template"]["spec"]["containers"][0]
+    prices = next(e for e in operator["env"] if e["name"] == "FLOWKUBE_RUNNER_PRICES")
+    assert prices["valueFrom"]["configMapKeyRef"] == {"name": "flowkube-prices", "key": "prices.json"}
+    checksum = deployment["spec"]["template"]["metadata"]["annotations"]["checksum/prices"]
+    plain = named(render(helm), "Deployment", "flowkube")["spec"]["template"]["metadata"]["annotations"]
+    assert plain["checksum/prices"] != checksum
+    assert json.loads(named(render(helm), "ConfigMap", "flowkube-prices")["data"]["prices.json"]) == {}
+    bad = run_helm(helm, "template", "x", str(CHART), "--set", "runner.prices.m.prompt=cheap",
+                   "--set", "runner.prices.m.completion=1", check=False)
+    assert bad.returncode != 0 and "prompt" in bad.stderr
