@@ -30,7 +30,7 @@ def test_valid_flow_is_accepted_and_listed_with_printer_columns(cluster: LocalCl
     rc, err = _apply(cluster, namespace, "ok", {"flowRef": "pkg.flows:Research", "retries": {"limit": 2}})
     assert rc == 0, err
     out = cluster.kubectl("get", "fl", "-n", namespace).stdout
-    assert out.split("\n")[0].split() == ["NAME", "PHASE", "DEFINITION", "TOKENS", "AGE", "MESSAGE"]
+    assert out.split("\n")[0].split() == ["NAME", "PHASE", "DEFINITION", "TOKENS", "COST", "AGE", "MESSAGE"]
 
     def listed() -> bool:
         return "ok" in cluster.kubectl("get", "flowkube", "-n", namespace, "-o", "name").stdout
@@ -49,6 +49,9 @@ def test_valid_flow_is_accepted_and_listed_with_printer_columns(cluster: LocalCl
         ({"flowRef": "a:B", "retries": {"limit": -1}}, "spec.retries.limit"),
         ({"flowRef": "a:B", "activeDeadlineSeconds": 0}, "spec.activeDeadlineSeconds"),
         ({"flowRef": "a:B", "budget": {"maxTotalTokens": 0}}, "spec.budget.maxTotalTokens"),
+        ({"flowRef": "a:B", "budget": {"maxCost": "two dollars"}}, "spec.budget.maxCost"),
+        ({"flowRef": "a:B", "budget": {}}, "budget sets maxTotalTokens, maxCost or both"),
+        ({"flowRef": "a:B", "retries": {"disruptionLimit": -1}}, "spec.retries.disruptionLimit"),
         ({"flowRef": "a:B", "suspend": "yes"}, "spec.suspend"),
     ],
 )

@@ -79,7 +79,7 @@ def test_dashboard_queries_on_a_real_prometheus(flows: Flows, prom: Prometheus, 
         {"result": "Paused", "feedback": REVIEW, "tokens": 2, "cost": "0.02"}, {"tokens": 3, "cost": "0.03"}]}})
     flows.apply("flaky", {"flowRef": "m:Flaky", "retries": {"limit": 1, "backoffSeconds": 0},
                           "inputs": {"plan": [{"result": "Failed", "exit": 3, "tokens": 1}, {"tokens": 4}]}})
-    flows.apply("simple", {"definition": {"name": "simple-def", "methods": []},
+    flows.apply("simple", {"definition": {"name": "simple-def", "methods": {}},
                            "inputs": {"plan": [{"tokens": 7, "cost": "0.0725", "unpriced": 4}]}})
     flows.wait_phase("paused", "AwaitingFeedback")
     assert flows.patch_status("paused", {"status": {"feedback": {"response": {"text": "approved"}}}})[0] == 0
