@@ -485,6 +485,7 @@ def test_service_monitor_needs_the_api_and_the_switch(helm: Path) -> None:
     assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     assert sm["spec"]["endpoints"][0]["port"] == "metrics"
     assert sm["spec"]["endpoints"][0]["path"] == "/metrics"
+    assert sm["spec"]["endpoints"][0]["honorLabels"] is True  # the Flow's namespace, not the operator's
     metrics_service = named(with_api, "Service", "flowkube-metrics")
     assert metrics_service["metadata"]["labels"].items() >= sm["spec"]["selector"]["matchLabels"].items()
     assert of_kind(render(helm, "--api-versions", "monitoring.coreos.com/v1"), "ServiceMonitor") == []
