@@ -332,8 +332,8 @@ class Controller:
         if not self.settings.webhook_enabled:
             # Only the mutating webhook can vouch for who answered; without it the name is unknown.
             (((body.get("status") or {}).get("feedback") or {}).get("response") or {}).pop("respondedBy", None)
-        pending = self._late.get(key, {})
-        late: dict[str, RunReport | None] = dict(pending)
+        taken = dict(self._late.get(key, {}))  # the state API's hints this reconcile folds in
+        late: dict[str, RunReport | None] = dict(taken)
         for pod_name in late_pods(status, pods):  # pods that ended after their run was closed
             late[pod_name] = await self._load_report(ns, name, uid, pod_name, pods[pod_name])
         cap = self.settings.retry_backoff_cap_seconds
@@ -342,10 +342,18 @@ class Controller:
             report = await self._load_report(ns, name, uid, active, pods.get(active))
             p = plan(body, pods, report, backoff_cap=cap, report_checked=True, late=late)
         await self._apply(key, body, p)
-        for pod_name, rep in list(pending.items()):
-            if self._late.get(key, {}).get(pod_name) is rep:  # folded; a newer one stays queued
-                del self._late[key][pod_name]
-        if not self._late.get(key, True):
+        self._forget_late(key, taken)
+
+    def _forget_late(self, key: Key, folded: dict[str, RunReport]) -> None:
+        """Drop the hints a reconcile folded in; one that arrived meanwhile (a newer report of the
+        same pod, taken during the reconcile's awaits) stays queued for the next."""
+        pending = self._late.get(key)
+        if pending is None:
+            return
+        for pod_name, rep in folded.items():
+            if pending.get(pod_name) is rep:
+                del pending[pod_name]
+        if not pending:
             del self._late[key]
 
     async def _load_report(self, ns: str, name: str, uid: str, pod_name: str,

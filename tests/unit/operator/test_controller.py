@@ -92,3 +92,25 @@ def test_a_follower_keeps_its_caches_but_queues_nothing_until_it_leads() -> None
         assert not ctl.leading
 
     asyncio.run(scenario())
+
+
+def test_a_late_report_that_arrives_during_a_reconcile_stays_queued_for_the_next() -> None:
+    from flowkube_api.constants import Reason, RunResult, Trigger
+    from flowkube_api.report import RunReport, Usage
+
+    ctl = Controller(Settings(), on_flow_change=lambda k, b: None)
+    ctl.leading = True
+    ctl.flow_event("MODIFIED", flow(10, "Running"))
+
+    def report(tokens: int) -> RunReport:
+        return RunReport(pod="f-0", trigger=Trigger.KICKOFF, result=RunResult.FAILED,
+                         reason=Reason.RUN_INTERRUPTED, exit_code=3, usage=Usage(total_tokens=tokens))
+
+    first, newer = report(5), report(9)
+    ctl.late_report("ns", "f", first)
+    taken = dict(ctl._late[("ns", "f")])  # what a reconcile folds in
+    ctl.late_report("ns", "f", newer)  # the pod reported again while that reconcile awaited
+    ctl._forget_late(("ns", "f"), taken)
+    assert ctl._late[("ns", "f")] == {"f-0": newer}
+    ctl._forget_late(("ns", "f"), {"f-0": newer})
+    assert ("ns", "f") not in ctl._late
