@@ -8,7 +8,7 @@ Times are timezone-aware ``datetime`` objects in Python and RFC 3339 UTC to the 
 from __future__ import annotations
 
 import datetime as dt
-from decimal import Decimal
+from decimal import Decimal, InvalidOperation
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, PlainSerializer, WithJsonSchema
@@ -47,6 +47,18 @@ Money = Annotated[
     Decimal, AfterValidator(_money_value), PlainSerializer(_money_text, return_type=str, when_used="json"),
     WithJsonSchema({"type": "string", "pattern": MONEY_PATTERN}),
 ]
+
+
+def parse_money(text: str) -> Decimal:
+    """An amount written as text ("" is zero); ``ValueError`` when it is not a decimal number >= 0."""
+    try:
+        amount = Decimal(text.strip() or "0")
+    except InvalidOperation:
+        raise ValueError(f"not a decimal number: {text!r}") from None
+    try:
+        return _money_value(amount)
+    except ValueError as e:
+        raise ValueError(f"{e}, got {text!r}") from None
 
 
 def money_text(d: Decimal) -> str:

@@ -6,7 +6,7 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic.alias_generators import to_camel
 
 from flowkube_api import constants as c
-from flowkube_api.base import Money
+from flowkube_api.base import Money, parse_money
 from flowkube_api.prices import ModelPrice, prices_from_json
 
 ENV_TERMINATION_LOG = c.ENV_TERMINATION_LOG
@@ -111,7 +111,10 @@ class RunnerConfig:
             prior = int(env.get(c.ENV_PRIOR_TOTAL_TOKENS, "0") or "0")
         except ValueError as e:
             raise ConfigError(c.Reason.INTERNAL_ERROR, f"{c.ENV_PRIOR_TOTAL_TOKENS}: {e}") from e
-        prior_cost = _prior_cost(env.get(c.ENV_PRIOR_COST, ""))
+        try:
+            prior_cost = parse_money(env.get(c.ENV_PRIOR_COST, ""))
+        except ValueError as e:
+            raise ConfigError(c.Reason.INTERNAL_ERROR, f"{c.ENV_PRIOR_COST}: {e}") from None
         try:
             prices = prices_from_json(env.get(c.ENV_PRICES, ""))
         except ValueError as e:
@@ -130,13 +133,3 @@ class RunnerConfig:
             termination_log=cls.termination_log_from_env(env),
             state_dir=Path(state_dir) if state_dir else None,
         )
-
-
-def _prior_cost(text: str) -> Decimal:
-    try:
-        cost = Decimal(text.strip() or "0")
-    except InvalidOperation:
-        raise ConfigError(c.Reason.INTERNAL_ERROR, f"{c.ENV_PRIOR_COST}: not a decimal number: {text!r}") from None
-    if not cost.is_finite() or cost < 0:
-        raise ConfigError(c.Reason.INTERNAL_ERROR, f"{c.ENV_PRIOR_COST}: not an amount >= 0: {text!r}")
-    return cost
