@@ -32,6 +32,7 @@ class Phase(StrEnum):
     PENDING = "Pending"
     RUNNING = "Running"
     AWAITING_FEEDBACK = "AwaitingFeedback"
+    AWAITING_MESSAGE = "AwaitingMessage"  # a conversation between turns
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
     SUSPENDED = "Suspended"
@@ -44,6 +45,7 @@ class ConditionType(StrEnum):
     ACCEPTED = "Accepted"
     RUNNING = "Running"
     AWAITING_FEEDBACK = "AwaitingFeedback"
+    AWAITING_MESSAGE = "AwaitingMessage"
     SUCCEEDED = "Succeeded"
 
 
@@ -51,6 +53,7 @@ class Trigger(StrEnum):
     KICKOFF = "kickoff"
     RESUME = "resume"
     RETRY = "retry"
+    TURN = "turn"  # one message of a conversation
 
 
 class RunResult(StrEnum):
@@ -87,6 +90,13 @@ class Reason(StrEnum):
     FEEDBACK_REFUSED = "FeedbackRefused"
     FEEDBACK_TIMED_OUT = "FeedbackTimedOut"
     SUSPENDED = "Suspended"
+    SESSION_OPENED = "SessionOpened"
+    MESSAGE_RECEIVED = "MessageReceived"
+    MESSAGE_REFUSED = "MessageRefused"
+    TURN_COMPLETED = "TurnCompleted"
+    CONVERSATION_ENDED = "ConversationEnded"
+    CONVERSATION_IDLE = "ConversationIdle"
+    MAX_TURNS_REACHED = "MaxTurnsReached"
     MODEL_UNREACHABLE = "ModelUnreachable"
     FLOW_ERROR = "FlowError"
     INTERNAL_ERROR = "InternalError"
@@ -113,6 +123,7 @@ ENV_STATE_CA = "FLOWKUBE_STATE_CA"  # PEM of the CA that signed the state API's 
 ENV_STATE_TOKEN_FILE = "FLOWKUBE_STATE_TOKEN_FILE"  # noqa: S105 - default STATE_TOKEN_DIR/token
 ENV_STATE_RETRY_SECONDS = "FLOWKUBE_STATE_RETRY_SECONDS"  # how long a runner waits out an operator restart
 ENV_FEEDBACK = "FLOWKUBE_FEEDBACK"  # JSON: {"requestId", "text", "timedOut", "outcome"}
+ENV_MESSAGE = "FLOWKUBE_MESSAGE"  # JSON: {"turn", "text", "sender"}: the conversation message this run answers
 ENV_PRIOR_TOTAL_TOKENS = "FLOWKUBE_PRIOR_TOTAL_TOKENS"
 ENV_PRIOR_COST = "FLOWKUBE_PRIOR_COST"  # USD spent by earlier runs, a decimal string ("0.0123")
 ENV_PRICES = "FLOWKUBE_PRICES"  # JSON: price overrides by model (flowkube_api.prices), set by the operator
@@ -130,6 +141,10 @@ STATE_TOKEN_DIR = "/var/run/secrets/flowkube.io/state"  # noqa: S105 - a path
 STATE_API_PREFIX = "/v1/state/"  # + key: GET and PUT of one binaryData key of the caller's Flow
 STATE_KEY_PATTERN = r"[-._a-zA-Z0-9]{1,253}"  # what a ConfigMap key may be
 
+MESSAGE_LIMIT = 65536  # characters of one conversation message (status.conversation.inbox.text)
+MESSAGE_EXCERPT_LIMIT = 1024  # bytes kept of each message in status.conversation.messages[]
+RECENT_MESSAGES = 20  # messages kept in status.conversation.messages[]; the transcript is in the state
+EXIT_COMMANDS = ("exit", "quit")  # crewAI's default; a Flow class may set its own `exit_commands`
 EXCERPT_LIMIT = 4096  # bytes kept of outputs in status (result.output, feedback.request.output)
 STATE_LIMIT = 900 * 1024  # compressed bytes per state object; beyond it the run fails StateTooLarge
 

@@ -74,6 +74,8 @@ def crd() -> dict[str, Any]:
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
         {"name": "Message", "type": "string", "jsonPath": ".status.message"},
         {"name": "Last-Run", "type": "string", "jsonPath": ".status.runs[-1:].pod", "priority": 1},
+        {"name": "Turns", "type": "integer", "jsonPath": ".status.conversation.turns", "priority": 1,
+         "description": "Messages a conversation answered"},
         {"name": "Flow-ID", "type": "string", "jsonPath": ".status.flowId", "priority": 1},
     ]
     schema = {

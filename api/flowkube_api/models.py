@@ -11,7 +11,14 @@ from typing import Annotated, Any
 from pydantic import ConfigDict, Field, JsonValue
 
 from flowkube_api.base import Model, Money, Time
-from flowkube_api.constants import DEFAULT_DISRUPTION_LIMIT, ConditionType, Phase, RunResult, Trigger
+from flowkube_api.constants import (
+    DEFAULT_DISRUPTION_LIMIT,
+    MESSAGE_LIMIT,
+    ConditionType,
+    Phase,
+    RunResult,
+    Trigger,
+)
 from flowkube_api.report import FeedbackRequest, TokenUsage, Usage
 
 _DOTTED = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
@@ -82,6 +89,20 @@ class FeedbackSpec(Model):
     )
 
 
+class ConversationSpec(Model):
+    """Bounds of a conversation (a Flow whose definition or class is conversational)."""
+
+    idle_timeout_seconds: int | None = Field(
+        default=None, ge=1,
+        description="No message for this long ends the session: Succeeded, reason ConversationIdle. "
+        "Unset: a session waits for its next message as long as the Flow exists.",
+    )
+    max_turns: int | None = Field(
+        default=None, ge=1, le=100000,
+        description="The session ends (Succeeded, reason MaxTurnsReached) after this many answered messages.",
+    )
+
+
 class Budget(Model):
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
         cel("has(self.maxTotalTokens) || has(self.maxCost)", "budget sets maxTotalTokens, maxCost or both"),
@@ -135,6 +156,8 @@ class FlowSpec(Model):
         description="Bound on running time; time awaiting feedback does not count.",
     )
     feedback: FeedbackSpec | None = None
+    conversation: ConversationSpec | None = Field(
+        default=None, description="Only for conversations: an idle timeout and a turn limit.")
     budget: Budget | None = None
     ttl_seconds_after_finished: int | None = Field(default=None, ge=0)
     suspend: bool | None = Field(default=None, description="true stops creating runner pods.")
@@ -197,6 +220,44 @@ class FeedbackStatus(Model):
     history: list[FeedbackRecord] | None = None
 
 
+class MessageInbox(Model):
+    """``status.conversation.inbox``: where a person puts the next message (one at a time)."""
+
+    text: str | None = Field(default=None, max_length=MESSAGE_LIMIT)
+    sent_by: str | None = Field(
+        default=None, description="Set by the admission webhook to the user who patched; not user-settable."
+    )
+
+
+class PendingMessage(Model):
+    """A message the operator accepted and a run is answering: its full text until the reply lands."""
+
+    turn: int
+    text: str = Field(max_length=MESSAGE_LIMIT)
+    sent_by: str | None = None
+    sent_at: Time | None = None
+
+
+class ConversationMessage(Model):
+    role: str = Field(description="user or assistant")
+    content: str = Field(default="", description="excerpt, at most 1 KiB")
+    turn: int = 0
+    time: Time | None = None
+    sender: str | None = Field(default=None, description="Who sent a user message (the patching user).")
+
+
+class ConversationStatus(Model):
+    session_id: str | None = None
+    turns: int = Field(default=0, description="Messages answered.")
+    ended: bool = False
+    last_reply: str | None = Field(default=None, description="excerpt of the latest reply")
+    idle_since: Time | None = Field(default=None, description="When the session last became AwaitingMessage.")
+    messages: list[ConversationMessage] | None = Field(
+        default=None, description="The most recent messages, shortened; the transcript is in the flow's state.")
+    pending: PendingMessage | None = None
+    inbox: MessageInbox | None = None
+
+
 class Result(Model):
     output: str | None = None
 
@@ -212,6 +273,7 @@ class FlowStatus(Model):
     flow_id: str | None = None
     runs: list[Run] | None = None
     feedback: FeedbackStatus | None = None
+    conversation: ConversationStatus | None = None
     usage: Usage | None = None
     result: Result | None = None
 
@@ -227,6 +289,9 @@ class Flow(Model):
 __all__ = [
     "Budget",
     "Condition",
+    "ConversationMessage",
+    "ConversationSpec",
+    "ConversationStatus",
     "FeedbackRecord",
     "FeedbackRequest",
     "FeedbackResponse",
@@ -235,8 +300,10 @@ __all__ = [
     "Flow",
     "FlowSpec",
     "FlowStatus",
+    "MessageInbox",
     "Model",
     "PendingFeedback",
+    "PendingMessage",
     "PodTemplate",
     "ResourceRequirements",
     "Result",

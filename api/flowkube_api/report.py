@@ -101,6 +101,17 @@ class FeedbackApplied(Model):
     timed_out: bool = False
 
 
+class TurnReport(Model):
+    """A conversation's state after a run: the session it holds and the turn it answered (0 when the
+    run only opened the session), with the reply. ``ended``: the flow's ``end`` route or an exit
+    command ended the session."""
+
+    session_id: str
+    turn: int = 0
+    reply: str | None = Field(default=None, description=f"excerpt, at most {EXCERPT_LIMIT} bytes")
+    ended: bool = False
+
+
 class RunReport(Model):
     pod: str
     flow: str = ""
@@ -114,6 +125,7 @@ class RunReport(Model):
     output: str | None = Field(default=None, description=f"excerpt, at most {EXCERPT_LIMIT} bytes")
     feedback_request: FeedbackRequest | None = None
     feedback_applied: FeedbackApplied | None = None
+    conversation: TurnReport | None = None
     started_at: Time | None = None
     finished_at: Time | None = None
 
@@ -151,6 +163,11 @@ class RunReport(Model):
                     if self.feedback_applied
                     else None
                 ),
+                "conversation": (
+                    self.conversation.model_copy(update={"reply": excerpt(self.conversation.reply or "", 512)})
+                    if self.conversation
+                    else None
+                ),
             }
         )
         text = summary.to_json()
@@ -158,5 +175,7 @@ class RunReport(Model):
             minimal: dict[str, Any] = json.loads(text)
             for key in ("feedbackRequest", "feedbackApplied", "message"):
                 minimal.pop(key, None)
+            if "conversation" in minimal:
+                minimal["conversation"].pop("reply", None)
             text = json.dumps(minimal, separators=(",", ":"))
         return text

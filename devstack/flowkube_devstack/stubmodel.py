@@ -25,6 +25,12 @@ Rules file (JSON)::
   HTTP status. ``hold: true`` keeps the request open until :meth:`StubModel.release_held` or
   shutdown, so a test can act while a call is in flight.
 - ``times``: the rule applies to its first N matching calls only, then is skipped.
+- A conversational flow's router call (its last user message is crewAI's JSON routing context, with
+  ``current_user_message`` and ``available_routes``) is matched on the user's message, not the JSON;
+  with no matching rule it is answered ``{"intent": "converse"}``.
+- ``structured``: true matches only structured-output requests (a conversational flow's router asking
+  for ``{"intent": ...}``), false only plain ones. ``raw: true`` sends ``reply`` as is, even to a
+  structured-output request (an answer the caller cannot parse, which the provider still bills).
 
 Point crewAI at it through its normal OpenAI provider: ``OPENAI_BASE_URL=<url>/v1`` and
 ``OPENAI_API_KEY=stub`` (crewAI 1.15.30 reads ``OPENAI_BASE_URL``, then ``OPENAI_API_BASE``).
@@ -66,18 +72,22 @@ class Rule:
     fail: str | int | None = None
     hold: bool = False
     times: int | None = None
+    structured: bool | None = None
+    raw: bool = False
     used: int = 0
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Rule:
-        known = {"reply", "contains", "anywhere", "model", "fail", "hold", "times"}
+        known = {"reply", "contains", "anywhere", "model", "fail", "hold", "times", "structured", "raw"}
         unknown = set(data) - known
         if unknown:
             raise ValueError(f"unknown rule keys: {sorted(unknown)}")
         return cls(**data)
 
-    def matches(self, model: str, messages: list[dict[str, Any]]) -> bool:
+    def matches(self, model: str, messages: list[dict[str, Any]], structured: bool = False) -> bool:
         if self.times is not None and self.used >= self.times:
+            return False
+        if self.structured is not None and self.structured != structured:
             return False
         if self.model is not None and self.model != model:
             return False
@@ -86,7 +96,10 @@ class Rule:
         if self.anywhere:
             return any(self.contains in _content_text(m) for m in messages)
         users = [m for m in messages if m.get("role") == "user"]
-        return bool(users) and self.contains in _content_text(users[-1])
+        if not users:
+            return False
+        text = _content_text(users[-1])
+        return self.contains in (_routed_message(text) or text)
 
 
 @dataclass
@@ -113,6 +126,18 @@ def _content_text(message: dict[str, Any]) -> str:
     if isinstance(content, list):
         return "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
     return ""
+
+
+def _routed_message(text: str) -> str | None:
+    """The user's message inside a conversational router's JSON context, or None for other calls."""
+    if not text.startswith("{") or "current_user_message" not in text:
+        return None
+    try:
+        context = json.loads(text)
+    except ValueError:
+        return None
+    message = context.get("current_user_message") if isinstance(context, dict) else None
+    return message if isinstance(message, str) and "available_routes" in context else None
 
 
 def _structured_reply(reply: str, response_format: Any) -> str:
@@ -208,10 +233,10 @@ class StubModel:
     def release_held(self) -> None:
         self._release.set()
 
-    def _pick(self, model: str, messages: list[dict[str, Any]]) -> Rule | None:
+    def _pick(self, model: str, messages: list[dict[str, Any]], structured: bool) -> Rule | None:
         with self._lock:
             for rule in self.rules.rules:
-                if rule.matches(model, messages):
+                if rule.matches(model, messages, structured):
                     rule.used += 1
                     return rule
             return None
@@ -239,7 +264,9 @@ class StubModel:
         received = time.time()
         model = str(body.get("model", "stub"))
         messages = [m for m in body.get("messages", []) if isinstance(m, dict)]
-        rule = self._pick(model, messages)
+        response_format = body.get("response_format")
+        structured = isinstance(response_format, dict) and response_format.get("type") == "json_schema"
+        rule = self._pick(model, messages, structured)
         if rule is not None and rule.hold and not self._hold():
             return 0, None
         if rule is not None and rule.fail == "drop":
@@ -247,7 +274,11 @@ class StubModel:
         if rule is not None and isinstance(rule.fail, int):
             return rule.fail, {"error": {"message": "stub failure", "type": "server_error", "code": None}}
         reply = rule.reply if rule is not None and rule.reply is not None else self.rules.default
-        reply = _structured_reply(reply, body.get("response_format"))
+        users = [m for m in messages if m.get("role") == "user"]
+        if rule is None and structured and users and _routed_message(_content_text(users[-1])) is not None:
+            reply = "converse"  # a router call no rule routes: the built-in chat route
+        if rule is None or not rule.raw:
+            reply = _structured_reply(reply, response_format)
 
         prompt_tokens = sum(count_tokens(_content_text(m)) + 4 for m in messages)
         completion_tokens = count_tokens(reply) + 1

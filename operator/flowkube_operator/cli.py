@@ -1,26 +1,138 @@
 """`kubectl flow`: a kubectl plugin over the same patch and reads a person would type.
 
-    kubectl flow feedback NAME TEXT [--request-id ID] [-n NAMESPACE]
-    kubectl flow get NAME [-n NAMESPACE]
+    kubectl flow get [-A]                              list Flows: phase, definition, tokens, age
+    kubectl flow get NAME                              pending request, conversation, runs and usage
+    kubectl flow feedback NAME TEXT [--request-id ID]  answer a pending feedback request
+    kubectl flow say NAME TEXT [--timeout SECONDS]     send one message to a conversation, print the reply
+    kubectl flow chat NAME [--timeout SECONDS]         talk to a conversation, one message per line
 
-It calls `kubectl` itself, so contexts, namespaces and credentials behave exactly as in kubectl.
+Flags go anywhere on the line; `--` ends them (for a TEXT that starts with `-`). kubectl's own
+-n/--namespace, --context, --kubeconfig, --cluster, --user, --as, --as-group, --request-timeout,
+-s/--server, --token, --insecure-skip-tls-verify and --certificate-authority are passed to every
+kubectl call. It calls `kubectl` itself (or $KUBECTL), so contexts, namespaces and credentials
+behave exactly as in kubectl.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
+POLL_INTERVAL = 0.3  # seconds between reads of a Flow while `say` waits for its reply
+HISTORY = 6  # messages `chat` shows when it starts
 
-def _kubectl(args: list[str], namespace: str | None) -> subprocess.CompletedProcess[str]:
-    cmd = [os.environ.get("KUBECTL", "kubectl"), *args]
-    if namespace:
-        cmd += ["-n", namespace]
-    return subprocess.run(cmd, capture_output=True, text=True)
+_KUBE_VALUE_FLAGS = {"-n": "--namespace", "-s": "--server"} | {
+    f: f for f in ("--namespace", "--context", "--kubeconfig", "--cluster", "--user", "--as", "--as-group",
+                   "--request-timeout", "--server", "--token", "--certificate-authority")}
+_KUBE_BOOL_FLAGS = {"--insecure-skip-tls-verify"}
+# command: (positionals, least of them, its own flags)
+_COMMANDS: dict[str, tuple[str, int, frozenset[str]]] = {
+    "get": ("[NAME]", 0, frozenset()),
+    "feedback": ("NAME TEXT", 2, frozenset({"--request-id"})),
+    "say": ("NAME TEXT", 2, frozenset({"--timeout"})),
+    "chat": ("NAME", 1, frozenset({"--timeout"})),
+}
+_COMMAND_FLAGS = frozenset().union(*(spec[2] for spec in _COMMANDS.values()))
+
+
+class UsageError(Exception):
+    pass
+
+
+class KubectlError(Exception):
+    def __init__(self, out: subprocess.CompletedProcess[str]) -> None:
+        super().__init__(out.stderr)
+        self.returncode = out.returncode or 1
+
+
+@dataclass
+class Args:
+    cmd: str = ""
+    pos: list[str] = field(default_factory=list)
+    opts: dict[str, str] = field(default_factory=dict)
+    kube: list[str] = field(default_factory=list)  # kubectl's global flags, as --flag=value
+    all_namespaces: bool = False
+    help: bool = False
+
+
+def parse(argv: list[str]) -> Args:
+    """Flags anywhere, kubectl style; positionals in order, the first one is the command."""
+    a, i = Args(), 0
+    while i < len(argv):
+        tok, i = argv[i], i + 1
+        if tok == "--":
+            a.pos += argv[i:]
+            break
+        if not tok.startswith("-") or tok == "-":
+            a.pos.append(tok)
+            continue
+        flag, eq, value = tok.partition("=")
+        if not eq and not flag.startswith("--") and flag[:2] in _KUBE_VALUE_FLAGS and len(flag) > 2:
+            flag, eq, value = flag[:2], "=", flag[2:]  # -nNAMESPACE
+        if flag in ("-h", "--help"):
+            a.help = True
+        elif flag in ("-A", "--all-namespaces"):
+            a.all_namespaces = value.lower() not in ("false", "0")
+        elif flag in _KUBE_BOOL_FLAGS:
+            a.kube.append(tok)
+        elif flag in _KUBE_VALUE_FLAGS or flag in _COMMAND_FLAGS:
+            if not eq:
+                if i == len(argv):
+                    raise UsageError(f"flag {flag} needs a value")
+                value, i = argv[i], i + 1
+            if flag in _KUBE_VALUE_FLAGS:
+                a.kube.append(f"{_KUBE_VALUE_FLAGS[flag]}={value}")
+            else:
+                a.opts[flag] = value
+        else:
+            raise UsageError(f"unknown flag {flag} (put -- before a TEXT that starts with -)")
+    if not a.help:
+        _check(a)
+    return a
+
+
+def _check(a: Args) -> None:
+    if not a.pos:
+        raise UsageError(f"missing command: one of {', '.join(_COMMANDS)}")
+    a.cmd, *a.pos = a.pos
+    if a.cmd not in _COMMANDS:
+        raise UsageError(f"unknown command {a.cmd!r}: one of {', '.join(_COMMANDS)}")
+    usage, least, flags = _COMMANDS[a.cmd]
+    if not least <= len(a.pos) <= len(usage.split()):
+        raise UsageError(f"usage: kubectl flow {a.cmd} {usage} (got {len(a.pos)} arguments: {a.pos})")
+    for flag in a.opts:
+        if flag not in flags:
+            raise UsageError(f"unknown flag {flag} for {a.cmd}")
+    if a.all_namespaces and (a.cmd != "get" or a.pos):
+        raise UsageError("-A/--all-namespaces only applies to `kubectl flow get` without NAME")
+    try:
+        if not float(a.opts.get("--timeout", 0)) >= 0:
+            raise ValueError
+    except ValueError:
+        raise UsageError(f"--timeout needs a number of seconds, got {a.opts['--timeout']!r}") from None
+
+
+def _kubectl(args: list[str], kube: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([os.environ.get("KUBECTL", "kubectl"), *args, *kube], capture_output=True, text=True)
+
+
+def _json(args: list[str], kube: list[str]) -> dict[str, Any]:
+    out = _kubectl([*args, "-o", "json"], kube)
+    if out.returncode != 0:
+        raise KubectlError(out)
+    doc: dict[str, Any] = json.loads(out.stdout)
+    return doc
+
+
+def _patch(name: str, patch: dict[str, Any], kube: list[str]) -> subprocess.CompletedProcess[str]:
+    return _kubectl(["patch", "flow", name, "--subresource=status", "--type=merge", "-p",
+                     json.dumps(patch, separators=(",", ":"))], kube)
 
 
 def feedback_patch(text: str, request_id: str | None) -> dict[str, Any]:
@@ -30,6 +142,46 @@ def feedback_patch(text: str, request_id: str | None) -> dict[str, Any]:
     return {"status": {"feedback": {"response": response}}}
 
 
+def message_patch(text: str) -> dict[str, Any]:
+    return {"status": {"conversation": {"inbox": {"text": text}}}}
+
+
+def _short(text: str, width: int = 100) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _feedback_lines(name: str, req: dict[str, Any]) -> list[str]:
+    lines = [f"Feedback requested by {req['method']} (request {req['id']}):", f"  {req.get('message', '')}"]
+    if req.get("emit"):
+        lines.append(f"  outcomes: {', '.join(req['emit'])}"
+                     + (f" (default {req['defaultOutcome']})" if req.get("defaultOutcome") else ""))
+    if req.get("deadline"):
+        lines.append(f"  deadline: {req['deadline']}")
+    if req.get("output"):
+        lines.append("  output:\n    " + req["output"].replace("\n", "\n    "))
+    lines.append(f'  answer: kubectl flow feedback {name} "<text>" --request-id {req["id"]}')
+    return lines
+
+
+def _conversation_lines(name: str, conv: dict[str, Any]) -> list[str]:
+    lines = [f"\nConversation (session {conv.get('sessionId') or '-'}): {conv.get('turns') or 0} turns, "
+             f"ended: {'yes' if conv.get('ended') else 'no'}"]
+    for m in conv.get("messages") or []:
+        who = m.get("role", "?") + (f" ({m['sender']})" if m.get("sender") else "")
+        lines.append(f"  {m.get('time', ''):<20} {who:<24} {_short(m.get('content', ''))}")
+    if not conv.get("messages") and conv.get("lastReply"):
+        lines.append(f"  last reply: {_short(conv['lastReply'])}")
+    for label, m in (("queued", conv.get("inbox")), ("pending", conv.get("pending"))):
+        if m:
+            turn = f" turn {m['turn']}" if m.get("turn") else ""
+            lines.append(f"  {label}{turn} from {m.get('sentBy') or '?'}"
+                         f"{' at ' + m['sentAt'] if m.get('sentAt') else ''}: {_short(m.get('text', ''))}")
+    if not conv.get("ended"):
+        lines.append(f'  send: kubectl flow say {name} "<text>"   (or: kubectl flow chat {name})')
+    return lines
+
+
 def describe(flow: dict[str, Any]) -> str:
     st = flow.get("status") or {}
     name = flow["metadata"]["name"]
@@ -37,16 +189,9 @@ def describe(flow: dict[str, Any]) -> str:
              f" ({st.get('definition', '')}) - {st.get('message', '')}"]
     req = (st.get("feedback") or {}).get("request")
     if req:
-        lines.append(f"\nFeedback requested by {req['method']} (request {req['id']}):")
-        lines.append(f"  {req.get('message', '')}")
-        if req.get("emit"):
-            lines.append(f"  outcomes: {', '.join(req['emit'])}"
-                         + (f" (default {req['defaultOutcome']})" if req.get("defaultOutcome") else ""))
-        if req.get("deadline"):
-            lines.append(f"  deadline: {req['deadline']}")
-        if req.get("output"):
-            lines.append("  output:\n    " + req["output"].replace("\n", "\n    "))
-        lines.append(f'  answer: kubectl flow feedback {name} "<text>" --request-id {req["id"]}')
+        lines += ["", *_feedback_lines(name, req)]
+    if st.get("conversation"):
+        lines += _conversation_lines(name, st["conversation"])
     runs = st.get("runs") or []
     if runs:
         lines.append("\nRuns:")
@@ -67,32 +212,168 @@ def describe(flow: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kubectl flow", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-n", "--namespace")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    fb = sub.add_parser("feedback", help="answer a Flow's pending feedback request")
-    fb.add_argument("name")
-    fb.add_argument("text")
-    fb.add_argument("--request-id", help="refuse unless this is the pending request")
-    get = sub.add_parser("get", help="pending request, runs and usage of a Flow")
-    get.add_argument("name")
-    args = parser.parse_args(argv)
+def _when(ts: str | None) -> datetime:
+    try:
+        t = datetime.fromisoformat(ts) if ts else datetime.min
+    except ValueError:
+        t = datetime.min
+    return t if t.tzinfo else t.replace(tzinfo=UTC)
 
-    if args.cmd == "feedback":
-        patch = json.dumps(feedback_patch(args.text, args.request_id), separators=(",", ":"))
-        out = _kubectl(["patch", "flow", args.name, "--subresource=status", "--type=merge", "-p", patch],
-                       args.namespace)
+
+def _age(ts: str | None, now: datetime) -> str:
+    if not ts:
+        return "<unknown>"
+    s = max(0, int((now - _when(ts)).total_seconds()))
+    for unit, size, below in (("s", 1, 120), ("m", 60, 7200), ("h", 3600, 172800)):
+        if s < below:
+            return f"{s // size}{unit}"
+    return f"{s // 86400}d"
+
+
+def flow_table(flows: list[dict[str, Any]], all_namespaces: bool, now: datetime) -> str:
+    rows = [["NAMESPACE"] * all_namespaces + ["NAME", "PHASE", "DEFINITION", "TOKENS", "AGE"]]
+    for f in flows:
+        st, meta = f.get("status") or {}, f["metadata"]
+        rows.append([meta.get("namespace", "")] * all_namespaces
+                    + [meta["name"], st.get("phase") or "Pending", st.get("definition") or "",
+                       str((st.get("usage") or {}).get("totalTokens", "")), _age(meta.get("creationTimestamp"), now)])
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    return "\n".join("   ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+@dataclass
+class Turn:
+    outcome: str  # reply | feedback | failed | refused | timeout
+    detail: str = ""  # the reply, the feedback request, or why not
+    ended: bool = False
+
+
+def _conversation(flow: dict[str, Any]) -> dict[str, Any]:
+    conv: dict[str, Any] = (flow.get("status") or {}).get("conversation") or {}
+    return conv
+
+
+def _outcome(flow: dict[str, Any], turns_before: int, phase_before: str | None) -> Turn | None:
+    """What the Flow says about the message sent after `turns_before` turns; None while it is undecided."""
+    st, conv = flow.get("status") or {}, _conversation(flow)
+    phase, turns, taken = st.get("phase"), conv.get("turns") or 0, not conv.get("inbox")
+    if turns > turns_before and taken and not conv.get("pending"):
+        return Turn("reply", conv.get("lastReply") or "", bool(conv.get("ended")))
+    req = (st.get("feedback") or {}).get("request")
+    if phase == "AwaitingFeedback" and req and taken and (conv.get("pending") or phase_before != phase):
+        name = flow["metadata"]["name"]
+        return Turn("feedback", "\n".join(_feedback_lines(name, req)))
+    if phase == "Failed":
+        return Turn("failed", f"Flow failed: {st.get('message') or 'no message'}")
+    if taken and not conv.get("pending") and turns == turns_before and phase not in ("Running", "Pending"):
+        return Turn("refused")
+    return None
+
+
+def _refusal(name: str, kube: list[str]) -> str:
+    try:
+        events = _json(["get", "events", "--field-selector", f"involvedObject.name={name},reason=MessageRefused"],
+                       kube).get("items") or []
+    except KubectlError:
+        events = []
+    if not events:
+        return f"message refused: the operator did not take it (see kubectl flow get {name})"
+    newest = max(events, key=lambda e: _when(e.get("lastTimestamp") or e.get("eventTime")
+                                             or e["metadata"].get("creationTimestamp")))
+    return f"message refused: {newest.get('message', '')}"
+
+
+def send(name: str, text: str, kube: list[str], timeout: float) -> Turn:
+    """Send one message and wait for what becomes of it: a reply, a feedback request, a failure or a refusal."""
+    before = _json(["get", "flow", name], kube)
+    turns_before = _conversation(before).get("turns") or 0
+    out = _patch(name, message_patch(text), kube)
+    if out.returncode != 0:
+        return Turn("refused", out.stderr.strip() or f"kubectl patch exited with {out.returncode}")
+    deadline = time.monotonic() + timeout
+    while True:
+        turn = _outcome(_json(["get", "flow", name], kube), turns_before, (before.get("status") or {}).get("phase"))
+        if turn:
+            return Turn("refused", _refusal(name, kube)) if turn.outcome == "refused" else turn
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return Turn("timeout", f"no reply within {timeout:g}s; the message may still be answered: "
+                                   f"kubectl flow get {name}")
+        time.sleep(min(POLL_INTERVAL, left))
+
+
+def _report(turn: Turn, reply_prefix: str = "") -> int:
+    if turn.outcome in ("reply", "feedback"):
+        print(reply_prefix + turn.detail if turn.outcome == "reply" else turn.detail, flush=True)
+        if turn.ended:
+            print("The conversation has ended.", file=sys.stderr)
+        return 0
+    print(turn.detail, file=sys.stderr)
+    return 1
+
+
+def chat(name: str, kube: list[str], timeout: float) -> int:
+    conv = _conversation(_json(["get", "flow", name], kube))
+    for m in (conv.get("messages") or [])[-HISTORY:]:
+        who = "flow" if m.get("role") == "assistant" else m.get("sender") or "you"
+        print(f"{who}> {m.get('content', '')}")
+    if conv.get("ended"):
+        print("The conversation has ended.", file=sys.stderr)
+        return 0
+    tty = sys.stdin.isatty()
+    while True:
+        if tty:
+            print("you> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            print(f"\nThe session stays open: continue with `kubectl flow chat {name}` "
+                  f'or `kubectl flow say {name} "<text>"`.', file=sys.stderr)
+            return 0
+        if not line.strip():
+            continue
+        turn = send(name, line.strip(), kube, timeout)
+        rc = _report(turn, "flow> ")
+        if turn.outcome == "feedback":
+            print(f"Answer it, then continue with `kubectl flow chat {name}`.", file=sys.stderr)
+        if not (turn.outcome == "refused" or (turn.outcome == "reply" and not turn.ended)):
+            return rc
+
+
+def _run(a: Args) -> int:
+    timeout = float(a.opts.get("--timeout", 300))
+    if a.cmd == "feedback":
+        out = _patch(a.pos[0], feedback_patch(a.pos[1], a.opts.get("--request-id")), a.kube)
         sys.stdout.write(out.stdout)
         sys.stderr.write(out.stderr)
         return out.returncode
-    out = _kubectl(["get", "flow", args.name, "-o", "json"], args.namespace)
-    if out.returncode != 0:
-        sys.stderr.write(out.stderr)
-        return out.returncode
-    print(describe(json.loads(out.stdout)))
+    if a.cmd == "say":
+        return _report(send(a.pos[0], a.pos[1], a.kube, timeout))
+    if a.cmd == "chat":
+        return chat(a.pos[0], a.kube, timeout)
+    if a.pos:
+        print(describe(_json(["get", "flow", a.pos[0]], a.kube)))
+        return 0
+    items = _json(["get", "flows", *["--all-namespaces"] * a.all_namespaces], a.kube).get("items") or []
+    if not items:
+        print("No flows found.", file=sys.stderr)
+        return 0
+    print(flow_table(items, a.all_namespaces, datetime.now(UTC)))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse(sys.argv[1:] if argv is None else argv)
+        if args.help:
+            print(__doc__)
+            return 0
+        return _run(args)
+    except UsageError as e:
+        print(f"kubectl flow: error: {e}\nSee 'kubectl flow --help' for usage.", file=sys.stderr)
+        return 2
+    except KubectlError as e:
+        sys.stderr.write(str(e))
+        return e.returncode
 
 
 if __name__ == "__main__":

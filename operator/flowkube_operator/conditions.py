@@ -7,6 +7,7 @@ machine arrived at it derives the four conditions, always in this order, and the
 - Running: whether a runner pod is at work, and if not, why (pending, retry backoff, paused, ...).
 - AwaitingFeedback: a pending feedback request, or a refused answer, or how the last one was answered.
 - Succeeded: Unknown until the flow is Succeeded or Failed.
+- AwaitingMessage (conversations only, last): True while the session waits for its next message.
 
 Pure, like the reconcile. A condition keeps its lastTransitionTime while its status stays the same,
 so the status the Flow had before the reconcile is an input too.
@@ -27,14 +28,18 @@ _INVALID = (Reason.INVALID_DEFINITION, Reason.INVALID_FLOW_REF, Reason.INVALID_I
 
 
 def describe(st: FlowStatus, old: FlowStatus, failure: tuple[str, str] | None, refusal: str | None, *,
-             generation: int | None, now: dt.datetime) -> None:
+             generation: int | None, now: dt.datetime, message_refusal: str | None = None) -> None:
     """Set `st.conditions` and `st.message` from the rest of `st`.
 
-    `failure` is the (reason, message) the reconcile ended the flow with, or put its retry off for;
-    `refusal` is why it refused a feedback response. Both are None when this reconcile decided
-    neither: a Failed flow then keeps the failure its previous Succeeded condition recorded.
+    `failure` is the (reason, message) the reconcile ended the flow with (Succeeded too, for a
+    conversation that ended), or put its retry off for;
+    `refusal` is why it refused a feedback response, `message_refusal` a conversation message. They
+    are None when this reconcile decided none of them: a Failed flow then keeps the failure its
+    previous Succeeded condition recorded.
     """
-    _Description(st, old, failure, refusal, generation, now).write()
+    d = _Description(st, old, failure, refusal, generation, now)
+    d.message_refusal = message_refusal
+    d.write()
 
 
 class _Description:
@@ -47,13 +52,16 @@ class _Description:
         feedback = st.feedback or FeedbackStatus()
         self.request, self.history = feedback.request, feedback.history
         self.refusal = refusal
+        self.message_refusal: str | None = None
         reason, self.failure_msg = failure or (None, "")
-        if self.phase == Phase.FAILED and reason is None:
+        if self.phase in (Phase.FAILED, Phase.SUCCEEDED) and reason is None:
             reason, self.failure_msg = self._previous_failure()
         self.failure_reason: str | None = reason
 
     def write(self) -> None:
         entries = [self._accepted(), self._running(), self._awaiting_feedback(), self._succeeded()]
+        if self.st.conversation is not None:
+            entries.append(self._awaiting_message())
         self.st.conditions = [self._condition(*e) for e in entries]
         self.st.message = self._message()  # after AwaitingFeedback: that may bring a refusal back
 
@@ -77,6 +85,8 @@ class _Description:
             return ConditionType.RUNNING, "False", Reason.SUSPENDED, "spec.suspend is true"
         if phase == Phase.AWAITING_FEEDBACK:
             return ConditionType.RUNNING, "False", Reason.RUN_PAUSED, "waiting for feedback"
+        if phase == Phase.AWAITING_MESSAGE:
+            return ConditionType.RUNNING, "False", Reason.TURN_COMPLETED, "waiting for the next message"
         if phase == Phase.SUCCEEDED:
             return ConditionType.RUNNING, "False", Reason.RUN_SUCCEEDED, "the flow finished"
         return ConditionType.RUNNING, "False", str(reason or Reason.RUN_FAILED), self.failure_msg
@@ -106,10 +116,29 @@ class _Description:
 
     def _succeeded(self) -> _Entry:
         if self.phase == Phase.SUCCEEDED:
+            if self.failure_reason not in (None, Reason.RUN_FAILED, Reason.RUN_SUCCEEDED):  # a conversation's end
+                return ConditionType.SUCCEEDED, "True", self.failure_reason, self.failure_msg
             return ConditionType.SUCCEEDED, "True", Reason.RUN_SUCCEEDED, "the flow finished"
         if self.phase == Phase.FAILED:
             return ConditionType.SUCCEEDED, "False", str(self.failure_reason), self.failure_msg
         return ConditionType.SUCCEEDED, "Unknown", "NotFinished", f"phase {self.phase}"
+
+    def _awaiting_message(self) -> _Entry:
+        conv = self.st.conversation
+        assert conv is not None
+        if self.phase == Phase.AWAITING_MESSAGE:
+            msg = f"session {conv.session_id}: {conv.turns} message(s) answered; send the next one"
+            if self.message_refusal:
+                return (ConditionType.AWAITING_MESSAGE, "True", Reason.MESSAGE_REFUSED,
+                        f"{self.message_refusal}; {msg}")
+            return ConditionType.AWAITING_MESSAGE, "True", Reason.TURN_COMPLETED, msg
+        if conv.pending is not None:
+            return (ConditionType.AWAITING_MESSAGE, "False", Reason.MESSAGE_RECEIVED,
+                    f"answering message {conv.pending.turn}")
+        if self.phase in (Phase.SUCCEEDED, Phase.FAILED):
+            return (ConditionType.AWAITING_MESSAGE, "False", str(self.failure_reason or self.phase),
+                    "the conversation is over")
+        return ConditionType.AWAITING_MESSAGE, "False", Reason.RUN_PENDING, "the session is not open yet"
 
     # -- the message ---------------------------------------------------------------------------------
 
@@ -122,7 +151,10 @@ class _Description:
         if phase == Phase.PENDING and self.failure_reason == Reason.RETRY_BACKOFF:
             return excerpt(self.failure_msg, 512)
         if phase == Phase.SUCCEEDED:
-            return "finished"
+            ended = self.failure_reason not in (None, Reason.RUN_FAILED, Reason.RUN_SUCCEEDED)
+            return self.failure_msg if ended and self.failure_msg else "finished"
+        if phase == Phase.AWAITING_MESSAGE:
+            return excerpt(self.message_refusal or "awaiting the next message", 512)
         if phase == Phase.SUSPENDED:
             return "suspended"
         if phase == Phase.RUNNING and last is not None:
@@ -138,6 +170,8 @@ class _Description:
 
     def _previous_failure(self) -> tuple[str, str]:
         prev = self._previous(ConditionType.SUCCEEDED)
+        if self.phase == Phase.SUCCEEDED:
+            return (prev.reason, prev.message) if prev and prev.status == "True" else (Reason.RUN_SUCCEEDED, "")
         return (prev.reason, prev.message) if prev else (Reason.RUN_FAILED, self.st.message or "")
 
     def _condition(self, ctype: ConditionType, status: str, reason: str, message: str) -> Condition:

@@ -28,6 +28,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from flowkube_api import constants as c
+from flowkube_api.base import now as now_utc
+from flowkube_api.base import parse_time
 from flowkube_api.report import RunReport
 from flowkube_operator import resources, selfmetrics
 from flowkube_operator.kube import ApiError, Kube, collection_path, delete_namesake_garbage, flow_path, ns_path
@@ -401,10 +403,11 @@ class Controller:
             body = await self.kube.merge_patch(
                 flow_path(ns, name, sub="status"), patch)
             self.flow_event("MODIFIED", body)
+            _observe_turn(ns, old_status, new_status)
         if intent is not None:
             pod = resources.runner_pod(
                 body, index=intent.index, trigger=intent.trigger, settings=self.settings,
-                feedback=intent.feedback, prior=intent.prior,
+                feedback=intent.feedback, message=intent.message, prior=intent.prior,
                 active_deadline_seconds=intent.active_deadline_seconds, state_ca=self.state_ca,
             )
             self._may_write()
@@ -472,3 +475,13 @@ class Controller:
             await self.kube.create(path, body)
         except Exception as e:  # an Event lost is a line of history lost, never a reason to fail
             log.warning("could not post event %s: %s", body.get("reason"), e)
+
+
+def _observe_turn(namespace: str, old: Body, new: Body) -> None:
+    """A reply just landed in status: the message's wait, from accepted to answered."""
+    before, after = old.get("conversation") or {}, new.get("conversation") or {}
+    sent = parse_time((before.get("pending") or {}).get("sentAt"))
+    if sent is None or after.get("turns", 0) <= before.get("turns", 0):
+        return
+    seconds = (now_utc() - sent).total_seconds()
+    selfmetrics.TURN_SECONDS.labels(namespace, str(new.get("definition") or "")).observe(max(seconds, 0.0))

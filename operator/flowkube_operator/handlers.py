@@ -252,9 +252,17 @@ if SETTINGS.webhook_enabled:
                                **kwargs: Any) -> None:
         if _by_operator(userinfo, memo):
             return
-        resp = webhook.inbox_response((kwargs.get("new") or {}).get("status"))
-        if resp is not None and resp != webhook.inbox_response((kwargs.get("old") or {}).get("status")):
-            patch["status"] = {"feedback": {"response": {**resp, "respondedBy": userinfo.get("username", "")}}}
+        new, old = (kwargs.get("new") or {}).get("status"), (kwargs.get("old") or {}).get("status")
+        user = userinfo.get("username", "")
+        status: dict[str, Any] = {}
+        resp = webhook.inbox_response(new)
+        if resp is not None and resp != webhook.inbox_response(old):
+            status["feedback"] = {"response": {**resp, "respondedBy": user}}
+        message = webhook.inbox(new, webhook.MESSAGE_INBOX)
+        if message is not None and message != webhook.inbox(old, webhook.MESSAGE_INBOX):
+            status["conversation"] = {"inbox": {**message, "sentBy": user}}
+        if status:
+            patch["status"] = status
 
 
 @kopf.on.cleanup()

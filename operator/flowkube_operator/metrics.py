@@ -38,19 +38,22 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "flowkube_namespace_cost_usd_total": ("counter", "USD spent by the flows of a namespace, by definition and model; "
                                           "a deleted Flow's spend stays."),
     "flowkube_flow_runs_total": ("counter", "Runner pods started for a flow, by trigger."),
+    "flowkube_flow_turns_total": ("counter", "Messages a conversation answered."),
     "flowkube_flow_phase": ("gauge", "1 for the flow's current phase, 0 for the others."),
     "flowkube_flows": ("gauge", "Flows by namespace and phase."),
     "flowkube_feedback_wait_seconds": ("histogram", "Time feedback requests waited for an answer or timeout."),
 }
 PER_FLOW = ("flowkube_flow_tokens_total", "flowkube_flow_llm_requests_total", "flowkube_flow_runs_total",
-            "flowkube_flow_phase", "flowkube_flow_cost_usd_total", "flowkube_flow_unpriced_tokens_total")
+            "flowkube_flow_phase", "flowkube_flow_cost_usd_total", "flowkube_flow_unpriced_tokens_total",
+            "flowkube_flow_turns_total")
 
 
 # In rollup mode (no `flow` label) these sum over Flows; a deleted Flow's part stays, so the
 # counters never decrease while the operator runs (a restart is a counter reset, as usual).
 ROLLUP_COUNTERS = frozenset({"flowkube_flow_tokens_total", "flowkube_flow_llm_requests_total",
                              "flowkube_flow_runs_total", "flowkube_flow_cost_usd_total",
-                             "flowkube_flow_unpriced_tokens_total", "flowkube_namespace_cost_usd_total"})
+                             "flowkube_flow_unpriced_tokens_total", "flowkube_namespace_cost_usd_total",
+                             "flowkube_flow_turns_total"})
 
 
 def _escape(v: str) -> str:
@@ -91,6 +94,9 @@ def contributions(body: Body) -> dict[tuple[str, Labels], float]:
         counts[r.get("trigger", "kickoff")] = counts.get(r.get("trigger", "kickoff"), 0) + 1
     for trig, n in counts.items():
         out[("flowkube_flow_runs_total", (*base, ("trigger", trig)))] = n
+    conversation = st.get("conversation") or {}
+    if conversation.get("sessionId"):
+        out[("flowkube_flow_turns_total", base)] = conversation.get("turns", 0)
     phase = st.get("phase") or Phase.PENDING.value
     for p in Phase:
         out[("flowkube_flow_phase", (*base, ("phase", p.value)))] = 1 if p.value == phase else 0

@@ -28,16 +28,19 @@ from flowkube_api.base import money_text, parse_time
 from flowkube_api.base import now as now_utc
 from flowkube_api.constants import Phase, Reason, RunResult, Trigger
 from flowkube_api.models import (
+    ConversationMessage,
+    ConversationStatus,
     FeedbackRecord,
     FeedbackRequest,
     FeedbackStatus,
     FlowSpec,
     FlowStatus,
     PendingFeedback,
+    PendingMessage,
     Result,
     Run,
 )
-from flowkube_api.report import RunReport, TokenUsage, Usage, excerpt
+from flowkube_api.report import RunReport, TokenUsage, TurnReport, Usage, excerpt
 from flowkube_operator.conditions import describe
 from flowkube_operator.meta import PodView
 from flowkube_operator.resources import definition_name
@@ -68,6 +71,7 @@ class RunIntent:
     feedback: Body | None
     prior: TokenUsage  # what the earlier runs used (the budget is the flow's)
     active_deadline_seconds: int | None
+    message: Body | None = None  # the conversation message this run answers: {"turn", "text", "sender"}
 
 
 @dataclass
@@ -134,7 +138,9 @@ class _Reconciler:
         self.plan = Plan(status=self.st)
         self.runs: list[Run] = list(self.st.runs or [])
         self.fb = self.st.feedback or FeedbackStatus()
+        self.conv = self.st.conversation  # a conversation once its session is open; else None (or just an inbox)
         self.refusal: str | None = None
+        self.message_refusal: str | None = None
         self.failure: tuple[Reason | str, str] | None = None
 
     # -- entry --------------------------------------------------------------------------------------
@@ -153,6 +159,7 @@ class _Reconciler:
         self._fold_late_reports()
         if self.fb.request is None:
             self._refuse_stray_response()  # answered before anything asked: never applied to a later request
+        self._refuse_untimely_message()
         if st.phase in c.TERMINAL_PHASES:
             # A runner pod still alive after the end (the operator stopped between the final status
             # write and the delete) is stopped now: nothing it does can count any more.
@@ -292,7 +299,9 @@ class _Reconciler:
         run.finished_at = finished_at or self.now
         if run.started_at is None:
             run.started_at = run.finished_at
-        if result == RunResult.SUCCEEDED:
+        if result == RunResult.SUCCEEDED and rep is not None and rep.conversation is not None:
+            self._turn_done(rep.conversation.model_copy(), rep.output)
+        elif result == RunResult.SUCCEEDED:
             self.st.result = Result(output=rep.output if rep else None)
             self._terminal(Phase.SUCCEEDED, Reason.RUN_SUCCEEDED, "the flow finished")
             self.plan.event(Reason.RUN_SUCCEEDED, f"run {run.pod} succeeded; the flow finished")
@@ -369,6 +378,8 @@ class _Reconciler:
             # Paused run whose request was already answered: a resume run is recorded right away,
             # so this only happens when the resume was refused; nothing to do until a new answer.
             self.st.phase = Phase.AWAITING_FEEDBACK
+        elif self.conv is not None and self.conv.session_id:
+            self._await_message()
 
     def _await_feedback(self) -> None:
         req = self.fb.request
@@ -424,6 +435,88 @@ class _Reconciler:
             self.fb.response = None
             self._refuse(validate_response(None, None, None) or "")
 
+    # -- conversations ------------------------------------------------------------------------------
+
+    def _turn_done(self, turn: TurnReport, output: str | None) -> None:
+        """A conversation's run ended well: the session is open (turn 0) or a message is answered."""
+        conv = self.conv = self.st.conversation = self.conv or ConversationStatus()
+        opened = conv.session_id is None
+        conv.session_id = turn.session_id
+        if turn.turn > conv.turns:  # the first report of this turn (a retry may report it again)
+            conv.turns = turn.turn
+            conv.last_reply = excerpt(turn.reply or "")
+            self._remember("assistant", turn.reply or "", turn.turn)
+        if conv.pending is not None and conv.pending.turn <= turn.turn:
+            conv.pending = None
+        conv.ended = conv.ended or turn.ended
+        conv.idle_since = self.now
+        if opened:
+            self.plan.event(Reason.SESSION_OPENED, f"conversation session {turn.session_id} is open; "
+                            "send a message with a patch of status.conversation.inbox")
+        else:
+            self.plan.event(Reason.TURN_COMPLETED, f"message {turn.turn} answered")
+        limit = self.spec.conversation.max_turns if self.spec.conversation else None
+        if conv.ended:
+            self.st.result = Result(output=conv.last_reply)
+            self._terminal(Phase.SUCCEEDED, Reason.CONVERSATION_ENDED,
+                           f"the conversation ended after {conv.turns} message(s)")
+        elif limit is not None and conv.turns >= limit:
+            self.st.result = Result(output=conv.last_reply)
+            self._terminal(Phase.SUCCEEDED, Reason.MAX_TURNS_REACHED,
+                           f"{conv.turns} message(s) answered, conversation.maxTurns={limit}")
+        else:
+            self.st.phase = Phase.AWAITING_MESSAGE
+
+    def _remember(self, role: str, text: str, turn: int, sender: str | None = None) -> None:
+        assert self.conv is not None
+        message = ConversationMessage(role=role, content=excerpt(text, c.MESSAGE_EXCERPT_LIMIT), turn=turn,
+                                      time=self.now, sender=sender)
+        self.conv.messages = [*(self.conv.messages or []), message][-c.RECENT_MESSAGES:]
+
+    def _await_message(self) -> None:
+        conv = self.conv
+        assert conv is not None
+        self.st.phase = Phase.AWAITING_MESSAGE
+        inbox, conv.inbox = conv.inbox, None
+        if inbox is not None:
+            problem = validate_message(conv, Phase.AWAITING_MESSAGE, inbox.text)
+            if problem is not None:
+                self._refuse_message(problem)
+            else:
+                text = inbox.text or ""
+                conv.pending = PendingMessage(turn=conv.turns + 1, text=text, sent_by=inbox.sent_by, sent_at=self.now)
+                self._remember("user", text, conv.pending.turn, sender=inbox.sent_by)
+                who = f" from {inbox.sent_by}" if inbox.sent_by else ""
+                self.plan.event(Reason.MESSAGE_RECEIVED, f"message {conv.pending.turn}{who} accepted")
+                self._start(Trigger.TURN)
+                return
+        timeout = self.spec.conversation.idle_timeout_seconds if self.spec.conversation else None
+        if timeout is None or conv.idle_since is None:
+            return
+        left = (conv.idle_since + dt.timedelta(seconds=timeout) - self.now).total_seconds()
+        if left > 0:
+            self.plan.later(left)
+            return
+        self.st.result = Result(output=conv.last_reply)
+        self._terminal(Phase.SUCCEEDED, Reason.CONVERSATION_IDLE,
+                       f"no message for conversation.idleTimeoutSeconds={timeout}; the session ended after "
+                       f"{conv.turns} message(s)")
+
+    def _refuse_untimely_message(self) -> None:
+        """A message that arrived while the flow could not take one (checked against the phase it had
+        when the message came) is refused now, never kept for later: a later turn must not answer it."""
+        conv = self.st.conversation
+        if conv is None or conv.inbox is None:
+            return
+        problem = validate_message(conv, self.old.phase, conv.inbox.text)
+        if problem is not None:
+            conv.inbox = None
+            self._refuse_message(problem)
+
+    def _refuse_message(self, problem: str) -> None:
+        self.message_refusal = f"message refused: {problem}"
+        self.plan.event(Reason.MESSAGE_REFUSED, self.message_refusal, warning=True)
+
     def _start(self, trigger: Trigger) -> None:
         spent = budget_spent(self.spec, total_usage(self.runs))
         if spent is not None:
@@ -447,17 +540,21 @@ class _Reconciler:
         left = None
         if self.spec.active_deadline_seconds is not None:
             left = int(self.spec.active_deadline_seconds - running_seconds(self.runs[:index], self.now)) + 1
+        message = None
+        pending = self.conv.pending if self.conv is not None else None
+        if pending is not None and trigger != Trigger.KICKOFF:
+            message = {"turn": pending.turn, "text": pending.text, "sender": pending.sent_by}
         return RunIntent(index=index, trigger=trigger, feedback=feedback,
                          prior=total_usage(self.runs[:index]).totals(),
-                         active_deadline_seconds=left)
+                         active_deadline_seconds=left, message=message)
 
     # -- endings ------------------------------------------------------------------------------------
 
     def _terminal(self, phase: Phase, reason: Reason | str, message: str) -> None:
         self.st.phase = phase
         self.st.finished_at = self.st.finished_at or self.now
+        self.failure = (reason, message)  # the Succeeded condition's reason and message
         if phase == Phase.FAILED:
-            self.failure = (reason, message)
             self.fb.request = None
             self.plan.event(str(reason), f"the flow failed: {excerpt(message, 512)}", warning=True)
 
@@ -480,7 +577,10 @@ class _Reconciler:
         st.feedback = self.fb if (self.fb.request or self.fb.history or self.fb.response) else None
         if st.phase is None:
             st.phase = Phase.PENDING
-        describe(st, self.old, self.failure, self.refusal, generation=self.meta.get("generation"), now=self.now)
+        if st.conversation is not None and st.conversation.session_id is None and st.conversation.inbox is None:
+            st.conversation = None  # only a refused message's inbox was there
+        describe(st, self.old, self.failure, self.refusal, message_refusal=self.message_refusal,
+                 generation=self.meta.get("generation"), now=self.now)
 
 
 # -- the arithmetic of runs and answers ------------------------------------------------------------
@@ -531,6 +631,23 @@ def trailing_failures(runs: list[Run]) -> int:
 def backoff_seconds(spec: FlowSpec, failures: int, cap: int) -> float:
     base = spec.retries.backoff_seconds if spec.retries else 10
     return float(min(cap, base * (2 ** max(failures - 1, 0))))
+
+
+def validate_message(conv: ConversationStatus | None, phase: Phase | str | None, text: str | None) -> str | None:
+    """Why a conversation message must be refused, or None. ``phase`` is the flow's when it arrived."""
+    if conv is None or not conv.session_id:
+        return (f"this Flow is not a conversation, or its session is not open yet (phase {phase or 'Pending'}); "
+                "messages go only to a Flow that is AwaitingMessage")
+    if conv.ended or phase in c.TERMINAL_PHASES:
+        return "the conversation has ended"
+    if phase != Phase.AWAITING_MESSAGE or conv.pending is not None:
+        return (f"a turn is in progress (phase {phase}); send the next message when the Flow is "
+                "AwaitingMessage")
+    if text is None or not text.strip():
+        return "inbox.text must be a non-empty string"
+    if len(text) > c.MESSAGE_LIMIT:
+        return f"inbox.text has {len(text)} characters, more than the {c.MESSAGE_LIMIT} a message may have"
+    return None
 
 
 def validate_response(request: FeedbackRequest | None, text: str | None, request_id: str | None) -> str | None:

@@ -76,13 +76,14 @@ def runner_spec_env(spec: Body) -> str:
     return json.dumps(keep, separators=(",", ":"), sort_keys=True)
 
 
-def runner_pod(
+def runner_pod(  # noqa: PLR0913 - keyword-only: every input of the pod spec, each named
     flow: Body,
     *,
     index: int,
     trigger: c.Trigger,
     settings: Settings,
     feedback: Body | None = None,
+    message: Body | None = None,
     state_ca: str = "",
     prior: TokenUsage | None = None,
     active_deadline_seconds: int | None = None,
@@ -122,6 +123,8 @@ def runner_pod(
     ]
     if feedback is not None:
         env.append({"name": c.ENV_FEEDBACK, "value": json.dumps(feedback, separators=(",", ":"))})
+    if message is not None:
+        env.append({"name": c.ENV_MESSAGE, "value": json.dumps(message, separators=(",", ":"), ensure_ascii=False)})
     own = {e["name"] for e in env}
     user_env: list[Body] = [e for e in spec.get("env") or [] if isinstance(e, dict)]
     user_names = {e.get("name") for e in user_env}

@@ -34,3 +34,12 @@ STATE_REQUESTS = Counter("flowkube_operator_state_requests_total",
 LEADER = Gauge("flowkube_operator_leader",
                "1 while this replica reconciles (holds the Lease, or runs without leader election), else 0. "
                "Only the leader exports the per-flow series.", registry=REGISTRY)
+
+# Named for the conversation, not the operator: a user-facing latency. Observed once, by the replica
+# whose status write put the reply in place (so a dashboard sums replicas without double counting).
+TURN_SECONDS = Histogram(
+    "flowkube_conversation_turn_seconds",
+    "Time from a conversation message accepted to its reply in the Flow's status.",
+    ["namespace", "definition"], registry=REGISTRY,
+    buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300),
+)

@@ -17,28 +17,37 @@ from typing import Any
 
 import kopf
 
-from flowkube_api.models import FeedbackRequest
+from flowkube_api.models import ConversationStatus, FeedbackRequest
 from flowkube_operator.kube import Kube
-from flowkube_operator.reconcile import validate_response
+from flowkube_operator.reconcile import validate_message, validate_response
 
 Body = Mapping[str, Any]
 log = logging.getLogger("flowkube.webhook")
 
 
+# The two fields people write: (status section, inbox field) of a feedback answer and of a message.
+FEEDBACK_INBOX = ("feedback", "response")
+MESSAGE_INBOX = ("conversation", "inbox")
+
+
 def _status_without_inbox(status: Body | None) -> dict[str, Any]:
     st = json.loads(json.dumps(dict(status or {})))
-    fb = st.get("feedback")
-    if isinstance(fb, dict):
-        fb.pop("response", None)
-        if not fb:
-            st.pop("feedback")
+    for section, field in (FEEDBACK_INBOX, MESSAGE_INBOX):
+        part = st.get(section)
+        if isinstance(part, dict):
+            part.pop(field, None)
+            if not part:
+                st.pop(section)
     return dict(st)
 
 
+def inbox(status: Body | None, where: tuple[str, str]) -> dict[str, Any] | None:
+    value = ((status or {}).get(where[0]) or {}).get(where[1])
+    return dict(value) if isinstance(value, Mapping) else None
+
+
 def inbox_response(status: Body | None) -> dict[str, Any] | None:
-    fb = (status or {}).get("feedback") or {}
-    resp = fb.get("response")
-    return dict(resp) if isinstance(resp, Mapping) else None
+    return inbox(status, FEEDBACK_INBOX)
 
 
 def review_status_write(old: Body | None, new: Body | None, *, by_operator: bool,
@@ -48,8 +57,11 @@ def review_status_write(old: Body | None, new: Body | None, *, by_operator: bool
         return None
     old_st, new_st = (old or {}).get("status"), (new or {}).get("status")
     if _status_without_inbox(old_st) != _status_without_inbox(new_st):
-        return ("only status.feedback.response may be written by users; "
+        return ("only status.feedback.response and status.conversation.inbox may be written by users; "
                 "the rest of the status belongs to the flowkube operator")
+    message = inbox(new_st, MESSAGE_INBOX)
+    if message is not None and message != inbox(old_st, MESSAGE_INBOX):
+        return _message_problem(old_st, message, username)
     resp = inbox_response(new_st)
     if resp is None or resp == inbox_response(old_st):
         return None
@@ -65,6 +77,23 @@ def review_status_write(old: Body | None, new: Body | None, *, by_operator: bool
     req = FeedbackRequest.model_validate(raw_req) if raw_req else None
     problem = validate_response(req, text, resp.get("requestId"))
     return f"status.feedback.response refused: {problem}" if problem else None
+
+
+def _message_problem(old_st: Body | None, message: dict[str, Any], username: str) -> str | None:
+    unknown = set(message) - {"text", "sentBy"}
+    if unknown:
+        return f"status.conversation.inbox has unknown field(s) {sorted(unknown)}; allowed: text"
+    text = message.get("text")
+    if text is not None and not isinstance(text, str):
+        return "status.conversation.inbox.text must be a string"
+    if message.get("sentBy") not in (None, username):
+        return "status.conversation.inbox.sentBy is recorded by flowkube (the user who patched), not set by users"
+    raw = (old_st or {}).get("conversation")
+    conv = ConversationStatus.model_validate(raw) if isinstance(raw, Mapping) else None
+    if conv is not None and conv.inbox is not None and conv.inbox.text:
+        return "a message is already waiting in status.conversation.inbox; send the next one after its reply"
+    problem = validate_message(conv, (old_st or {}).get("phase"), text)
+    return f"status.conversation.inbox refused: {problem}" if problem else None
 
 
 def definition_problem(spec: Body, validator_url: str, timeout: float = 10.0) -> str | None:

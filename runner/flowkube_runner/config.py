@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
@@ -63,6 +63,14 @@ class Feedback(_Camel):
     outcome: str | None = None
 
 
+class Message(_Camel):
+    """The conversation message a run answers (``FLOWKUBE_MESSAGE``)."""
+
+    turn: int
+    text: str
+    sender: str | None = None
+
+
 @dataclass(frozen=True)
 class RunnerConfig:
     flow: str
@@ -71,6 +79,7 @@ class RunnerConfig:
     trigger: c.Trigger
     spec: RunSpec
     feedback: Feedback | None = None
+    message: Message | None = None
     prior_total_tokens: int = 0
     prior_cost: Decimal = Decimal(0)
     prices: dict[str, ModelPrice] = field(default_factory=dict)
@@ -101,12 +110,8 @@ class RunnerConfig:
             spec = RunSpec.model_validate(json.loads(required(c.ENV_SPEC)))
         except (ValueError, ValidationError) as e:
             raise ConfigError(c.Reason.INVALID_DEFINITION, f"{c.ENV_SPEC}: {e}") from e
-        feedback = None
-        if env.get(c.ENV_FEEDBACK, "").strip():
-            try:
-                feedback = Feedback.model_validate(json.loads(env[c.ENV_FEEDBACK]))
-            except (ValueError, ValidationError) as e:
-                raise ConfigError(c.Reason.INTERNAL_ERROR, f"{c.ENV_FEEDBACK}: {e}") from e
+        feedback = _optional_json(env, c.ENV_FEEDBACK, Feedback)
+        message = _optional_json(env, c.ENV_MESSAGE, Message)
         try:
             prior = int(env.get(c.ENV_PRIOR_TOTAL_TOKENS, "0") or "0")
         except ValueError as e:
@@ -127,9 +132,22 @@ class RunnerConfig:
             trigger=trigger,
             spec=spec,
             feedback=feedback,
+            message=message,
             prior_total_tokens=prior,
             prior_cost=prior_cost,
             prices=prices,
             termination_log=cls.termination_log_from_env(env),
             state_dir=Path(state_dir) if state_dir else None,
         )
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _optional_json(env: Mapping[str, str], name: str, model: type[M]) -> M | None:
+    if not env.get(name, "").strip():
+        return None
+    try:
+        return model.model_validate(json.loads(env[name]))
+    except (ValueError, ValidationError) as e:
+        raise ConfigError(c.Reason.INTERNAL_ERROR, f"{name}: {e}") from e

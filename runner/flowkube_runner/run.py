@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from flowkube_api import constants as c
-from flowkube_api.report import FeedbackApplied, FeedbackRequest, RunReport, Usage, excerpt
+from flowkube_api.report import FeedbackApplied, FeedbackRequest, RunReport, TurnReport, Usage, excerpt
 
 from .config import RunnerConfig
 from .engine.api import Ending, InvalidFlow, InvalidInputs
@@ -185,7 +185,8 @@ class _Run:
                 f"outcome {feedback.outcome!r} is not one of the step's outcomes {pending.emit}",
             )
         outcome = feedback.outcome if not feedback.timed_out else None
-        ending = session.resume(document, text, outcome=outcome)
+        turn = self.config.message.turn if self.config.message is not None else None
+        ending = session.resume(document, text, outcome=outcome, turn=turn)
         self.feedback_applied = FeedbackApplied(
             request_id=pending.request_id,
             method=pending.method,
@@ -205,6 +206,21 @@ class _Run:
             # Paused is where the earlier run ended; report the same request again, running nothing.
             return Ending(paused=True)
         return session.retry(document)
+
+    def converse(self, session: FlowSession, document: StateDocument | None) -> Ending:
+        """A conversation's run: open the session (no message yet), or answer one message (a
+        message whose turn paused for feedback is answered by the resume)."""
+        message = self.config.message
+        if message is None:
+            if self.config.spec.inputs:
+                raise _permanent(c.Reason.INVALID_INPUTS, "a conversation takes no spec.inputs: its input is "
+                                 "the messages sent to it")
+            return session.open_conversation(document)
+        if document is not None and document.pending is not None:
+            if self.config.feedback is None:
+                return Ending(paused=True)  # paused is where the earlier run ended: report it again
+            return self.resume(session, document)
+        return session.turn(document, message.turn, message.text)
 
     # --- the whole run ---
 
@@ -233,6 +249,8 @@ class _Run:
         if self.stop is not None and self.stop.is_set():
             raise RunFailure(c.Reason.RUN_INTERRUPTED, STOPPED_MESSAGE, permanent=False)
         with self.recorder.recording():
+            if session.is_conversation():
+                return self.converse(session, document)
             if trigger is c.Trigger.KICKOFF:
                 return session.kickoff(dict(spec.inputs))
             if trigger is c.Trigger.RESUME:
@@ -306,23 +324,7 @@ def execute(
         if run.recorder.exceeded:
             raise _permanent(c.Reason.BUDGET_EXCEEDED, run.recorder.budget_message())
         report.usage = usage
-        if ending.paused:
-            report.result, report.reason = c.RunResult.PAUSED, c.Reason.RUN_PAUSED
-            report.exit_code = c.EXIT_OK
-            report.feedback_request = run.feedback_request()
-            report.message = (
-                f"awaiting feedback on {report.feedback_request.method}"
-                if report.feedback_request
-                else "awaiting feedback"
-            )
-        else:
-            report.result, report.reason, report.exit_code = (
-                c.RunResult.SUCCEEDED,
-                c.Reason.RUN_SUCCEEDED,
-                c.EXIT_OK,
-            )
-            report.output = excerpt(ending.output) if ending.output is not None else None
-            report.message = "flow finished"
+        _record_ending(report, ending, run)
     except BaseException as error:
         if isinstance(error, KeyboardInterrupt | SystemExit):
             raise
@@ -342,6 +344,27 @@ def execute(
         report.flow_id = run.flow_id()
     report.finished_at = datetime.now(UTC)
     return report
+
+
+def _record_ending(report: RunReport, ending: Ending, run: _Run) -> None:
+    """A run that ended well: paused on a feedback request, or finished (a conversation's turn too)."""
+    report.exit_code = c.EXIT_OK
+    if ending.paused:
+        report.result, report.reason = c.RunResult.PAUSED, c.Reason.RUN_PAUSED
+        report.feedback_request = run.feedback_request()
+        report.message = (
+            f"awaiting feedback on {report.feedback_request.method}" if report.feedback_request else "awaiting feedback"
+        )
+        return
+    report.result, report.reason = c.RunResult.SUCCEEDED, c.Reason.RUN_SUCCEEDED
+    report.output = excerpt(ending.output) if ending.output is not None else None
+    report.message = "flow finished"
+    t = ending.turn
+    if t is not None:
+        report.message = (f"message {t.turn} answered" if t.turn else "session opened") + (
+            "; the conversation ended" if t.ended else "")
+        reply = excerpt(t.reply) if t.reply is not None else None
+        report.conversation = TurnReport(session_id=t.session_id, turn=t.turn, ended=t.ended, reply=reply)
 
 
 def _fallback_failure(error: BaseException) -> RunFailure:

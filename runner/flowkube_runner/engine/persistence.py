@@ -35,6 +35,7 @@ class StorePersistence(FlowPersistence):  # type: ignore[misc]
     _pod: str = PrivateAttr(default="")
     _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
     _failure: BaseException | None = PrivateAttr(default=None)
+    _held: bool = PrivateAttr(default=False)
 
     def bind(self, store: StateStore, pod: str, document: StateDocument | None) -> None:
         self._store = store
@@ -56,11 +57,29 @@ class StorePersistence(FlowPersistence):  # type: ignore[misc]
     def init_db(self) -> None:
         """Nothing to set up: the operator pre-creates the state object."""
 
-    def _write(self, document: StateDocument) -> None:
+    def hold(self) -> None:
+        """Keep crewAI's saves in memory until ``commit``: a conversation turn is saved whole or not
+        at all (a pause for feedback is still written at once: it must outlive the process)."""
+        with self._lock:
+            self._held = True
+
+    def commit(self, document: StateDocument | None = None, *, turn: int) -> StateDocument:
+        """Write ``document`` (default: the held one) as the state after conversation message ``turn``."""
+        with self._lock:
+            document = (document or self._document or StateDocument(flow_id="", state={})).model_copy()
+            document.conversation_turn = turn
+            self._held = False
+            self._write(document)
+            return document
+
+    def _write(self, document: StateDocument, *, durable: bool = False) -> None:
         if self._store is None:
             raise RuntimeError("StorePersistence used before bind()")
         document.pod = self._pod
         document.updated_at = datetime.now(UTC)
+        if self._held and not durable:
+            self._document = document
+            return
         try:
             self._store.put(STATE_KEY, document.encode())
         except Exception as e:
@@ -109,7 +128,7 @@ class StorePersistence(FlowPersistence):  # type: ignore[misc]
             document.feedback_count += 1
             request_id = f"{context.method_name}-{document.feedback_count}"
             document.pending = PendingRequest(request_id=request_id, context=context.to_dict())
-            self._write(document)
+            self._write(document, durable=True)
 
     def load_pending_feedback(self, flow_uuid: str) -> tuple[dict[str, Any], PendingFeedbackContext] | None:
         document = self._document

@@ -14,10 +14,11 @@ from crewai.flow.human_feedback import HumanFeedbackResult
 from crewai.llms.base_llm import BaseLLM
 from pydantic import BaseModel, ValidationError
 
+from flowkube_api.constants import EXIT_COMMANDS
 from flowkube_api.report import FeedbackRequest, excerpt
 
-from ..store import StateStore
-from .api import Ending, InvalidFlow, InvalidInputs
+from ..store import StateCorrupt, StateStore
+from .api import Ending, InvalidFlow, InvalidInputs, Turn
 from .definitions import import_flow_class, load_definition
 from .persistence import StorePersistence, install
 from .runtime import json_safe, restore_runtime
@@ -126,8 +127,10 @@ class FlowSession:
                 raise InvalidInputs(str(e)) from e
             raise
 
-    def resume(self, document: StateDocument, text: str, *, outcome: str | None = None) -> Ending:
-        """Answer the pending request with ``text``; ``outcome`` routes there without asking a model."""
+    def resume(self, document: StateDocument, text: str, *, outcome: str | None = None,
+               turn: int | None = None) -> Ending:
+        """Answer the pending request with ``text``; ``outcome`` routes there without asking a model.
+        ``turn``: the conversation message whose turn paused for this request (it ends with the resume)."""
         flow_id, persistence, definition = document.flow_id, self._persistence, self._definition
 
         def build() -> Flow[Any]:
@@ -139,13 +142,92 @@ class FlowSession:
         restore_runtime(flow, document.runtime, completed=False)
         if outcome is not None:
             _choose_outcome(flow.pending_feedback, outcome)
-        return _ending(flow.resume(text))
+        if turn is None:
+            return _ending(flow.resume(text))
+        self._persistence.hold()
+        result = flow.resume(text)
+        if isinstance(result, HumanFeedbackPending):
+            return Ending(paused=True)
+        if not _replied(flow.state.model_dump(mode="json")):
+            flow.append_assistant_message(render_output(result) or "")  # as handle_turn does for a turn's result
+        return self._answered(turn, self._persistence.commit(turn=turn))
 
     def retry(self, document: StateDocument) -> Ending:
         """Continue after the last completed method, replaying (not re-running) the ones before."""
         flow = self._new_flow()
         restore_runtime(flow, document.runtime, completed=True, state=document.state)
         return _ending(flow.kickoff())
+
+
+    # --- conversations ---
+
+    def is_conversation(self) -> bool:
+        """The definition has an enabled ``conversational`` block, or the class is conversational."""
+        if self._definition is not None:
+            block = self._definition.conversational
+            return block is not None and bool(block.enabled)
+        return bool(getattr(self._flow_class, "conversational", False))
+
+    def exit_commands(self) -> set[str]:
+        """Messages that end the session (compared without case): crewAI's default, or the class's."""
+        own = getattr(self._flow_class, "exit_commands", None) if self._definition is None else None
+        return {str(x).strip().lower() for x in (own or EXIT_COMMANDS)}
+
+    def open_conversation(self, document: StateDocument | None) -> Ending:
+        """Start the session: its id and empty transcript are saved before any message is taken."""
+        if document is not None:  # opened before (this is a retry): the session stands
+            return self._answered(document.conversation_turn or 0, document)
+        flow = self._new_flow()
+        state = flow.state
+        session = str(getattr(state, "id", "") or flow.flow_id)
+        saved = self._persistence.commit(StateDocument(flow_id=session, state=_dump(state)), turn=0)
+        return self._answered(0, saved)
+
+    def turn(self, document: StateDocument | None, turn: int, text: str) -> Ending:
+        """Answer message ``turn`` once: a turn already saved (its run died before reporting) is
+        reported from the state, not run again."""
+        if document is None or document.conversation_turn is None:
+            raise StateCorrupt(f"message {turn} is for a conversation whose session has no saved state")
+        if document.conversation_turn >= turn or document.state.get("ended"):
+            return self._answered(document.conversation_turn, document)
+        if text.strip().lower() in self.exit_commands():
+            state = dict(document.state)
+            state["messages"] = [*state.get("messages", []), {"role": "user", "content": text, "metadata": {}},
+                                 {"role": "assistant", "content": "Conversation ended.", "metadata": {}}]
+            state["ended"] = True
+            return self._answered(turn, self._persistence.commit(document.model_copy(update={"state": state}),
+                                                                 turn=turn))
+        flow = self._new_flow()
+        self._persistence.hold()
+        result = flow.handle_turn(text, session_id=document.flow_id)
+        if isinstance(result, HumanFeedbackPending):
+            return Ending(paused=True)
+        return self._answered(turn, self._persistence.commit(turn=turn))
+
+    @staticmethod
+    def _answered(turn: int, document: StateDocument) -> Ending:
+        state = document.state
+        reply = _replied(state)
+        ended = bool(state.get("ended"))
+        return Ending(paused=False, output=reply,
+                      turn=Turn(session_id=document.flow_id, turn=turn, reply=reply, ended=ended))
+
+
+def _dump(state: Any) -> dict[str, Any]:
+    data = state.model_dump(mode="json") if isinstance(state, BaseModel) else dict(state)
+    return dict(json_safe(data))
+
+
+def _replied(state: dict[str, Any]) -> str | None:
+    """The assistant's reply to the latest user message in a conversation state, if it has one."""
+    for message in reversed(state.get("messages") or []):
+        role = message.get("role") if isinstance(message, dict) else None
+        if role == "user":
+            return None
+        if role == "assistant":
+            content = message.get("content")
+            return content if isinstance(content, str) else json.dumps(content, default=str)
+    return None
 
 
 def _check_inputs(flow: Flow[Any], inputs: dict[str, Any]) -> None:

@@ -64,6 +64,9 @@ class StateDocument(_Camel):
     pending: PendingRequest | None = None
     last_method: str | None = None
     feedback_count: int = 0
+    # Conversations only: the last message whose turn is saved in full. A turn is saved once, when it
+    # is answered (or pauses for feedback), so a run lost mid-turn leaves the previous turn's state.
+    conversation_turn: int | None = None
     pod: str = ""
     updated_at: datetime | None = None
 

@@ -11,9 +11,11 @@ from contextlib import contextmanager
 from decimal import Decimal
 from typing import Any, Literal
 
+import httpx
 from crewai.events.event_bus import crewai_event_bus
-from crewai.events.types.llm_events import LLMCallCompletedEvent
+from crewai.events.types.llm_events import LLMCallCompletedEvent, LLMCallFailedEvent
 from crewai.hooks.dispatch import HookAborted, InterceptionPoint, register, unregister
+from crewai.llms.base_llm import _current_call_id
 from crewai.types.usage_metrics import UsageMetrics
 
 from flowkube_api.base import money_text
@@ -37,6 +39,11 @@ class UsageRecorder:
     The bus runs handlers on a worker pool, so every reading flushes it first: a handler still
     queued would otherwise drop its call's tokens from the report. ``on_call`` runs in the handler
     after each counted call (the run keeps an interim report current with it).
+
+    A call the provider answered but crewAI then failed (a structured answer it could not parse, as
+    a conversational router's can be) gets no completed event, only a failed one, without usage; the
+    provider billed it all the same. So while recording, every model HTTP answer's ``usage`` is kept
+    under crewAI's call id (``answered``), and a failed event whose call was answered counts it.
 
     ``stop``, once set (SIGTERM), refuses every model call that has not started yet; a call in
     flight is not touched, finishes, and is counted like any other. ``stopped`` then says a call
@@ -68,10 +75,11 @@ class UsageRecorder:
         self._cost_by_model: dict[str, Decimal] = {}
         self._unpriced_by_model: dict[str, int] = {}
         self._crossed: Literal["tokens", "cost"] | None = None  # which budget ended the run
+        self._answered: dict[str, dict[str, Any]] = {}  # crewAI call id -> the provider's usage of its answer
         self.exceeded = False
         self.stopped = False
 
-    def _price(self, model: str, metrics: UsageMetrics, event: LLMCallCompletedEvent) -> Price | None:
+    def _price(self, model: str, metrics: UsageMetrics, event: Any) -> Price | None:
         tokens = CallTokens(prompt=metrics.prompt_tokens, completion=metrics.completion_tokens,
                             cached_prompt=metrics.cached_prompt_tokens,
                             cache_creation=metrics.cache_creation_tokens)
@@ -82,10 +90,35 @@ class UsageRecorder:
             return None
 
     def _on_llm_call_completed(self, _source: Any, event: LLMCallCompletedEvent) -> None:
-        metrics = UsageMetrics.from_provider_dict(event.usage)
+        with self._lock:
+            self._answered.pop(getattr(event, "call_id", ""), None)
+        self._count(event.model, event.usage, event)
+
+    def _on_llm_call_failed(self, _source: Any, event: LLMCallFailedEvent) -> None:
+        with self._lock:
+            usage = self._answered.pop(event.call_id, None)
+        if usage is not None:  # answered (and billed), then failed inside crewAI
+            log.warning("model %s answered a call crewAI then failed (%s); its tokens count", event.model,
+                        event.error[:200])
+            self._count(event.model, usage, event)
+
+    def note_answer(self, usage: dict[str, Any]) -> None:
+        """The provider answered the model call in progress on this thread (with this usage, in
+        the provider's own shape: OpenAI's nests reasoning tokens, which crewAI reads flat)."""
+        call_id = _current_call_id.get()
+        if call_id is None:
+            return
+        details = usage.get("completion_tokens_details")
+        if isinstance(details, dict) and "reasoning_tokens" not in usage:
+            usage = {**usage, "reasoning_tokens": details.get("reasoning_tokens") or 0}
+        with self._lock:
+            self._answered[call_id] = usage
+
+    def _count(self, model_name: str | None, usage: dict[str, Any] | None, event: Any) -> None:
+        metrics = UsageMetrics.from_provider_dict(usage)
         if metrics is None:
             return
-        model = event.model or "unknown"
+        model = model_name or "unknown"
         price = self._price(model, metrics, event)
         with self._lock:
             self._totals.add_usage_metrics(metrics)
@@ -168,16 +201,19 @@ class UsageRecorder:
     def recording(self) -> Iterator[UsageRecorder]:
         self._pricer.load()  # the price table, before the first call needs it
         crewai_event_bus.on(LLMCallCompletedEvent)(self._on_llm_call_completed)
+        crewai_event_bus.on(LLMCallFailedEvent)(self._on_llm_call_failed)
         hooks = self._hooks()
         for point, hook in hooks:
             register(point, hook)
         try:
-            yield self
+            with _answers_noted(self):
+                yield self
         finally:
             crewai_event_bus.flush()
             for point, hook in hooks:
                 unregister(point, hook)
             crewai_event_bus.off(LLMCallCompletedEvent, self._on_llm_call_completed)
+            crewai_event_bus.off(LLMCallFailedEvent, self._on_llm_call_failed)
 
     def usage(self) -> Usage:
         crewai_event_bus.flush()
@@ -193,6 +229,31 @@ class UsageRecorder:
             by_model = {m: _tokens(u, self._cost_by_model.get(m, Decimal(0)), self._unpriced_by_model.get(m, 0))
                         for m, u in self._by_model.items()}
         return Usage(**totals.model_dump(), by_model=by_model)
+
+
+@contextmanager
+def _answers_noted(recorder: UsageRecorder) -> Iterator[None]:
+    """Hand the ``usage`` of every non-streamed JSON answer of an HTTP call made inside a model call
+    to ``recorder.note_answer`` (the provider SDKs crewAI drives send through httpx's ``Client.send``)."""
+    original = httpx.Client.send
+
+    def send(client: httpx.Client, request: httpx.Request, *args: Any, **kwargs: Any) -> httpx.Response:
+        response = original(client, request, *args, **kwargs)
+        if (_current_call_id.get() is not None and not kwargs.get("stream")
+                and "json" in response.headers.get("content-type", "")):
+            try:
+                usage = response.json().get("usage")
+            except Exception:  # not ours to judge: the SDK reads the answer itself
+                usage = None
+            if isinstance(usage, dict):
+                recorder.note_answer(usage)
+        return response
+
+    httpx.Client.send = send  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        httpx.Client.send = original  # type: ignore[method-assign]
 
 
 def _tokens(metrics: UsageMetrics, cost: Decimal, unpriced_tokens: int) -> TokenUsage:

@@ -1,0 +1,314 @@
+"""`kubectl flow` against a fake kubectl: the exact argv it runs, and what it makes of the answers."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flowkube_operator import cli
+
+# Records its argv, then answers the n-th call of a kind ("get flow", "patch flow", ...) with the
+# n-th canned reply of that kind (the last one repeats).
+FAKE = """\
+import json, sys
+from pathlib import Path
+d = Path(__file__).parent
+key = " ".join(sys.argv[1:3])
+with (d / "argv.jsonl").open("a") as f:
+    f.write(json.dumps(sys.argv[1:]) + "\\n")
+n = sum(" ".join(json.loads(line)[:2]) == key for line in (d / "argv.jsonl").read_text().splitlines()) - 1
+replies = json.loads((d / "replies.json").read_text()).get(key) or [{}]
+r = replies[min(n, len(replies) - 1)]
+sys.stdout.write(r.get("out", ""))
+sys.stderr.write(r.get("err", ""))
+sys.exit(r.get("rc", 0))
+"""
+
+
+class Kubectl:
+    def __init__(self, d: Path) -> None:
+        self.d = d
+        self.replies: dict[str, list[dict[str, Any]]] = {}
+        (d / "replies.json").write_text("{}")
+
+    def on(self, key: str, *docs: dict[str, Any], rc: int = 0, err: str = "") -> None:
+        self.replies[key] = [{"out": json.dumps(doc), "rc": rc, "err": err} for doc in docs] or [{"rc": rc, "err": err}]
+        (self.d / "replies.json").write_text(json.dumps(self.replies))
+
+    def calls(self) -> list[list[str]]:
+        path = self.d / "argv.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.fixture
+def kubectl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Kubectl:
+    script = tmp_path / "kubectl"
+    script.write_text(f"#!{sys.executable}\n{FAKE}")
+    script.chmod(0o755)
+    monkeypatch.setenv("KUBECTL", str(script))
+    monkeypatch.setattr(cli, "POLL_INTERVAL", 0)
+    return Kubectl(tmp_path)
+
+
+def flow(phase: str = "AwaitingMessage", name: str = "chat", ns: str = "team", **conv: Any) -> dict[str, Any]:
+    st: dict[str, Any] = {"phase": phase, "definition": "Assistant"}
+    if conv:
+        st["conversation"] = conv
+    return {"metadata": {"name": name, "namespace": ns, "creationTimestamp": "2024-05-01T10:00:00Z"}, "status": st}
+
+
+GET = ["get", "flow", "chat", "-o", "json"]
+PATCH_HI = ["patch", "flow", "chat", "--subresource=status", "--type=merge", "-p",
+            '{"status":{"conversation":{"inbox":{"text":"hi"}}}}']
+
+
+# --- kubectl's habits ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv", [
+    ["get", "chat", "-n", "team"],
+    ["-n", "team", "get", "chat"],
+    ["get", "-n", "team", "chat"],
+    ["get", "chat", "--namespace=team"],
+    ["get", "chat", "-nteam"],
+    ["get", "chat", "-n=team"],
+])
+def test_namespace_is_taken_anywhere(kubectl: Kubectl, argv: list[str]) -> None:
+    kubectl.on("get flow", flow())
+    assert cli.main(argv) == 0
+    assert kubectl.calls() == [[*GET, "--namespace=team"]]
+
+
+def test_kubectls_global_flags_reach_every_call_in_both_forms(kubectl: Kubectl) -> None:
+    kubectl.on("get flow", flow(turns=0), flow(turns=1, lastReply="hello"))
+    rc = cli.main(["--context", "prod", "say", "--kubeconfig=/k/cfg", "chat", "--cluster", "c1", "hi",
+                   "--user=u", "--as", "alice", "--as-group=devs", "--request-timeout", "5s", "-s", "https://api:6443",
+                   "--token=t0k", "--insecure-skip-tls-verify", "--certificate-authority", "/ca.crt"])
+    assert rc == 0
+    flags = ["--context=prod", "--kubeconfig=/k/cfg", "--cluster=c1", "--user=u", "--as=alice", "--as-group=devs",
+             "--request-timeout=5s", "--server=https://api:6443", "--token=t0k", "--insecure-skip-tls-verify",
+             "--certificate-authority=/ca.crt"]
+    assert kubectl.calls() == [[*GET, *flags], [*PATCH_HI, *flags], [*GET, *flags]]
+
+
+def test_feedback_with_flags_after_the_positionals(kubectl: Kubectl, capsys: pytest.CaptureFixture[str]) -> None:
+    kubectl.on("patch flow", {"kind": "Flow"})
+    assert cli.main(["feedback", "review", "approved", "--request-id", "req-1", "--context=dev"]) == 0
+    assert kubectl.calls() == [["patch", "flow", "review", "--subresource=status", "--type=merge", "-p",
+                                '{"status":{"feedback":{"response":{"text":"approved","requestId":"req-1"}}}}',
+                                "--context=dev"]]
+
+
+def test_double_dash_ends_flags(kubectl: Kubectl) -> None:
+    kubectl.on("patch flow", {})
+    assert cli.main(["feedback", "-n", "x", "review", "--", "-1 is my answer"]) == 0
+    assert kubectl.calls()[0][-2:] == ['{"status":{"feedback":{"response":{"text":"-1 is my answer"}}}}',
+                                       "--namespace=x"]
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["get", "chat", "--colour"], "unknown flag --colour"),
+    (["get", "chat", "--colour=red"], "unknown flag --colour"),
+    (["get", "chat", "-x"], "unknown flag -x"),
+    (["get", "chat", "--timeout", "3"], "unknown flag --timeout for get"),
+    (["say", "chat", "hi", "--timeout", "soon"], "--timeout needs a number"),
+    (["chat", "chat", "--timeout=-1"], "--timeout needs a number"),
+    (["get", "chat", "--context"], "flag --context needs a value"),
+    (["get", "chat", "-A"], "-A/--all-namespaces only applies"),
+    (["say", "chat", "hi", "--all-namespaces"], "-A/--all-namespaces only applies"),
+    (["say", "chat"], "usage: kubectl flow say NAME TEXT"),
+    (["frobnicate"], "unknown command 'frobnicate'"),
+    ([], "missing command"),
+])
+def test_usage_errors_name_the_problem_and_run_nothing(kubectl: Kubectl, capsys: pytest.CaptureFixture[str],
+                                                       argv: list[str], expected: str) -> None:
+    assert cli.main(argv) == 2
+    assert expected in capsys.readouterr().err
+    assert kubectl.calls() == []
+
+
+def test_help_shows_the_usage_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["say", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "kubectl flow say NAME TEXT [--timeout SECONDS]" in out and "kubectl flow chat NAME" in out
+
+
+def test_kubectl_errors_pass_through(kubectl: Kubectl, capsys: pytest.CaptureFixture[str]) -> None:
+    kubectl.on("get flow", rc=1, err='Error from server (NotFound): flows.flowkube.dev "nope" not found\n')
+    assert cli.main(["get", "nope"]) == 1
+    assert "not found" in capsys.readouterr().err
+
+
+def test_get_without_name_lists_flows(kubectl: Kubectl, capsys: pytest.CaptureFixture[str]) -> None:
+    busy = flow("Running", name="research", ns="lab")
+    busy["status"]["usage"] = {"totalTokens": 1234}
+    kubectl.on("get flows", {"items": [flow(name="chat", ns="team"), busy]})
+    assert cli.main(["get", "-A", "--context", "prod"]) == 0
+    assert kubectl.calls() == [["get", "flows", "--all-namespaces", "-o", "json", "--context=prod"]]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["NAMESPACE", "NAME", "PHASE", "DEFINITION", "TOKENS", "AGE"]
+    assert lines[1].split()[:4] == ["team", "chat", "AwaitingMessage", "Assistant"]
+    assert lines[2].split()[:5] == ["lab", "research", "Running", "Assistant", "1234"]
+
+
+def test_flow_table_in_one_namespace_with_ages() -> None:
+    now = datetime(2024, 5, 1, 10, 0, 0, tzinfo=UTC)
+    flows = [flow(name=n) for n in ("a", "b", "c", "d")]
+    for f, ts in zip(flows, ["2024-05-01T09:59:30Z", "2024-05-01T09:00:00Z", "2024-04-30T09:00:00Z",
+                             "2024-04-20T10:00:00Z"], strict=True):
+        f["metadata"]["creationTimestamp"] = ts
+    lines = cli.flow_table(flows, False, now).splitlines()
+    assert lines[0].split() == ["NAME", "PHASE", "DEFINITION", "TOKENS", "AGE"]
+    assert [line.split()[-1] for line in lines[1:]] == ["30s", "60m", "25h", "11d"]
+
+
+def test_no_flows(kubectl: Kubectl, capsys: pytest.CaptureFixture[str]) -> None:
+    kubectl.on("get flows", {"items": []})
+    assert cli.main(["get"]) == 0
+    assert kubectl.calls() == [["get", "flows", "-o", "json"]]
+    assert "No flows found" in capsys.readouterr().err
+
+
+# --- conversations ------------------------------------------------------------------------------------------------
+
+def test_say_sends_the_message_and_prints_the_reply(kubectl: Kubectl, capsys: pytest.CaptureFixture[str]) -> None:
+    kubectl.on("get flow",
+               flow(turns=2, sessionId="s1"),
+               flow("AwaitingMessage", turns=2, inbox={"text": "hi"}),
+               flow("Running", turns=2, pending={"turn": 3, "text": "hi", "sentBy": "alice"}),
+               flow("AwaitingMessage", turns=3, lastReply="Hello, alice."))
+    assert cli.main(["say", "chat", "hi", "-n", "team"]) == 0
+    assert kubectl.calls() == [[*GET, "--namespace=team"], [*PATCH_HI, "--namespace=team"],
+                               *[[*GET, "--namespace=team"]] * 3]
+    out = capsys.readouterr()
+    assert out.out == "Hello, alice.\n" and "ended" not in out.err
+
+
+def test_say_notes_that_the_conversation_ended(kubectl: Kubectl, capsys: pytest.CaptureFixture[str]) -> None:
+    kubectl.on("get flow", flow(turns=1), flow("Succeeded", turns=2, ended=True, lastReply="Bye."))
+    assert cli.main(["say", "chat", "bye"]) == 0
+    out = capsys.readouterr()
+    assert out.out == "Bye.\n" and "conversation has ended" in out.err
+
+
+def test_say_refused_by_the_webhook(kubectl: Kubectl, capsys: pytest.CaptureFixture[str]) -> None:
+    kubectl.on("get flow", flow("Running", turns=1))
+    denied = ('Error from server (Forbidden): admission webhook "status.flowkube.dev" denied the request: '
+              "the conversation is not awaiting a message\n")
+    kubectl.on("patch flow", rc=1, err=denied)
+    assert cli.main(["say", "chat", "hi"]) == 1
+    assert kubectl.calls() == [GET, PATCH_HI]
+    assert "not awaiting a message" in capsys.readouterr().err
+
+
+def test_say_refused_by_the_operator_shows_the_newest_event(kubectl: Kubectl,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    kubectl.on("get flow", flow(turns=1), flow(turns=1, inbox={"text": "hi"}), flow(turns=1))
+    kubectl.on("get events", {"items": [
+        {"metadata": {"name": "e1"}, "message": "old refusal", "lastTimestamp": "2024-05-01T10:00:00Z"},
+        {"metadata": {"name": "e3"}, "message": "message too long (9000 > 4096 characters)",
+         "eventTime": "2024-05-01T10:05:00.123456Z"},
+        {"metadata": {"name": "e2"}, "message": "older refusal", "lastTimestamp": "2024-05-01T10:04:59Z"},
+    ]})
+    assert cli.main(["say", "chat", "hi", "--context=c"]) == 1
+    assert kubectl.calls()[-1] == ["get", "events", "--field-selector",
+                                   "involvedObject.name=chat,reason=MessageRefused", "-o", "json", "--context=c"]
+    assert "message refused: message too long (9000 > 4096 characters)" in capsys.readouterr().err
+
+
+def test_say_reports_a_failed_turn(kubectl: Kubectl, capsys: pytest.CaptureFixture[str]) -> None:
+    failed = flow("Failed", turns=1, pending={"turn": 2, "text": "hi"})
+    failed["status"]["message"] = "runner exited with code 1: ValueError"
+    kubectl.on("get flow", flow(turns=1), flow("Running", turns=1, pending={"turn": 2, "text": "hi"}), failed)
+    assert cli.main(["say", "chat", "hi"]) == 1
+    out = capsys.readouterr()
+    assert out.out == "" and "runner exited with code 1: ValueError" in out.err
+
+
+def test_say_shows_a_feedback_request_a_turn_asked_for(kubectl: Kubectl, capsys: pytest.CaptureFixture[str]) -> None:
+    asking = flow("AwaitingFeedback", turns=1, pending={"turn": 2, "text": "hi"})
+    asking["status"]["feedback"] = {"request": {"id": "req-7", "method": "confirm", "message": "Send the email?",
+                                                "emit": ["yes", "no"]}}
+    kubectl.on("get flow", flow(turns=1), asking)
+    assert cli.main(["say", "chat", "hi"]) == 0
+    out = capsys.readouterr().out
+    assert "Send the email?" in out and "outcomes: yes, no" in out
+    assert 'kubectl flow feedback chat "<text>" --request-id req-7' in out
+
+
+def test_say_gives_up_at_the_deadline(kubectl: Kubectl, capsys: pytest.CaptureFixture[str]) -> None:
+    kubectl.on("get flow", flow(turns=1), flow(turns=1, inbox={"text": "hi"}))
+    assert cli.main(["say", "chat", "hi", "--timeout", "0"]) == 1
+    assert kubectl.calls() == [GET, PATCH_HI, GET]
+    assert "no reply within 0s" in capsys.readouterr().err
+
+
+class Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_chat_until_the_flow_ends_the_conversation(kubectl: Kubectl, capsys: pytest.CaptureFixture[str],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    history = [{"role": "user", "content": "earlier", "sender": "bob"},
+               {"role": "assistant", "content": "an earlier reply"}]
+    kubectl.on("get flow",
+               flow(turns=1, messages=history),  # chat starts
+               flow(turns=1), flow(turns=2, lastReply="Hi!"),  # "hi"
+               flow(turns=2), flow(turns=3, lastReply="Goodbye.", ended=True))  # "exit"
+    monkeypatch.setattr(sys, "stdin", Tty("hi\n\nexit\nnever sent\n"))
+    assert cli.main(["chat", "chat", "-n", "team"]) == 0
+    patches = [c[-2] for c in kubectl.calls() if c[0] == "patch"]
+    assert patches == ['{"status":{"conversation":{"inbox":{"text":"hi"}}}}',
+                       '{"status":{"conversation":{"inbox":{"text":"exit"}}}}']
+    assert all(c[-1] == "--namespace=team" for c in kubectl.calls())
+    out = capsys.readouterr()
+    assert out.out == "bob> earlier\nflow> an earlier reply\nflow> Hi!\nflow> Goodbye.\n"
+    assert out.err.count("you> ") == 3 and "conversation has ended" in out.err
+
+
+def test_chat_keeps_going_after_a_refusal_and_stops_at_eof(kubectl: Kubectl, capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    kubectl.on("get flow", flow(turns=0))
+    kubectl.on("patch flow", rc=1, err="denied: message too long\n")
+    monkeypatch.setattr(sys, "stdin", io.StringIO("x" * 10 + "\n"))
+    assert cli.main(["chat", "chat"]) == 0
+    out = capsys.readouterr()
+    assert "denied: message too long" in out.err and "session stays open" in out.err and "you> " not in out.err
+    assert 'kubectl flow say chat "<text>"' in out.err
+
+
+def test_chat_stops_when_a_turn_fails(kubectl: Kubectl, capsys: pytest.CaptureFixture[str],
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    failed = flow("Failed", turns=0)
+    failed["status"]["message"] = "boom"
+    kubectl.on("get flow", flow(turns=0), flow(turns=0), failed)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\nagain\n"))
+    assert cli.main(["chat", "chat"]) == 1
+    assert sum(c[0] == "patch" for c in kubectl.calls()) == 1
+    assert "Flow failed: boom" in capsys.readouterr().err
+
+
+def test_describe_shows_the_conversation() -> None:
+    f = flow("Running", turns=2, sessionId="sess-42", ended=False,
+             messages=[{"role": "user", "content": "What is the weather in Paris?", "time": "2024-05-01T10:00:00Z",
+                        "sender": "alice"},
+                       {"role": "assistant", "content": "Sunny. " * 40, "time": "2024-05-01T10:00:05Z"}],
+             pending={"turn": 3, "text": "And tomorrow?", "sentBy": "alice", "sentAt": "2024-05-01T10:01:00Z"})
+    text = cli.describe(f)
+    assert "Conversation (session sess-42): 2 turns, ended: no" in text
+    assert "2024-05-01T10:00:00Z user (alice)" in text and "What is the weather in Paris?" in text
+    reply_line = next(line for line in text.splitlines() if "assistant" in line)
+    assert reply_line.endswith("...") and len(reply_line) < 160
+    assert "pending turn 3 from alice at 2024-05-01T10:01:00Z: And tomorrow?" in text
+    assert 'kubectl flow say chat "<text>"' in text
+
+
+def test_describe_of_an_ended_conversation_offers_no_next_message() -> None:
+    text = cli.describe(flow("Succeeded", turns=4, sessionId="s", ended=True, lastReply="Bye."))
+    assert "ended: yes" in text and "last reply: Bye." in text and "kubectl flow say" not in text

@@ -1,0 +1,146 @@
+"""Conversations in the pure reconcile and the admission review: a session opened by its first run,
+one turn per accepted message, refusals that lose nothing, and the endings a user sees."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flowkube_api.constants import Phase, Reason, RunResult, Trigger
+from flowkube_api.report import RunReport, TurnReport
+from flowkube_operator.reconcile import Plan
+from flowkube_operator.webhook import review_status_write
+
+from .test_reconcile import cond, flow, pod, report, step, usage
+
+
+def turn_report(name: str, turn: int, reply: str | None = None, ended: bool = False,
+                trigger: Trigger = Trigger.TURN) -> RunReport:
+    return report(name, RunResult.SUCCEEDED, trigger=trigger, usage=usage(10 * (turn + 1), 5),
+                  conversation=TurnReport(session_id="s1", turn=turn, reply=reply, ended=ended))
+
+
+def opened(**spec: Any) -> dict[str, Any]:
+    body = flow(**spec)
+    step(body)
+    step(body, pod("f-0", "Succeeded", exit_code=0), turn_report("f-0", 0, trigger=Trigger.KICKOFF), at=1)
+    return body
+
+
+def send(body: dict[str, Any], text: str, by: str | None = "ana", at: float = 2) -> Plan:
+    body["status"].setdefault("conversation", {})["inbox"] = {"text": text, **({"sentBy": by} if by else {})}
+    return step(body, pod("f-0", "Succeeded", exit_code=0), at=at)
+
+
+def answer(body: dict[str, Any], index: int, turn: int, reply: str, at: float, ended: bool = False) -> Plan:
+    pods = {**pod("f-0", "Succeeded", exit_code=0), **pod(f"f-{index}", "Succeeded", exit_code=0, at=at)}
+    return step(body, pods, turn_report(f"f-{index}", turn, reply, ended), at=at + 6)
+
+
+def test_the_first_run_opens_the_session_and_the_flow_waits_for_a_message() -> None:
+    body = opened()
+    st = body["status"]
+    assert st["phase"] == Phase.AWAITING_MESSAGE
+    assert st["conversation"]["sessionId"] == "s1" and st["conversation"]["turns"] == 0
+    assert cond(body, "AwaitingMessage")["status"] == "True"
+    assert cond(body, "Succeeded")["status"] == "Unknown"
+
+
+def test_each_accepted_message_is_one_turn_with_its_sender_and_its_reply() -> None:
+    body = opened()
+    p = send(body, "Hi, I am Ana")
+    conv = body["status"]["conversation"]
+    assert p.create_pod is not None and p.create_pod.trigger == Trigger.TURN and p.create_pod.index == 1
+    assert p.create_pod.message == {"turn": 1, "text": "Hi, I am Ana", "sender": "ana"}
+    assert "inbox" not in conv and conv["pending"]["turn"] == 1
+    assert body["status"]["phase"] == Phase.PENDING
+    # Replanned (a restart, a missed event): the same pod, not a second turn.
+    again = step(body, pod("f-0", "Succeeded", exit_code=0), at=3)
+    assert again.create_pod is not None and again.create_pod.index == 1 and len(body["status"]["runs"]) == 2
+
+    answer(body, 1, 1, "Hello Ana", at=4)
+    st = body["status"]
+    conv = st["conversation"]
+    assert st["phase"] == Phase.AWAITING_MESSAGE and conv["turns"] == 1 and "pending" not in conv
+    assert conv["lastReply"] == "Hello Ana"
+    assert [(m["role"], m["content"], m.get("sender")) for m in conv["messages"]] == [
+        ("user", "Hi, I am Ana", "ana"), ("assistant", "Hello Ana", None)]
+    assert st["usage"]["totalTokens"] == (10 + 5) + (20 + 5), "the opening run and the turn, once each"
+
+
+def test_a_failed_turn_is_retried_with_the_same_message() -> None:
+    body = opened(retries={"limit": 1, "backoffSeconds": 0})
+    send(body, "question")
+    pods = {**pod("f-0", "Succeeded", exit_code=0), **pod("f-1", "Failed", exit_code=3, at=3)}
+    p = step(body, pods, report("f-1", RunResult.FAILED, reason=Reason.MODEL_UNREACHABLE, exit_code=3,
+                                trigger=Trigger.TURN), at=9)
+    assert p.create_pod is not None and p.create_pod.trigger == Trigger.RETRY
+    assert p.create_pod.message == {"turn": 1, "text": "question", "sender": "ana"}
+
+
+def test_messages_at_the_wrong_time_or_empty_are_refused_and_nothing_is_lost() -> None:
+    body = opened()
+    p = send(body, "   ")
+    assert p.create_pod is None and any(e[1] == Reason.MESSAGE_REFUSED for e in p.events)
+    assert body["status"]["phase"] == Phase.AWAITING_MESSAGE and "inbox" not in body["status"]["conversation"]
+    assert cond(body, "AwaitingMessage")["reason"] == Reason.MESSAGE_REFUSED
+
+    send(body, "first")  # accepted: a turn is now running
+    p = send(body, "second, too early", at=3)
+    assert any(e[1] == Reason.MESSAGE_REFUSED and "in progress" in e[2] for e in p.events)
+    conv = body["status"]["conversation"]
+    assert conv["pending"]["text"] == "first" and "inbox" not in conv, "the accepted message stays pending"
+
+    plain = flow()
+    step(plain)
+    plain["status"]["conversation"] = {"inbox": {"text": "hello"}}
+    p = step(plain, at=1)
+    assert any("not a conversation" in e[2] for e in p.events) and "conversation" not in plain["status"]
+
+
+def test_the_session_ends_by_its_end_route_by_max_turns_and_when_idle() -> None:
+    body = opened()
+    send(body, "bye")
+    answer(body, 1, 1, "Conversation ended.", at=4, ended=True)
+    st = body["status"]
+    assert st["phase"] == Phase.SUCCEEDED and cond(body, "Succeeded")["reason"] == Reason.CONVERSATION_ENDED
+    assert st["result"]["output"] == "Conversation ended."
+    p = send(body, "anyone there?", at=20)
+    assert any("ended" in e[2] for e in p.events if e[1] == Reason.MESSAGE_REFUSED)
+
+    body = opened(conversation={"maxTurns": 1})
+    send(body, "one")
+    answer(body, 1, 1, "one answer", at=4)
+    assert body["status"]["phase"] == Phase.SUCCEEDED
+    assert cond(body, "Succeeded")["reason"] == Reason.MAX_TURNS_REACHED
+
+    body = opened(conversation={"idleTimeoutSeconds": 60})
+    p = step(body, pod("f-0", "Succeeded", exit_code=0), at=30)
+    assert body["status"]["phase"] == Phase.AWAITING_MESSAGE and p.requeue_after is not None
+    step(body, pod("f-0", "Succeeded", exit_code=0), at=62)
+    assert body["status"]["phase"] == Phase.SUCCEEDED
+    assert cond(body, "Succeeded")["reason"] == Reason.CONVERSATION_IDLE
+    # The ending is kept by later reconciles.
+    step(body, pod("f-0", "Succeeded", exit_code=0), at=90)
+    assert cond(body, "Succeeded")["reason"] == Reason.CONVERSATION_IDLE
+
+
+def test_admission_accepts_a_message_only_when_the_flow_awaits_one() -> None:
+    body = opened()
+    old = {"status": body["status"]}
+
+    def write(text: Any, **extra: Any) -> str | None:
+        new_status = {**body["status"], "conversation": {**body["status"]["conversation"],
+                                                          "inbox": {"text": text, **extra}}}
+        return review_status_write(old, {"status": new_status}, by_operator=False, username="ana")
+
+    assert write("hello") is None
+    assert write("hello", sentBy="ana") is None
+    assert "sentBy" in (write("hello", sentBy="bob") or "")
+    assert "non-empty" in (write("  ") or "")
+    assert "characters" in (write("x" * 70000) or "")
+    assert "unknown" in (write("hi", turn=3) or "")
+    running = {"status": {**body["status"], "phase": Phase.RUNNING}}
+    new = {"status": {**running["status"], "conversation": {**body["status"]["conversation"], "inbox": {"text": "hi"}}}}
+    assert "in progress" in (review_status_write(running, new, by_operator=False, username="ana") or "")
+    other = {"status": {**body["status"], "conversation": {**body["status"]["conversation"], "turns": 9}}}
+    assert "only status.feedback.response" in (review_status_write(old, other, by_operator=False) or "")

@@ -1,0 +1,144 @@
+"""Conversations through ``python -m flowkube_runner``: every turn in a fresh process, as in a pod.
+
+The session is opened by a kickoff run; each message is one ``turn`` run that restores the session
+from the state and answers it with crewAI's ``handle_turn``. Usage is compared with the stub's ledger.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from flowkube_api import constants as c
+from flowkube_api.report import RunReport, TurnReport
+from flowkube_devstack.stubmodel import Rules, StubModel, ledger_usage
+
+from .test_runner_flows import MODEL, Finished, Harness, harness, kill_during_held_call, stub, succeeded
+
+__all__ = ["harness", "stub"]  # fixtures
+
+pytestmark = pytest.mark.slow
+
+SUPPORT = {
+    "schema": "crewai.flow/v1",
+    "name": "Support",
+    "conversational": {"llm": MODEL, "system_prompt": "You are a support agent."},
+    "methods": {"handle_refund": {"listen": "refund", "do": {"call": "expression", "expr": "'Refund started'"}}},
+}
+SPEC = {"definition": SUPPORT}
+CHAT_RULES: dict[str, Any] = {
+    "default": "A plain reply.",
+    "rules": [
+        {"contains": "refund", "structured": True, "reply": "refund"},
+        {"contains": "garble", "structured": True, "reply": "this is not JSON", "raw": True},
+        {"contains": "my name is", "structured": False, "reply": "Nice to meet you."},
+        {"contains": "What is my name", "structured": False, "reply": "Your name is Ana."},
+    ],
+}
+
+
+def say(harness: Harness, turn: int, text: str) -> Finished:
+    return harness.run(c.Trigger.TURN, SPEC, extra_env={c.ENV_MESSAGE: json.dumps({"turn": turn, "text": text})})
+
+
+def answered(run: Finished, turn: int) -> TurnReport:
+    report = succeeded(run)
+    assert report.conversation is not None, run.describe()
+    assert report.conversation.turn == turn, run.describe()
+    return report.conversation
+
+
+def transcript(harness: Harness) -> list[tuple[str, str]]:
+    state = harness.state()
+    assert state is not None
+    return [(m["role"], m["content"]) for m in state["state"]["messages"]]
+
+
+def test_a_session_answers_each_message_once_in_fresh_processes(harness: Harness, stub: StubModel) -> None:
+    stub.set_rules(Rules.from_json(CHAT_RULES))
+    reports: list[RunReport] = []
+
+    opened = succeeded(harness.run(c.Trigger.KICKOFF, SPEC))
+    assert opened.conversation is not None and opened.conversation.turn == 0
+    assert opened.usage.successful_requests == 0, "opening a session calls no model"
+    session = opened.conversation.session_id
+    reports.append(opened)
+
+    run = say(harness, 1, "Hi, my name is Ana")
+    assert answered(run, 1).reply == "Nice to meet you."
+    reports.append(run.report)  # type: ignore[arg-type]
+    run = say(harness, 2, "What is my name?")
+    assert answered(run, 2).reply == "Your name is Ana."
+    reports.append(run.report)  # type: ignore[arg-type]
+    # The second turn's chat call carried the first turn's messages: the session was restored.
+    chat_calls = [e for e in stub.ledger() if "Hi, my name is Ana" in json.dumps(e)]
+    assert len(chat_calls) >= 3, "turn 1's router and chat calls, and turn 2's calls with the history"
+
+    run = say(harness, 3, "I want a refund")
+    assert answered(run, 3).reply == "Refund started"  # a custom route, chosen by the router's answer
+    reports.append(run.report)  # type: ignore[arg-type]
+
+    # A router answer crewAI cannot parse falls back to chatting; the provider billed it, so it counts.
+    run = say(harness, 4, "garble this")
+    assert answered(run, 4).reply == "A plain reply."
+    reports.append(run.report)  # type: ignore[arg-type]
+    assert run.report is not None and run.report.usage.successful_requests == 2
+
+    # Message 4 again (its run died before reporting): reported from the state, not answered twice.
+    calls = len(stub.ledger())
+    again = say(harness, 4, "garble this")
+    assert answered(again, 4).reply == "A plain reply."
+    assert len(stub.ledger()) == calls and again.report is not None and again.report.usage.successful_requests == 0
+
+    run = say(harness, 5, "exit")
+    ended = answered(run, 5)
+    assert ended.ended and ended.reply == "Conversation ended."
+    reports.append(run.report)  # type: ignore[arg-type]
+
+    assert all(r.conversation and r.conversation.session_id == session for r in reports)
+    users = [text for role, text in transcript(harness) if role == "user"]
+    assert users == ["Hi, my name is Ana", "What is my name?", "I want a refund", "garble this", "exit"]
+    total = reports[0].usage
+    for r in reports[1:]:
+        total = total + r.usage
+    # Every call, the router's and the unparseable one's, once.
+    assert total.model_dump() == ledger_usage(stub.ledger()).model_dump()
+
+
+def test_a_turn_killed_mid_call_leaves_the_previous_turn_and_is_answered_once_by_the_retry(
+    harness: Harness, stub: StubModel
+) -> None:
+    stub.set_rules(Rules.from_json({**CHAT_RULES, "rules": [
+        {"contains": "slow question", "structured": False, "hold": True, "times": 1}, *CHAT_RULES["rules"]]}))
+    succeeded(harness.run(c.Trigger.KICKOFF, SPEC))
+    answered(say(harness, 1, "Hi, my name is Ana"), 1)
+    before = transcript(harness)
+    calls = len(stub.ledger())
+
+    pod, proc = harness.spawn(c.Trigger.TURN, SPEC,
+                              extra_env={c.ENV_MESSAGE: json.dumps({"turn": 2, "text": "slow question"})})
+    try:
+        killed = kill_during_held_call(harness, stub, pod, proc, calls_before=calls)
+        assert killed.report is not None and killed.report.reason == c.Reason.RUN_INTERRUPTED
+        assert killed.report.usage.successful_requests == 1, "the router's call was answered before the kill"
+        assert transcript(harness) == before, "a turn is saved whole or not at all"
+
+        message = json.dumps({"turn": 2, "text": "slow question"})
+        retry = harness.run(c.Trigger.RETRY, SPEC, extra_env={c.ENV_MESSAGE: message})
+        assert answered(retry, 2).reply == "A plain reply."
+        users = [text for role, text in transcript(harness) if role == "user"]
+        assert users == ["Hi, my name is Ana", "slow question"]
+        # The killed run's router call and the retry's calls are all answered, and all counted (the
+        # held call, still unanswered, is not in the ledger until it is released below).
+        assert retry.report is not None
+        assert (killed.report.usage + retry.report.usage) == ledger_usage(stub.ledger()[calls:])
+    finally:
+        stub.release_held()
+
+
+def test_a_conversation_takes_no_inputs(harness: Harness) -> None:
+    run = harness.run(c.Trigger.KICKOFF, {**SPEC, "inputs": {"topic": "x"}})
+    assert run.report is not None and run.report.reason == c.Reason.INVALID_INPUTS, run.describe()
+    assert run.exit_code == c.EXIT_PERMANENT
