@@ -1,0 +1,128 @@
+"""Conversations end to end with the REAL runner: a chat session as a Flow, one runner pod per turn.
+
+The operator from its chart (webhooks, status policy), runner pods from the runner image, crewAI's
+conversational flow as the engine, the stub model answering the router's structured call and the
+chat calls. The transcript lives in the flow's state; ``status.conversation`` shows the latest.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Iterator
+from contextlib import redirect_stderr, redirect_stdout
+from typing import Any
+
+import pytest
+
+from flowkube_api.report import Usage
+from flowkube_devstack.cluster import LocalCluster
+from flowkube_operator import cli
+from tests.integration.conftest import Flows
+from tests.integration.realrunner import MODEL, RealRunnerStack, real_runner_stack
+
+pytestmark = pytest.mark.slow
+
+RULES: dict[str, Any] = {
+    "default": "A plain reply.",
+    "rules": [
+        {"contains": "refund", "structured": True, "reply": "refund"},
+        {"contains": "my name is", "structured": False, "reply": "Nice to meet you."},
+        {"contains": "What is my name", "structured": False, "reply": "Your name is Ana."},
+    ],
+}
+SUPPORT = {
+    "schema": "crewai.flow/v1",
+    "name": "Support",
+    "conversational": {"llm": MODEL, "system_prompt": "You are a support agent."},
+    "methods": {"handle_refund": {"listen": "refund", "do": {"call": "expression", "expr": "'Refund started'"}}},
+}
+TURN_TIMEOUT = 180  # every turn is a fresh runner pod importing crewAI (seconds on a busy machine)
+
+
+@pytest.fixture(scope="module")
+def stack(cluster: LocalCluster) -> Iterator[RealRunnerStack]:
+    with real_runner_stack(cluster, RULES, "chat") as s:
+        yield s
+
+
+def patch_message(stack: RealRunnerStack, flows: Flows, name: str, text: str) -> Any:
+    body = json.dumps({"status": {"conversation": {"inbox": {"text": text}}}})
+    return stack.cluster.kubectl("patch", "flow", name, "-n", flows.ns, "--subresource=status", "--type=merge",
+                                 "-p", body, check=False)
+
+
+def answered(flows: Flows, name: str, turns: int) -> dict[str, Any]:
+    def done(s: dict[str, Any]) -> bool:
+        if s.get("phase") == "Failed":
+            raise AssertionError(f"{name} failed: {s.get('message')}")
+        conv = s.get("conversation") or {}
+        return conv.get("turns", 0) >= turns and "pending" not in conv and s.get("phase") != "Running"
+
+    return flows.wait(name, done, f"{turns} answered message(s)", timeout=TURN_TIMEOUT)
+
+
+def kubectl_flow(stack: RealRunnerStack, monkeypatch: pytest.MonkeyPatch, *args: str) -> tuple[int, str, str]:
+    """``kubectl flow ARGS --kubeconfig ...`` as the plugin runs: it calls the cluster's kubectl."""
+    monkeypatch.setenv("KUBECTL", str(stack.cluster.bins["kubectl"]))
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = cli.main([*args, "--kubeconfig", str(stack.cluster.kubeconfig)])
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_a_chat_session_answers_each_message_once_and_ends_by_exit(
+        stack: RealRunnerStack, flows: Flows, monkeypatch: pytest.MonkeyPatch) -> None:
+    mark = len(stack.stub.ledger())
+    flows.apply("support", {"definition": SUPPORT})
+    st = flows.wait_phase("support", "AwaitingMessage", timeout=TURN_TIMEOUT)
+    session = st["conversation"]["sessionId"]
+    assert session and st["conversation"]["turns"] == 0 and st["runs"][0]["trigger"] == "kickoff"
+
+    # The documented raw patch, as a user types it; the webhook records who sent it.
+    out = patch_message(stack, flows, "support", "Hi, my name is Ana")
+    assert out.returncode == 0, out.stderr
+    refused = patch_message(stack, flows, "support", "and another thing")  # a turn is under way
+    assert refused.returncode != 0 and "AwaitingMessage" in refused.stderr + refused.stdout, refused
+    st = answered(flows, "support", 1)
+    assert st["phase"] == "AwaitingMessage" and st["conversation"]["lastReply"] == "Nice to meet you."
+    first = st["conversation"]["messages"][0]
+    assert (first["role"], first["content"], first["sender"]) == ("user", "Hi, my name is Ana", "flowkube-admin")
+
+    # The kubectl plugin, flags after the arguments as in kubectl: a later turn remembers an earlier one.
+    code, out_text, err = kubectl_flow(stack, monkeypatch, "say", "support", "What is my name?", "-n", flows.ns)
+    assert code == 0 and out_text.strip() == "Your name is Ana.", err
+
+    # A custom route, chosen by the router's structured answer.
+    code, out_text, err = kubectl_flow(stack, monkeypatch, "say", "support", "I want a refund", "-n", flows.ns)
+    assert code == 0 and out_text.strip() == "Refund started", err
+
+    code, out_text, err = kubectl_flow(stack, monkeypatch, "say", "support", "exit", "-n", flows.ns)
+    assert code == 0 and "ended" in err, (out_text, err)
+    st = flows.wait_phase("support", "Succeeded", timeout=TURN_TIMEOUT)
+    conv = st["conversation"]
+    assert conv["ended"] and conv["turns"] == 4 and conv["sessionId"] == session
+    assert next(c for c in st["conditions"] if c["type"] == "Succeeded")["reason"] == "ConversationEnded"
+    users = [m["content"] for m in conv["messages"] if m["role"] == "user"]
+    assert users == ["Hi, my name is Ana", "What is my name?", "I want a refund", "exit"], "each message once"
+    assert [r["trigger"] for r in st["runs"]] == ["kickoff", "turn", "turn", "turn", "turn"]
+    late = patch_message(stack, flows, "support", "hello again")
+    assert late.returncode != 0, "an ended conversation takes no message"
+
+    assert Usage.model_validate(st["usage"]) == stack.usage_since(mark), "router and chat calls, each once"
+    assert f'flowkube_flow_turns_total{{namespace="{flows.ns}",flow="support",definition="Support"}} 4' in (
+        stack.operator.metrics())
+    assert "flowkube_conversation_turn_seconds_count" in stack.operator.metrics()
+
+
+def test_a_session_without_messages_ends_when_idle(stack: RealRunnerStack, flows: Flows) -> None:
+    flows.apply("idle", {"definition": SUPPORT, "conversation": {"idleTimeoutSeconds": 5}})
+    st = flows.wait_phase("idle", "Succeeded", timeout=TURN_TIMEOUT)
+    assert next(c for c in st["conditions"] if c["type"] == "Succeeded")["reason"] == "ConversationIdle"
+    assert st["conversation"]["turns"] == 0 and len(st["runs"]) == 1
+
+
+def test_a_message_to_a_flow_that_is_not_a_conversation_is_refused(stack: RealRunnerStack, flows: Flows) -> None:
+    flows.apply("plain", {"flowRef": "flowkube_runner.examples.article:ArticleFlow", "inputs": {"topic": "x"}})
+    out = patch_message(stack, flows, "plain", "hello")
+    assert out.returncode != 0 and "AwaitingMessage" in out.stderr, out
