@@ -420,6 +420,8 @@ class Controller:
             if created is not None:
                 selfmetrics.RUN_PODS_CREATED.labels(intent.trigger.value).inc()
                 self.pod_event("ADDED", created)
+        if p.prune_reports:
+            await self._prune_reports(ns, name, p.prune_reports)
         for pod_name in p.delete_pods:
             self._may_write()
             await self.kube.delete(ns_path(ns, "pods", pod_name))
@@ -431,6 +433,17 @@ class Controller:
                                    {"propagationPolicy": "Background"})
         elif p.requeue_after is not None:
             self.queue.add_after(key, p.requeue_after)
+
+    async def _prune_reports(self, ns: str, name: str, pods: list[str]) -> None:
+        """Best effort: a report left behind costs ConfigMap space, not correctness."""
+        assert self.kube is not None
+        self._may_write()
+        try:
+            await self.kube.merge_patch(ns_path(ns, "configmaps", c.state_configmap_name(name)),
+                                        {"binaryData": {c.report_key(pod): None for pod in pods}})
+        except ApiError as e:
+            if e.status != 404:
+                log.warning("could not drop %d old run reports of %s/%s: %s", len(pods), ns, name, e)
 
     async def _create_owned(self, obj: Body) -> Body | None:
         """Create obj; None when it already exists and is ours (deterministic names make that

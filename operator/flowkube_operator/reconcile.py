@@ -57,6 +57,11 @@ PERMANENT_REASONS = frozenset({
 # failed by the flow: it is replaced at once, counted against retries.disruptionLimit, not limit.
 DISRUPTION_REASONS = frozenset({Reason.DISRUPTED, Reason.POD_DELETED})
 
+# Run reports kept in the state ConfigMap: every REPORTS_KEPT-th run drops the reports of the
+# REPORTS_KEPT runs before the last REPORTS_KEPT (their usage is in status.runs[]), so a long
+# conversation, one run per message, stays under a ConfigMap's 1 MiB.
+REPORTS_KEPT = 20
+
 # How long a pod stopped at the deadline gets to be gone before its run is ended anyway (a node that
 # is down never confirms the deletion). Pods are deleted with their default 30 s grace period.
 STOP_GRACE_SECONDS = 60.0
@@ -83,6 +88,7 @@ class Plan:
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
     requeue_after: float | None = None
     need_report: bool = False  # plan again with the active run's report: it ends without one
+    prune_reports: list[str] = field(default_factory=list)  # pods whose report keys may be deleted
 
     def later(self, seconds: float) -> None:
         seconds = max(seconds, 0.05)
@@ -569,7 +575,19 @@ class _Reconciler:
         else:
             self.plan.later(left)
 
+    def _prune_reports(self) -> None:
+        """Old runs' reports, once a new run starts at a multiple of REPORTS_KEPT: only closed runs
+        whose pods are gone or ended (a late report of theirs was folded when their pod ended)."""
+        intent, n = self.plan.create_pod, len(self.runs)
+        if intent is None or intent.index != n - 1 or n < 2 * REPORTS_KEPT or intent.index % REPORTS_KEPT:
+            return
+        for r in self.runs[n - 2 * REPORTS_KEPT - 1:n - REPORTS_KEPT - 1]:
+            pod = self.pods.get(r.pod)
+            if r.finished_at is not None and (pod is None or pod.terminated):
+                self.plan.prune_reports.append(r.pod)
+
     def _finish(self) -> None:
+        self._prune_reports()
         st = self.st
         st.runs = self.runs or None
         usage = total_usage(self.runs)

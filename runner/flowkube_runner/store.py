@@ -29,12 +29,13 @@ class StoreError(Exception):
     """The state object could not be read or written (API unreachable, forbidden, missing)."""
 
 
+STATE_ADVICE = "keep large data out of flow state (store a reference instead)"
+
+
 class StateTooLarge(Exception):
-    def __init__(self, size: int, limit: int) -> None:
-        super().__init__(
-            f"flow state is {size} bytes gzip-compressed, over the {limit}-byte limit of one "
-            "ConfigMap; keep large data out of flow state (store a reference instead)"
-        )
+    def __init__(self, size: int, limit: int, advice: str = STATE_ADVICE) -> None:
+        super().__init__(f"flow state is {size} bytes gzip-compressed, over the {limit}-byte limit of one "
+                         f"ConfigMap; {advice}")
         self.size = size
         self.limit = limit
 

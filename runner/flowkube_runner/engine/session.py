@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 from flowkube_api.constants import EXIT_COMMANDS
 from flowkube_api.report import FeedbackRequest, excerpt
 
-from ..store import StateCorrupt, StateStore
+from ..store import StateCorrupt, StateStore, StateTooLarge
 from .api import Ending, InvalidFlow, InvalidInputs, Turn
 from .definitions import import_flow_class, load_definition
 from .persistence import StorePersistence, install
@@ -202,7 +202,12 @@ class FlowSession:
         result = flow.handle_turn(text, session_id=document.flow_id)
         if isinstance(result, HumanFeedbackPending):
             return Ending(paused=True)
-        return self._answered(turn, self._persistence.commit(turn=turn))
+        try:
+            saved = self._persistence.commit(turn=turn)
+        except StateTooLarge as e:  # refused whole: the transcript up to the last turn stays as saved
+            raise StateTooLarge(e.size, e.limit, f"the conversation's transcript reached it with message {turn}, "
+                                "which is not saved; the session ends here (start a new conversation)") from e
+        return self._answered(turn, saved)
 
     @staticmethod
     def _answered(turn: int, document: StateDocument) -> Ending:

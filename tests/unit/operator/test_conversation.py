@@ -144,3 +144,19 @@ def test_admission_accepts_a_message_only_when_the_flow_awaits_one() -> None:
     assert "in progress" in (review_status_write(running, new, by_operator=False, username="ana") or "")
     other = {"status": {**body["status"], "conversation": {**body["status"]["conversation"], "turns": 9}}}
     assert "only status.feedback.response" in (review_status_write(old, other, by_operator=False) or "")
+
+
+def test_a_long_conversation_drops_old_run_reports_in_batches() -> None:
+    body = opened()
+    pruned: list[list[str]] = []
+    for turn in range(1, 45):
+        p = send(body, f"message {turn}", at=10 * turn)
+        assert p.create_pod is not None and p.create_pod.index == turn
+        pruned.append(p.prune_reports)
+        pods = {name: view for i in range(turn + 1)
+                for name, view in pod(f"f-{i}", "Succeeded", exit_code=0, at=10 * i).items()}
+        step(body, pods, turn_report(f"f-{turn}", turn, f"reply {turn}"), at=10 * turn + 6)
+    batches = [(turn, names) for turn, names in enumerate(pruned, 1) if names]
+    # Runs 0..19 go when run 40 starts: the newest 20 reports always stay.
+    assert batches == [(40, [f"f-{i}" for i in range(20)])]
+    assert body["status"]["conversation"]["turns"] == 44
