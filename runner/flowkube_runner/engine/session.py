@@ -148,9 +148,12 @@ class FlowSession:
         result = flow.resume(text)
         if isinstance(result, HumanFeedbackPending):
             return Ending(paused=True)
-        if not _replied(flow.state.model_dump(mode="json")):
-            flow.append_assistant_message(render_output(result) or "")  # as handle_turn does for a turn's result
-        return self._answered(turn, self._persistence.commit(turn=turn))
+        state = _dump(flow.state)
+        if not _replied(state):  # handle_turn makes a turn's result its reply; a resumed turn's is made here
+            flow.append_assistant_message(render_output(result) or "")
+            state = _dump(flow.state)
+        held = self._persistence.document or document
+        return self._answered(turn, self._persistence.commit(held.model_copy(update={"state": state}), turn=turn))
 
     def retry(self, document: StateDocument) -> Ending:
         """Continue after the last completed method, replaying (not re-running) the ones before."""

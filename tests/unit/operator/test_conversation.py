@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from flowkube_api.constants import Phase, Reason, RunResult, Trigger
-from flowkube_api.report import RunReport, TurnReport
+from flowkube_api.report import FeedbackRequest, RunReport, TurnReport
 from flowkube_operator.reconcile import Plan
 from flowkube_operator.webhook import review_status_write
 
@@ -160,3 +160,23 @@ def test_a_long_conversation_drops_old_run_reports_in_batches() -> None:
     # Runs 0..19 go when run 40 starts: the newest 20 reports always stay.
     assert batches == [(40, [f"f-{i}" for i in range(20)])]
     assert body["status"]["conversation"]["turns"] == 44
+
+
+def test_a_turn_that_asks_for_feedback_is_answered_by_the_resume_of_that_turn() -> None:
+    body = opened()
+    send(body, "I want a refund")
+    asked = report("f-1", RunResult.PAUSED, trigger=Trigger.TURN, reason=Reason.RUN_PAUSED,
+                   feedback_request=FeedbackRequest(id="r-1", method="handle_refund", message="Approve?"))
+    pods = {**pod("f-0", "Succeeded", exit_code=0), **pod("f-1", "Succeeded", exit_code=0, at=3)}
+    step(body, pods, asked, at=9)
+    assert body["status"]["phase"] == Phase.AWAITING_FEEDBACK
+    refused = send(body, "hello?", at=10)
+    assert any(e[1] == Reason.MESSAGE_REFUSED for e in refused.events), "no message while feedback is pending"
+    body["status"]["feedback"]["response"] = {"text": "yes"}
+    p = step(body, pods, at=11)
+    assert p.create_pod is not None and p.create_pod.trigger == Trigger.RESUME
+    assert p.create_pod.message == {"turn": 1, "text": "I want a refund", "sender": "ana"}
+    assert p.create_pod.feedback is not None and p.create_pod.feedback["text"] == "yes"
+    answer(body, 2, 1, "Refund of 10 EUR", at=12)
+    assert body["status"]["phase"] == Phase.AWAITING_MESSAGE
+    assert body["status"]["conversation"]["lastReply"] == "Refund of 10 EUR"

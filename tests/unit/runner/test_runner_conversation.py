@@ -142,3 +142,22 @@ def test_a_conversation_takes_no_inputs(harness: Harness) -> None:
     run = harness.run(c.Trigger.KICKOFF, {**SPEC, "inputs": {"topic": "x"}})
     assert run.report is not None and run.report.reason == c.Reason.INVALID_INPUTS, run.describe()
     assert run.exit_code == c.EXIT_PERMANENT
+
+
+def test_a_turn_that_asks_for_feedback_pauses_and_its_resume_gives_the_reply(harness: Harness, stub: StubModel) -> None:
+    stub.set_rules(Rules.from_json(CHAT_RULES))
+    approval = {**SUPPORT, "methods": {"handle_refund": {
+        "listen": "refund", "do": {"call": "expression", "expr": "'Refund of 10 EUR'"},
+        "human_feedback": {"message": "Approve the refund?"}}}}
+    spec = {"definition": approval}
+    message = {c.ENV_MESSAGE: json.dumps({"turn": 1, "text": "I want a refund"})}
+    succeeded(harness.run(c.Trigger.KICKOFF, spec))
+    paused = harness.run(c.Trigger.TURN, spec, extra_env=message)
+    assert paused.report is not None and paused.report.result == c.RunResult.PAUSED, paused.describe()
+    request = paused.report.feedback_request
+    assert request is not None and request.message == "Approve the refund?"
+
+    resumed = harness.run(c.Trigger.RESUME, spec, extra_env=message,
+                          feedback={"requestId": request.id, "text": "yes"})
+    assert answered(resumed, 1).reply == "Refund of 10 EUR"
+    assert transcript(harness) == [("user", "I want a refund"), ("assistant", "Refund of 10 EUR")]
