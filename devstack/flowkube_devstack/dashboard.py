@@ -106,6 +106,17 @@ def build() -> dict[str, Any]:
                            "p95 {{definition}}")))
         .with_panel(table.Panel().title("Flows not succeeded").height(8).span(12).datasource(DS)
                     .with_target(_q(f'flowkube_flow_phase{{{NS},phase!="Succeeded"}} == 1', "", instant=True)))
+        .with_row(dashboard.Row("Conversations"))
+        .with_panel(_ts("Messages answered per second by definition", "short",
+                        _q(f"sum by (definition) (rate(flowkube_flow_turns_total{{{NS}}}[$__rate_interval]))",
+                           "{{definition}}")))
+        .with_panel(_ts("Message to reply (p50, p95) by definition", "s",
+                        _q(f"histogram_quantile(0.5, sum by (le, definition) "
+                           f"(rate(flowkube_conversation_turn_seconds_bucket{{{NS}}}[$__rate_interval])))",
+                           "p50 {{definition}}"),
+                        _q(f"histogram_quantile(0.95, sum by (le, definition) "
+                           f"(rate(flowkube_conversation_turn_seconds_bucket{{{NS}}}[$__rate_interval])))",
+                           "p95 {{definition}}")))
         .with_row(dashboard.Row("Operator"))
         .with_panel(_ts("Reconcile duration p99", "s",
                         _q("histogram_quantile(0.99, sum by (le) "

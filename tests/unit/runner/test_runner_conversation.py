@@ -161,3 +161,22 @@ def test_a_turn_that_asks_for_feedback_pauses_and_its_resume_gives_the_reply(har
                           feedback={"requestId": request.id, "text": "yes"})
     assert answered(resumed, 1).reply == "Refund of 10 EUR"
     assert transcript(harness) == [("user", "I want a refund"), ("assistant", "Refund of 10 EUR")]
+
+
+def test_a_conversational_class_with_its_own_exit_commands(harness: Harness, stub: StubModel) -> None:
+    stub.set_rules(Rules.from_json(CHAT_RULES))
+    spec = {"flowRef": "flowkube_runner.examples.support:SupportFlow"}
+    opened = succeeded(harness.run(c.Trigger.KICKOFF, spec))
+    assert opened.conversation is not None and opened.conversation.turn == 0
+
+    def turn(n: int, text: str) -> TurnReport:
+        return answered(harness.run(c.Trigger.TURN, spec, extra_env={
+            c.ENV_MESSAGE: json.dumps({"turn": n, "text": text})}), n)
+
+    assert turn(1, "I want a refund").reply == "Refund started"
+    assert turn(2, "Bye").ended  # the class's own exit command
+    late = succeeded(harness.run(c.Trigger.TURN, spec, extra_env={
+        c.ENV_MESSAGE: json.dumps({"turn": 3, "text": "still there?"})}))
+    assert late.conversation is not None and (late.conversation.turn, late.conversation.ended) == (2, True)
+    assert late.usage.successful_requests == 0, "an ended session answers nothing more"
+    assert [role for role, _ in transcript(harness)] == ["user", "assistant", "user", "assistant"]
