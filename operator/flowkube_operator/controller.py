@@ -174,9 +174,11 @@ class Controller:
             self._track_active(key, "", None)
             self._on_flow_change(key, None)
         else:
-            if cached is not None and cached[0] > _rv(body):
+            rv = _rv(body)
+            if cached is not None and (cached[0] > rv or (cached[0] == rv != 0 and cached[1] == meta.get("uid"))):
                 # Older than what we know: a late answer to our own write, or a late event of an
                 # earlier Flow of this name (resourceVersions are comparable across objects here).
+                # The same: the watch's echo of our own status write, already taken from its answer.
                 return
             self.flows[key] = (_rv(body), meta.get("uid", ""),
                                json.dumps(_slim(body), separators=(",", ":")).encode())

@@ -114,3 +114,15 @@ def test_a_late_report_that_arrives_during_a_reconcile_stays_queued_for_the_next
     assert ctl._late[("ns", "f")] == {"f-0": newer}
     ctl._forget_late(("ns", "f"), {"f-0": newer})
     assert ("ns", "f") not in ctl._late
+
+
+def test_the_watch_echo_of_our_own_status_write_queues_no_second_reconcile() -> None:
+    seen: list[Any] = []
+    ctl = Controller(Settings(), on_flow_change=lambda k, b: seen.append(b))
+    ctl.flow_event("MODIFIED", flow(10, "Running"))  # the answer to our status write
+    ctl.flow_event("MODIFIED", flow(10, "Running"))  # the watch delivering the same version
+    assert len(seen) == 1, "one change, one reconcile"
+    other = flow(10, "Running")
+    other["metadata"]["uid"] = "another"  # same version number, another object: not an echo
+    ctl.flow_event("MODIFIED", other)
+    assert len(seen) == 2
