@@ -10,13 +10,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import signal
 import sys
 import threading
 from datetime import UTC, datetime
 from types import FrameType
+from typing import NoReturn
 
 from flowkube_api import constants as c
 from flowkube_api.report import RunReport
@@ -62,7 +65,20 @@ def main(argv: list[str] | None = None) -> int:
     if command != "run" or rest:
         print(USAGE, file=sys.stderr)
         return c.EXIT_PERMANENT
-    return run_from_environment()
+    code = run_from_environment()
+    end_now(code)
+    return code  # not reached
+
+
+def end_now(code: int) -> NoReturn:
+    """Exit as soon as the run is published. The report and the state are written (synchronously) by
+    then; the interpreter's own teardown of crewAI's modules and threads takes seconds on a busy node,
+    and a runner pod's end is what the operator waits for to fold its run."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 STOP_LOG = "SIGTERM: stopping; the model call in flight may finish, no new one starts"
