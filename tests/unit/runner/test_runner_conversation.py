@@ -180,3 +180,11 @@ def test_a_conversational_class_with_its_own_exit_commands(harness: Harness, stu
     assert late.conversation is not None and (late.conversation.turn, late.conversation.ended) == (2, True)
     assert late.usage.successful_requests == 0, "an ended session answers nothing more"
     assert [role for role, _ in transcript(harness)] == ["user", "assistant", "user", "assistant"]
+
+
+def test_the_routers_end_route_ends_the_session(harness: Harness, stub: StubModel) -> None:
+    stub.set_rules(Rules.from_json({**CHAT_RULES, "rules": [
+        {"contains": "that is all", "structured": True, "reply": "end"}, *CHAT_RULES["rules"]]}))
+    succeeded(harness.run(c.Trigger.KICKOFF, SPEC))
+    ended = answered(say(harness, 1, "thanks, that is all"), 1)
+    assert ended.ended and ended.reply == "Conversation ended."  # crewAI's built-in end_conversation
