@@ -482,6 +482,17 @@ class _Reconciler:
     def _await_message(self) -> None:
         conv = self.conv
         assert conv is not None
+        if conv.pending is not None:
+            # Accepted, not answered, and no run is at it. A run that carried it and ended well without
+            # the reply would only do so again: say so rather than loop. Otherwise a new run answers it
+            # (the runner's state says whether it already was).
+            last = self.runs[-1] if self.runs else None
+            if last is not None and last.trigger != Trigger.KICKOFF:
+                self._terminal(Phase.FAILED, Reason.INTERNAL_ERROR,
+                               f"run {last.pod} ended without answering message {conv.pending.turn}")
+                return
+            self._start(Trigger.TURN)
+            return
         self.st.phase = Phase.AWAITING_MESSAGE
         inbox, conv.inbox = conv.inbox, None
         if inbox is not None:

@@ -180,3 +180,13 @@ def test_a_turn_that_asks_for_feedback_is_answered_by_the_resume_of_that_turn() 
     answer(body, 2, 1, "Refund of 10 EUR", at=12)
     assert body["status"]["phase"] == Phase.AWAITING_MESSAGE
     assert body["status"]["conversation"]["lastReply"] == "Refund of 10 EUR"
+
+
+def test_a_run_that_ends_well_without_answering_its_message_fails_the_flow_rather_than_loop() -> None:
+    body = opened()
+    send(body, "hello")
+    pods = {**pod("f-0", "Succeeded", exit_code=0), **pod("f-1", "Succeeded", exit_code=0, at=3)}
+    p = step(body, pods, turn_report("f-1", 0), at=9)  # the run reported the session, not the message
+    assert p.create_pod is None and body["status"]["phase"] == Phase.FAILED
+    assert "without answering message 1" in body["status"]["message"]
+    assert body["status"]["conversation"]["pending"]["text"] == "hello", "the message stays visible"
