@@ -164,6 +164,17 @@ class LocalCluster:
         self._launch_apiserver()
         wait_for(self._apiserver_ready, timeout, "kube-apiserver /readyz after restart")
 
+    @contextlib.contextmanager
+    def apiserver_stopped(self, timeout: float = 60.0) -> Iterator[None]:
+        """kube-apiserver stopped inside the block (etcd, the node and the controllers keep running),
+        then started again with the same flags: what changes in etcd meanwhile, no watch shows."""
+        procs.terminate(self.procs.pop("kube-apiserver"), grace=5.0)
+        try:
+            yield
+        finally:
+            self._launch_apiserver()
+            wait_for(self._apiserver_ready, timeout, "kube-apiserver /readyz after restart")
+
     def describe(self) -> dict[str, Any]:
         return {
             "server": self.server,

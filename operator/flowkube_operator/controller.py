@@ -154,6 +154,7 @@ class Controller:
         # Reports the state API took from pods of closed runs, not yet folded into the status. Lost
         # with the process, harmlessly: the pod's final report is read again when the pod ends.
         self._late: dict[Key, dict[str, RunReport]] = {}
+        self._pod_seen: dict[tuple[str, str], float] = {}  # (namespace, pod) -> monotonic time of its last event
         self.instance = socket.gethostname()
         self.leading = False  # workers run: this replica is the one status writer
         self.fence: Callable[[], bool] = lambda: True  # asked before every write (leader election)
@@ -196,9 +197,11 @@ class Controller:
         pods = self.pods.setdefault(key, {})
         if event_type == "DELETED":
             pods.pop(meta.get("name", ""), None)
+            self._pod_seen.pop((key[0], meta.get("name", "")), None)
             if not pods:
                 self.pods.pop(key, None)
         else:
+            self._pod_seen[(key[0], meta.get("name", ""))] = time.monotonic()
             view = PodView.from_pod(body)
             known = pods.get(view.name)
             if known is not None and (known == view or known.resource_version > view.resource_version):
@@ -257,6 +260,7 @@ class Controller:
         for key in list(self.flows):
             self.queue.add(key)
         self._tasks.append(asyncio.create_task(self.queue.run_timers()))
+        self._tasks.append(asyncio.create_task(self._recheck_pods_forever()))
         for _ in range(self.settings.workers):
             self._tasks.append(asyncio.create_task(self._worker()))
 
@@ -269,6 +273,39 @@ class Controller:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
+
+    async def _recheck_pods_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.pod_recheck_seconds / 2)  # a period, not a wait for a condition
+            try:
+                await self.recheck_pods()
+            except Exception:
+                log.exception("rechecking runner pods failed; trying again next period")
+
+    async def recheck_pods(self, limit: int = 50) -> int:
+        """Read again the running pods of active runs that the watch has been silent about for
+        ``pod_recheck_seconds``: after an API server restart kopf's watch re-lists and never says
+        which pods were deleted in the gap, so the cache would show them running for ever. What the
+        API server answers goes through ``pod_event`` (a pod gone as DELETED). Returns how many were read."""
+        assert self.kube is not None
+        now, quiet = time.monotonic(), self.settings.pod_recheck_seconds
+        due = []
+        for key, pod_name in list(self._active.items()):
+            view = self.pods.get(key, {}).get(pod_name)
+            seen = self._pod_seen.get((key[0], pod_name))
+            if view is not None and not view.terminated and seen is not None and now - seen >= quiet:
+                due.append((seen, key, pod_name, view))
+        for _, key, pod_name, view in sorted(due)[:limit]:
+            live = await self.kube.get(ns_path(key[0], "pods", pod_name))
+            if live is None or (live.get("metadata") or {}).get("uid") != view.uid:
+                log.warning("runner pod %s/%s is gone without the watch saying so; its run is looked at again",
+                            key[0], pod_name)
+                self.pod_event("DELETED", {"metadata": {"name": pod_name, "namespace": key[0],
+                                                        "labels": {c.LABEL_FLOW: key[1]}}})
+            else:
+                self._pod_seen[(key[0], pod_name)] = time.monotonic()
+                self.pod_event("MODIFIED", live)
+        return min(len(due), limit)
 
     async def _worker(self) -> None:
         while True:

@@ -48,6 +48,11 @@ class Settings(BaseSettings):
     retry_backoff_cap_seconds: int = Field(
         default=3600, ge=1, description="Longest delay between retries: the doubling backoff stops here.")
     workers: int = Field(default=8, ge=1, le=256, description="Flows reconciled concurrently.")
+    pod_recheck_seconds: int = Field(
+        default=60, ge=5, le=3600,
+        description="A running runner pod the watch has said nothing about for this long is read from the API "
+        "server again (at most 50 per half period): a watch that re-lists after an API server restart never "
+        "reports the pods deleted meanwhile.")
 
     leader_election: bool = Field(
         default=False, description="Reconcile only while holding a coordination.k8s.io Lease, so that of "

@@ -126,3 +126,29 @@ def test_the_watch_echo_of_our_own_status_write_queues_no_second_reconcile() -> 
     other["metadata"]["uid"] = "another"  # same version number, another object: not an echo
     ctl.flow_event("MODIFIED", other)
     assert len(seen) == 2
+
+
+def test_a_running_pod_the_watch_never_said_was_deleted_is_found_gone_by_the_recheck() -> None:
+    """After an API server restart kopf's watch re-lists and sends no DELETED for pods removed in
+    the gap (found by the chaos run): the cache would show the run's pod running for ever."""
+
+    class Gone:
+        async def get(self, path: str) -> None:
+            self.path = path
+
+    async def scenario() -> None:
+        ctl = Controller(Settings(pod_recheck_seconds=5), on_flow_change=lambda k, b: None)
+        running = flow(3, "Running")
+        running["status"]["runs"] = [{"pod": "f-0", "trigger": "kickoff", "startedAt": "2026-11-23T00:00:00Z"}]
+        ctl.flow_event("ADDED", running)
+        live = pod("Running", 4)
+        live["metadata"]["uid"] = "p1"
+        ctl.pod_event("ADDED", live)
+        kube = Gone()
+        ctl.attach(kube)  # type: ignore[arg-type]
+        assert await ctl.recheck_pods() == 0, "heard of just now: not read again"
+        ctl._pod_seen[("ns", "f-0")] -= 6  # the watch has been silent for longer than the period
+        assert await ctl.recheck_pods() == 1 and kube.path == "/api/v1/namespaces/ns/pods/f-0"
+        assert "f-0" not in ctl.pods.get(("ns", "f"), {}), "gone from the cache: the run is looked at again"
+
+    asyncio.run(scenario())
