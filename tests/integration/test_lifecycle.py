@@ -32,7 +32,7 @@ def test_flow_succeeds_with_usage_output_and_a_restricted_owned_pod(flows: Flows
     (pod,) = flows.pods("ok")
     assert pod["metadata"]["name"] == "ok-0"
     header, row = flows.cluster.kubectl("get", "flow", "ok", "-n", flows.ns, "-o", "wide").stdout.splitlines()
-    assert header.split()[-2:] == ["LAST-RUN", "FLOW-ID"] and "ok-0" in row.split()
+    assert header.split()[-3:] == ["LAST-RUN", "TURNS", "FLOW-ID"] and "ok-0" in row.split()
     assert pod["metadata"]["ownerReferences"][0]["kind"] == "Flow"
     sc = pod["spec"]["containers"][0]["securityContext"]
     assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"]
