@@ -87,7 +87,8 @@ def test_the_same_patch_three_times_resumes_exactly_once(flows: Flows) -> None:
         (answer("approved", "req-stale"), "requestId 'req-stale' is not the pending request 'req-1'"),
         (answer("   "), "response.text must be a non-empty string"),
         ({"status": {"feedback": {"response": {"txt": "typo"}}}}, "unknown field"),
-        ({"status": {"phase": "Succeeded"}}, "only status.feedback.response may be written by users"),
+        ({"status": {"phase": "Succeeded"}},
+         "only status.feedback.response and status.conversation.inbox may be written by users"),
     ],
 )
 def test_bad_answers_are_refused_at_patch_time_and_the_request_stays(

@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,8 +26,21 @@ time.sleep(600)
 """
 
 
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """The kubelet's unix sockets live under its root: pytest's tmp_path (``.../pytest-130/test_a_killed_
+    parent_leaves_no0/...``) makes them longer than the 107 bytes a socket path may have."""
+    root = Path(tempfile.mkdtemp(prefix="fk-", dir="/tmp"))
+    try:
+        yield root
+    finally:
+        kubenode.unmount_under(root)
+        shutil.rmtree(root, ignore_errors=True)
+
+
 @pytest.mark.controlplane
-def test_a_killed_parent_leaves_no_control_plane_processes(tmp_path: Path) -> None:
+def test_a_killed_parent_leaves_no_control_plane_processes(short_dir: Path) -> None:
+    tmp_path = short_dir
     parent = subprocess.Popen([sys.executable, "-c", SCRIPT, str(tmp_path / "cluster")],
                               stdout=subprocess.PIPE, text=True)
     assert parent.stdout is not None
