@@ -59,40 +59,49 @@ def review_status_write(old: Body | None, new: Body | None, *, by_operator: bool
     if _status_without_inbox(old_st) != _status_without_inbox(new_st):
         return ("only status.feedback.response and status.conversation.inbox may be written by users; "
                 "the rest of the status belongs to the flowkube operator")
-    message = inbox(new_st, MESSAGE_INBOX)
-    if message is not None and message != inbox(old_st, MESSAGE_INBOX):
-        return _message_problem(old_st, message, username)
+    problems = [_message_problem(old_st, new_st, username), _response_problem(old_st, new_st, username)]
+    return next((p for p in problems if p), None)
+
+
+def _inbox_shape_problem(value: dict[str, Any], where: tuple[str, str], allowed: tuple[str, ...],
+                         recorded: str, username: str) -> str | None:
+    """What is wrong with the form of a newly written inbox: its fields, its text, who it says wrote it."""
+    path = f"status.{where[0]}.{where[1]}"
+    unknown = set(value) - {*allowed, recorded}
+    if unknown:
+        return f"{path} has unknown field(s) {sorted(unknown)}; allowed: {', '.join(allowed)}"
+    if value.get("text") is not None and not isinstance(value.get("text"), str):
+        return f"{path}.text must be a string"
+    if value.get(recorded) not in (None, username):
+        return f"{path}.{recorded} is recorded by flowkube (the user who patched), not set by users"
+    return None
+
+
+def _response_problem(old_st: Body | None, new_st: Body | None, username: str) -> str | None:
     resp = inbox_response(new_st)
     if resp is None or resp == inbox_response(old_st):
         return None
-    unknown = set(resp) - {"text", "requestId", "respondedBy"}
-    if unknown:
-        return f"status.feedback.response has unknown field(s) {sorted(unknown)}; allowed: text, requestId"
-    text = resp.get("text")
-    if text is not None and not isinstance(text, str):
-        return "status.feedback.response.text must be a string"
-    if resp.get("respondedBy") not in (None, username):
-        return "status.feedback.response.respondedBy is recorded by flowkube (the user who patched), not set by users"
+    shape = _inbox_shape_problem(resp, FEEDBACK_INBOX, ("text", "requestId"), "respondedBy", username)
+    if shape:
+        return shape
     raw_req = ((old_st or {}).get("feedback") or {}).get("request")
     req = FeedbackRequest.model_validate(raw_req) if raw_req else None
-    problem = validate_response(req, text, resp.get("requestId"))
+    problem = validate_response(req, resp.get("text"), resp.get("requestId"))
     return f"status.feedback.response refused: {problem}" if problem else None
 
 
-def _message_problem(old_st: Body | None, message: dict[str, Any], username: str) -> str | None:
-    unknown = set(message) - {"text", "sentBy"}
-    if unknown:
-        return f"status.conversation.inbox has unknown field(s) {sorted(unknown)}; allowed: text"
-    text = message.get("text")
-    if text is not None and not isinstance(text, str):
-        return "status.conversation.inbox.text must be a string"
-    if message.get("sentBy") not in (None, username):
-        return "status.conversation.inbox.sentBy is recorded by flowkube (the user who patched), not set by users"
+def _message_problem(old_st: Body | None, new_st: Body | None, username: str) -> str | None:
+    message = inbox(new_st, MESSAGE_INBOX)
+    if message is None or message == inbox(old_st, MESSAGE_INBOX):
+        return None
+    shape = _inbox_shape_problem(message, MESSAGE_INBOX, ("text",), "sentBy", username)
+    if shape:
+        return shape
     raw = (old_st or {}).get("conversation")
     conv = ConversationStatus.model_validate(raw) if isinstance(raw, Mapping) else None
     if conv is not None and conv.inbox is not None and conv.inbox.text:
         return "a message is already waiting in status.conversation.inbox; send the next one after its reply"
-    problem = validate_message(conv, (old_st or {}).get("phase"), text)
+    problem = validate_message(conv, (old_st or {}).get("phase"), message.get("text"))
     return f"status.conversation.inbox refused: {problem}" if problem else None
 
 

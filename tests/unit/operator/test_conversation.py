@@ -190,3 +190,11 @@ def test_a_run_that_ends_well_without_answering_its_message_fails_the_flow_rathe
     assert p.create_pod is None and body["status"]["phase"] == Phase.FAILED
     assert "without answering message 1" in body["status"]["message"]
     assert body["status"]["conversation"]["pending"]["text"] == "hello", "the message stays visible"
+
+
+def test_a_patch_of_both_inboxes_is_checked_for_both() -> None:
+    body = opened()
+    new_status = {**body["status"], "conversation": {**body["status"]["conversation"], "inbox": {"text": "hi"}},
+                  "feedback": {"response": {"text": "approved"}}}
+    problem = review_status_write({"status": body["status"]}, {"status": new_status}, by_operator=False)
+    assert problem is not None and "no feedback request is pending" in problem
