@@ -13,6 +13,7 @@ import pytest
 from flowkube_devstack.cluster import LocalCluster, wait_for
 from flowkube_devstack.operator import ChartOperator
 from flowkube_devstack.stubmodel import Rules, StubModel
+from tests.integration.realrunner import chart_operator_on
 
 MODEL = "gpt-4o-mini"
 DRAFT_REPLY = "A short draft."
@@ -51,18 +52,5 @@ class ChaosStack:
 @pytest.fixture(scope="module")
 def chaos(cluster: LocalCluster) -> Iterator[ChaosStack]:
     stub = RoundStub(Rules.from_json(RULES), host=cluster.host_ip)
-    stub.start()
-    try:
-        url = cluster.host_service("stub-model-chaos", "flowkube-dev", stub.port)
-        operator = ChartOperator(cluster, values=["replicaCount=2"], runner_env={
-            "OPENAI_BASE_URL": f"{url}/v1",
-            "OPENAI_API_KEY": "stub",
-            "CREWAI_TRACING_ENABLED": "false",
-        })
-        try:
-            operator.start()
-            yield ChaosStack(cluster, stub, operator)
-        finally:
-            operator.stop()
-    finally:
-        stub.stop()
+    with stub, chart_operator_on(cluster, stub, "chaos", values=["replicaCount=2"]) as operator:
+        yield ChaosStack(cluster, stub, operator)

@@ -6,7 +6,7 @@ operator starts once per module); tests slice the stub's ledger to the calls the
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -40,19 +40,28 @@ class RealRunnerStack:
 
 
 @contextmanager
+def chart_operator_on(cluster: LocalCluster, stub: StubModel, name: str,
+                      values: Sequence[str] = ()) -> Iterator[ChartOperator]:
+    """The operator installed by its chart (``values`` on top), validator sidecar and admission
+    webhooks included, its runner pods pointed at ``stub`` (a process of this host) through a Service
+    pods reach by name."""
+    url = cluster.host_service(f"stub-model-{name}", "flowkube-dev", stub.port)
+    operator = ChartOperator(cluster, values=values, runner_env={
+        "OPENAI_BASE_URL": f"{url}/v1",
+        "OPENAI_API_KEY": "stub",
+        "CREWAI_TRACING_ENABLED": "false",
+    })
+    try:
+        operator.start()
+        yield operator
+    finally:
+        operator.stop()
+
+
+@contextmanager
 def real_runner_stack(cluster: LocalCluster, rules: dict[str, Any], name: str) -> Iterator[RealRunnerStack]:
-    """The stub model (a process of this host, so tests can hold its calls and read its ledger,
-    behind a Service pods reach by name) and the operator installed by its chart, validator sidecar
-    and admission webhooks included, running ``flowkube-runner`` from the runner image."""
-    with StubModel(Rules.from_json(rules), host=cluster.host_ip) as stub:
-        url = cluster.host_service(f"stub-model-{name}", "flowkube-dev", stub.port)
-        operator = ChartOperator(cluster, runner_env={
-            "OPENAI_BASE_URL": f"{url}/v1",
-            "OPENAI_API_KEY": "stub",
-            "CREWAI_TRACING_ENABLED": "false",
-        })
-        try:
-            operator.start()
-            yield RealRunnerStack(cluster, stub, operator)
-        finally:
-            operator.stop()
+    """The stub model (so tests can hold its calls and read its ledger) and the chart's operator
+    running ``flowkube-runner`` from the runner image."""
+    with StubModel(Rules.from_json(rules), host=cluster.host_ip) as stub, \
+            chart_operator_on(cluster, stub, name) as operator:
+        yield RealRunnerStack(cluster, stub, operator)
