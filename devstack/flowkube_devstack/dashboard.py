@@ -37,6 +37,14 @@ def _stat(title: str, unit: str, query: prometheus.Dataquery, description: str =
     return p.description(description) if description else p
 
 
+def _quantiles(title: str, histogram: str) -> timeseries.Panel:
+    """p50 and p95 of a histogram in seconds, by definition."""
+    return _ts(title, "s", *(
+        _q(f"histogram_quantile({q}, sum by (le, definition) "
+           f"(rate({histogram}_bucket{{{NS}}}[$__rate_interval])))", f"p{round(q * 100)} {{{{definition}}}}")
+        for q in (0.5, 0.95)))
+
+
 def build() -> dict[str, Any]:
     d = (
         dashboard.Dashboard("flowkube")
@@ -97,26 +105,14 @@ def build() -> dict[str, Any]:
         .with_panel(_ts("Runs started per second by trigger", "short",
                         _q(f"sum by (trigger) (rate(flowkube_flow_runs_total{{{NS}}}[$__rate_interval]))",
                            "{{trigger}}")))
-        .with_panel(_ts("Feedback wait (p50, p95) by definition", "s",
-                        _q(f"histogram_quantile(0.5, sum by (le, definition) "
-                           f"(rate(flowkube_feedback_wait_seconds_bucket{{{NS}}}[$__rate_interval])))",
-                           "p50 {{definition}}"),
-                        _q(f"histogram_quantile(0.95, sum by (le, definition) "
-                           f"(rate(flowkube_feedback_wait_seconds_bucket{{{NS}}}[$__rate_interval])))",
-                           "p95 {{definition}}")))
+        .with_panel(_quantiles("Feedback wait (p50, p95) by definition", "flowkube_feedback_wait_seconds"))
         .with_panel(table.Panel().title("Flows not succeeded").height(8).span(12).datasource(DS)
                     .with_target(_q(f'flowkube_flow_phase{{{NS},phase!="Succeeded"}} == 1', "", instant=True)))
         .with_row(dashboard.Row("Conversations"))
         .with_panel(_ts("Messages answered per second by definition", "short",
                         _q(f"sum by (definition) (rate(flowkube_flow_turns_total{{{NS}}}[$__rate_interval]))",
                            "{{definition}}")))
-        .with_panel(_ts("Message to reply (p50, p95) by definition", "s",
-                        _q(f"histogram_quantile(0.5, sum by (le, definition) "
-                           f"(rate(flowkube_conversation_turn_seconds_bucket{{{NS}}}[$__rate_interval])))",
-                           "p50 {{definition}}"),
-                        _q(f"histogram_quantile(0.95, sum by (le, definition) "
-                           f"(rate(flowkube_conversation_turn_seconds_bucket{{{NS}}}[$__rate_interval])))",
-                           "p95 {{definition}}")))
+        .with_panel(_quantiles("Message to reply (p50, p95) by definition", "flowkube_conversation_turn_seconds"))
         .with_row(dashboard.Row("Operator"))
         .with_panel(_ts("Reconcile duration p99", "s",
                         _q("histogram_quantile(0.99, sum by (le) "
