@@ -463,15 +463,18 @@ class _Reconciler:
             self.plan.event(Reason.TURN_COMPLETED, f"message {turn.turn} answered")
         limit = self.spec.conversation.max_turns if self.spec.conversation else None
         if conv.ended:
-            self.st.result = Result(output=conv.last_reply)
-            self._terminal(Phase.SUCCEEDED, Reason.CONVERSATION_ENDED,
-                           f"the conversation ended after {conv.turns} message(s)")
+            self._end_conversation(Reason.CONVERSATION_ENDED, f"the conversation ended after {conv.turns} message(s)")
         elif limit is not None and conv.turns >= limit:
-            self.st.result = Result(output=conv.last_reply)
-            self._terminal(Phase.SUCCEEDED, Reason.MAX_TURNS_REACHED,
-                           f"{conv.turns} message(s) answered, conversation.maxTurns={limit}")
+            self._end_conversation(Reason.MAX_TURNS_REACHED,
+                                   f"{conv.turns} message(s) answered, conversation.maxTurns={limit}")
         else:
             self.st.phase = Phase.AWAITING_MESSAGE
+
+    def _end_conversation(self, reason: Reason, message: str) -> None:
+        """The session is over, well: its last reply is the flow's result."""
+        assert self.conv is not None
+        self.st.result = Result(output=self.conv.last_reply)
+        self._terminal(Phase.SUCCEEDED, reason, message)
 
     def _remember(self, role: str, text: str, turn: int, sender: str | None = None) -> None:
         assert self.conv is not None
@@ -514,10 +517,8 @@ class _Reconciler:
         if left > 0:
             self.plan.later(left)
             return
-        self.st.result = Result(output=conv.last_reply)
-        self._terminal(Phase.SUCCEEDED, Reason.CONVERSATION_IDLE,
-                       f"no message for conversation.idleTimeoutSeconds={timeout}; the session ended after "
-                       f"{conv.turns} message(s)")
+        self._end_conversation(Reason.CONVERSATION_IDLE, f"no message for conversation.idleTimeoutSeconds="
+                               f"{timeout}; the session ended after {conv.turns} message(s)")
 
     def _refuse_untimely_message(self) -> None:
         """A message that arrived while the flow could not take one (checked against the phase it had
