@@ -16,7 +16,7 @@ from pydantic import BaseModel, PrivateAttr
 from flowkube_api.constants import STATE_KEY
 
 from ..store import StateCorrupt, StateStore
-from .runtime import json_safe, resumed_step_output, snapshot_runtime
+from .runtime import resumed_step_output, snapshot_runtime, state_dict
 from .state import PendingRequest, StateDocument
 
 
@@ -87,10 +87,6 @@ class StorePersistence(FlowPersistence):  # type: ignore[misc]
             raise
         self._document = document
 
-    def _state_dict(self, state_data: dict[str, Any] | BaseModel) -> dict[str, Any]:
-        data = state_data.model_dump(mode="json") if isinstance(state_data, BaseModel) else state_data
-        return dict(json_safe(data))
-
     def _base(self, flow_uuid: str) -> StateDocument:
         current = self._document
         if current is not None and current.flow_id == flow_uuid:
@@ -100,7 +96,7 @@ class StorePersistence(FlowPersistence):  # type: ignore[misc]
     def save_state(self, flow_uuid: str, method_name: str, state_data: dict[str, Any] | BaseModel) -> None:
         with self._lock:
             document = self._base(flow_uuid)
-            document.state = self._state_dict(state_data)
+            document.state = state_dict(state_data)
             if self._flow is not None:
                 document.runtime = snapshot_runtime(self._flow)
                 document.runtime["methodOutputs"].extend(resumed_step_output(self._flow, method_name))
@@ -122,7 +118,7 @@ class StorePersistence(FlowPersistence):  # type: ignore[misc]
     ) -> None:
         with self._lock:
             document = self._base(flow_uuid)
-            document.state = self._state_dict(state_data)
+            document.state = state_dict(state_data)
             if self._flow is not None:
                 document.runtime = snapshot_runtime(self._flow)
             document.feedback_count += 1

@@ -12,12 +12,19 @@ from typing import Any
 from crewai.flow.flow import Flow
 from crewai.flow.human_feedback import HumanFeedbackResult
 from crewai.utilities.serialization import to_serializable
+from pydantic import BaseModel
 
 from ..store import StateCorrupt
 
 
 def json_safe(value: Any) -> Any:
     return to_serializable(value, max_depth=0)
+
+
+def state_dict(state: Any) -> dict[str, Any]:
+    """A flow's state (a pydantic model or a dict) as the JSON-safe dict the state document keeps."""
+    data = state.model_dump(mode="json") if isinstance(state, BaseModel) else dict(state)
+    return dict(json_safe(data))
 
 
 def snapshot_runtime(flow: Flow[Any]) -> dict[str, Any]:

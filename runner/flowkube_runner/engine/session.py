@@ -21,7 +21,7 @@ from ..store import StateCorrupt, StateStore, StateTooLarge
 from .api import Ending, InvalidFlow, InvalidInputs, Turn
 from .definitions import import_flow_class, load_definition
 from .persistence import StorePersistence, install
-from .runtime import json_safe, restore_runtime
+from .runtime import json_safe, restore_runtime, state_dict
 from .state import StateDocument
 
 # What crewAI 1.15.30 raises (a ValueError) when kickoff inputs do not validate against a structured state.
@@ -148,10 +148,10 @@ class FlowSession:
         result = flow.resume(text)
         if isinstance(result, HumanFeedbackPending):
             return Ending(paused=True)
-        state = _dump(flow.state)
+        state = state_dict(flow.state)
         if not _replied(state):  # handle_turn makes a turn's result its reply; a resumed turn's is made here
             flow.append_assistant_message(render_output(result) or "")
-            state = _dump(flow.state)
+            state = state_dict(flow.state)
         held = self._persistence.document or document
         return self._answered(turn, self._persistence.commit(held.model_copy(update={"state": state}), turn=turn))
 
@@ -183,7 +183,7 @@ class FlowSession:
         flow = self._new_flow()
         state = flow.state
         session = str(getattr(state, "id", "") or flow.flow_id)
-        saved = self._persistence.commit(StateDocument(flow_id=session, state=_dump(state)), turn=0)
+        saved = self._persistence.commit(StateDocument(flow_id=session, state=state_dict(state)), turn=0)
         return self._answered(0, saved)
 
     def turn(self, document: StateDocument | None, turn: int, text: str) -> Ending:
@@ -219,11 +219,6 @@ class FlowSession:
         ended = bool(state.get("ended"))
         return Ending(paused=False, output=reply,
                       turn=Turn(session_id=document.flow_id, turn=turn, reply=reply, ended=ended))
-
-
-def _dump(state: Any) -> dict[str, Any]:
-    data = state.model_dump(mode="json") if isinstance(state, BaseModel) else dict(state)
-    return dict(json_safe(data))
 
 
 def _replied(state: dict[str, Any]) -> str | None:
