@@ -124,6 +124,8 @@ ENV_STATE_TOKEN_FILE = "FLOWKUBE_STATE_TOKEN_FILE"  # noqa: S105 - default STATE
 ENV_STATE_RETRY_SECONDS = "FLOWKUBE_STATE_RETRY_SECONDS"  # how long a runner waits out an operator restart
 ENV_FEEDBACK = "FLOWKUBE_FEEDBACK"  # JSON: {"requestId", "text", "timedOut", "outcome"}
 ENV_MESSAGE = "FLOWKUBE_MESSAGE"  # JSON: {"turn", "text", "sender"}: the conversation message this run answers
+# Seconds a conversation's runner pod stays up after a turn, waiting for the next message (0: it exits).
+ENV_KEEP_WARM_SECONDS = "FLOWKUBE_KEEP_WARM_SECONDS"
 ENV_PRIOR_TOTAL_TOKENS = "FLOWKUBE_PRIOR_TOTAL_TOKENS"
 ENV_PRIOR_COST = "FLOWKUBE_PRIOR_COST"  # USD spent by earlier runs, a decimal string ("0.0123")
 ENV_PRICES = "FLOWKUBE_PRICES"  # JSON: price overrides by model (flowkube_api.prices), set by the operator
@@ -140,6 +142,10 @@ STATE_AUDIENCE = "flowkube.io/state"
 STATE_TOKEN_DIR = "/var/run/secrets/flowkube.io/state"  # noqa: S105 - a path
 STATE_API_PREFIX = "/v1/state/"  # + key: GET and PUT of one binaryData key of the caller's Flow
 STATE_KEY_PATTERN = r"[-._a-zA-Z0-9]{1,253}"  # what a ConfigMap key may be
+# + the number of the last message the caller answered: a warm runner's long poll for the next one.
+MESSAGE_API_PREFIX = "/v1/message/"
+MESSAGE_POLL_SECONDS = 20  # the longest one long poll is held before "nothing yet" (204)
+DEFAULT_KEEP_WARM_SECONDS = 120  # spec.conversation.keepWarmSeconds when unset
 
 MESSAGE_LIMIT = 65536  # characters of one conversation message (status.conversation.inbox.text)
 MESSAGE_EXCERPT_LIMIT = 1024  # bytes kept of each message in status.conversation.messages[]

@@ -13,6 +13,7 @@ from pydantic import ConfigDict, Field, JsonValue
 from flowkube_api.base import Model, Money, Time
 from flowkube_api.constants import (
     DEFAULT_DISRUPTION_LIMIT,
+    DEFAULT_KEEP_WARM_SECONDS,
     MESSAGE_LIMIT,
     ConditionType,
     Phase,
@@ -101,6 +102,13 @@ class ConversationSpec(Model):
         default=None, ge=1, le=100000,
         description="The session ends (Succeeded, reason MaxTurnsReached) after this many answered messages.",
     )
+    keep_warm_seconds: int | None = Field(
+        default=None, ge=0, le=86400,
+        description="After a turn, the runner pod stays up this long waiting for the next message, and answers "
+        "it in the same process (a warm turn takes well under a second; a new pod pays Python's and crewAI's "
+        f"start-up, about ten seconds). 0: every message starts a new pod. Unset: {DEFAULT_KEEP_WARM_SECONDS}. "
+        "Waiting warm does not count toward activeDeadlineSeconds.",
+    )
 
 
 class Budget(Model):
@@ -185,6 +193,9 @@ class Run(Model):
     reason: str | None = None
     message: str | None = None
     usage: Usage | None = None
+    warm_seconds: float | None = Field(
+        default=None, description="Time the run's pod waited warm for a conversation's next message; "
+        "not counted toward activeDeadlineSeconds.")
 
 
 class PendingFeedback(FeedbackRequest):

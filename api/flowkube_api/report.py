@@ -126,6 +126,9 @@ class RunReport(Model):
     feedback_request: FeedbackRequest | None = None
     feedback_applied: FeedbackApplied | None = None
     conversation: TurnReport | None = None
+    # The pod answered its turn and stays up for the next message: the run goes on (a conversation's
+    # warm runner). The operator folds the turn in without ending the run.
+    warm: bool = False
     started_at: Time | None = None
     finished_at: Time | None = None
 

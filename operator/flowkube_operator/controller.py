@@ -155,6 +155,10 @@ class Controller:
         # with the process, harmlessly: the pod's final report is read again when the pod ends.
         self._late: dict[Key, dict[str, RunReport]] = {}
         self._pod_seen: dict[tuple[str, str], float] = {}  # (namespace, pod) -> monotonic time of its last event
+        # Warm reports (a conversation's pod answered a turn and waits for the next message) the state
+        # API took, not yet folded; None: a warm pod is waiting on a turn the status lacks, read its report.
+        self._warm: dict[Key, RunReport | None] = {}
+        self.on_flow_seen: Callable[[Key], None] = lambda key: None  # wakes the state API's long polls
         self.instance = socket.gethostname()
         self.leading = False  # workers run: this replica is the one status writer
         self.fence: Callable[[], bool] = lambda: True  # asked before every write (leader election)
@@ -172,6 +176,7 @@ class Controller:
             self.flows.pop(key, None)
             self.pods.pop(key, None)
             self._late.pop(key, None)
+            self._warm.pop(key, None)
             self._track_active(key, "", None)
             self._on_flow_change(key, None)
         else:
@@ -186,6 +191,7 @@ class Controller:
             self._track_active(key, meta.get("uid", ""), body)
             self._on_flow_change(key, body)
             self._enqueue(key)
+        self.on_flow_seen(key)
         selfmetrics.FLOWS_CACHED.set(len(self.flows))
 
     def pod_event(self, event_type: str, body: Body) -> None:
@@ -242,6 +248,45 @@ class Controller:
         if self.leading and key in self.flows:
             self._late.setdefault(key, {})[report.pod] = report
             self.queue.add(key)
+
+    def warm_report(self, namespace: str, flow: str, report: RunReport) -> bool:
+        """The state API stored the warm report of a Flow's running attempt: fold the turn in now.
+        False on a follower: the runner sends it again until the leader has it (a follower's hint
+        would be lost, and the turn shown only when the pod ends)."""
+        key = (namespace, flow)
+        if not self.leading:
+            return False
+        if key in self.flows:
+            self._warm[key] = report
+            self.queue.add(key)
+        return True
+
+    def message_for(self, namespace: str, flow: str, pod: str, after: int) -> tuple[int, Body | None]:
+        """A warm pod's long poll, from the cache: (200, the message after ``after``) once it is accepted
+        for this pod; (204, None) while there is none; (410, why) when none will come to this pod."""
+        key = (namespace, flow)
+        cached = self.flows.get(key)
+        if cached is None:
+            return 410, {"message": f"flow {namespace}/{flow} is gone"}
+        status = json.loads(cached[2]).get("status") or {}
+        runs = status.get("runs") or []
+        if not runs or runs[-1].get("pod") != pod or runs[-1].get("finishedAt"):
+            return 410, {"message": f"the run of pod {pod} is closed"}
+        conv = status.get("conversation") or {}
+        if conv.get("ended") or status.get("phase") in c.TERMINAL_PHASES:
+            return 410, {"message": "the conversation has ended"}
+        pending = conv.get("pending") or {}
+        if pending.get("turn") == after + 1:
+            return 200, {"turn": after + 1, "text": pending.get("text", ""), "sender": pending.get("sentBy")}
+        turns = int(conv.get("turns") or 0)
+        if turns > after:
+            return 410, {"message": f"message {after + 1} was answered already"}
+        if self.leading and (turns < after or not conv.get("sessionId")):
+            # The pod answered a turn the status does not show (the leader changed, or its hint was
+            # lost): read its report. Its polls repeat this until the turn is in.
+            self._warm.setdefault(key, None)
+            self.queue.add(key)
+        return 204, None
 
     # -- workers -------------------------------------------------------------------------------------
 
@@ -370,6 +415,11 @@ class Controller:
                     pods[active] = view
             if active in pods and pods[active].terminated:
                 report, checked = await self._load_report(ns, name, uid, active, pods[active]), True
+            elif active in pods and key in self._warm:
+                warm = self._warm[key]
+                if warm is None or warm.pod != active:
+                    warm = await self._load_report(ns, name, uid, active, None)
+                report, checked = warm, True
         if not self.settings.webhook_enabled:
             # Only the mutating webhook can vouch for who answered; without it the name is unknown.
             (((body.get("status") or {}).get("feedback") or {}).get("response") or {}).pop("respondedBy", None)
@@ -382,8 +432,11 @@ class Controller:
         if p.need_report and active is not None:
             report = await self._load_report(ns, name, uid, active, pods.get(active))
             p = plan(body, pods, report, backoff_cap=cap, report_checked=True, late=late)
+        hint = self._warm.get(key)
         await self._apply(key, body, p)
         self._forget_late(key, taken)
+        if key in self._warm and self._warm[key] is hint:
+            del self._warm[key]  # a newer one that came during the apply stays for the next reconcile
 
     def _forget_late(self, key: Key, folded: dict[str, RunReport]) -> None:
         """Drop the hints a reconcile folded in; one that arrived meanwhile (a newer report of the
@@ -448,6 +501,7 @@ class Controller:
                 body, index=intent.index, trigger=intent.trigger, settings=self.settings,
                 feedback=intent.feedback, message=intent.message, prior=intent.prior,
                 active_deadline_seconds=intent.active_deadline_seconds, state_ca=self.state_ca,
+                keep_warm_seconds=intent.keep_warm_seconds,
             )
             self._may_write()
             try:

@@ -117,7 +117,8 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     memo.tls = serving
     runtime = memo.runtime = Runtime()
     state_api = StateApi(lambda: runtime.kube, CONTROLLER.active_run,
-                         lambda t, report: CONTROLLER.late_report(t.namespace, t.flow, report))
+                         lambda t, report: CONTROLLER.late_report(t.namespace, t.flow, report), warm=CONTROLLER)
+    CONTROLLER.on_flow_seen = state_api.flow_changed
     CONTROLLER.on_flow_deleted = state_api.forget_flow
     if SETTINGS.webhook_enabled:
         settings.admission.server = webhook.FlowkubeWebhookServer(

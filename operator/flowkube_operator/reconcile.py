@@ -77,6 +77,7 @@ class RunIntent:
     prior: TokenUsage  # what the earlier runs used (the budget is the flow's)
     active_deadline_seconds: int | None
     message: Body | None = None  # the conversation message this run answers: {"turn", "text", "sender"}
+    keep_warm_seconds: int = 0  # a conversation's pod waits this long for its next message (see _keep_warm)
 
 
 @dataclass
@@ -210,6 +211,14 @@ class _Reconciler:
             self.plan.create_pod = self._intent(len(self.runs) - 1, run.trigger)
             self.st.phase = Phase.PENDING
             return
+        if pod is not None and not pod.terminated:
+            self._fold_warm(run)
+            if run.finished_at is not None:  # the session ended with the turn it folded
+                return
+            if self._waiting_warm(run):  # between two messages: it is the session's, not the deadline's, time
+                self.st.phase = Phase.AWAITING_MESSAGE
+                self._await_message(warm=run)
+                return
         final = None  # a pod gone without our seeing it end may have left its final report
         if pod is None:
             rep = self._report_of(run)
@@ -272,7 +281,9 @@ class _Reconciler:
             message = "the runner pod exceeded its activeDeadlineSeconds"
         elif rep is not None and rep.pod == run.pod:
             result = rep.result
-            if pod.exit_code not in (None, 0) and result != RunResult.FAILED:
+            if rep.warm:
+                pass  # its last word: every message it took is answered and saved, and it waited; then it was stopped
+            elif pod.exit_code not in (None, 0) and result != RunResult.FAILED:
                 result = RunResult.FAILED  # the process died after writing an optimistic report
             reason, message = rep.reason, rep.message
         else:
@@ -293,6 +304,8 @@ class _Reconciler:
 
     def _end_run(self, run: Run, rep: RunReport | None, result: RunResult, reason: Reason | str,
                  message: str, finished_at: dt.datetime | None = None) -> None:
+        if self._waiting_warm(run):
+            self._add_warm_wait(run, finished_at or self.now)
         run.result, run.reason, run.message = result, str(reason), excerpt(message, 1024)
         if rep is not None:
             run.usage = rep.usage  # every LLM call the run made counts, however it ended
@@ -447,8 +460,14 @@ class _Reconciler:
         """A conversation's run ended well: the session is open (turn 0) or a message is answered."""
         conv = self.conv = self.st.conversation = self.conv or ConversationStatus()
         opened = conv.session_id is None
+        if not opened and turn.turn <= conv.turns and not (turn.ended and not conv.ended):
+            # Reported again (a retry, or a warm pod's last word after the turn was folded from its
+            # warm report): nothing new. A message accepted since is answered by the next run.
+            if conv.pending is None:
+                self.st.phase = Phase.AWAITING_MESSAGE
+            return
         conv.session_id = turn.session_id
-        if turn.turn > conv.turns:  # the first report of this turn (a retry may report it again)
+        if turn.turn > conv.turns:  # the first report of this turn
             conv.turns = turn.turn
             conv.last_reply = excerpt(turn.reply or "")
             self._remember("assistant", turn.reply or "", turn.turn)
@@ -482,15 +501,20 @@ class _Reconciler:
                                       time=self.now, sender=sender)
         self.conv.messages = [*(self.conv.messages or []), message][-c.RECENT_MESSAGES:]
 
-    def _await_message(self) -> None:
+    def _await_message(self, warm: Run | None = None) -> None:
+        """Take the next message: a new run answers it, or the ``warm`` run whose pod waits for it
+        (it takes the message through the state API's long poll)."""
         conv = self.conv
         assert conv is not None
         if conv.pending is not None:
-            # Accepted, not answered, and no run is at it. A run that carried it and ended well without
-            # the reply would only do so again: say so rather than loop. Otherwise a new run answers it
-            # (the runner's state says whether it already was).
+            # Accepted, not answered, and no run is at it. A run started for it that ended well without
+            # the reply would only do so again: say so rather than loop. A warm pod that ended before it
+            # took the message (its window passed, it was stopped) did not start for it: a new run answers
+            # it (the runner's state says whether it already was).
             last = self.runs[-1] if self.runs else None
-            if last is not None and last.trigger != Trigger.KICKOFF:
+            came = conv.pending.sent_at.replace(microsecond=0) if conv.pending.sent_at else None
+            if last is not None and last.trigger != Trigger.KICKOFF and (
+                    came is None or last.started_at is None or last.started_at >= came):
                 self._terminal(Phase.FAILED, Reason.INTERNAL_ERROR,
                                f"run {last.pod} ended without answering message {conv.pending.turn}")
                 return
@@ -508,7 +532,11 @@ class _Reconciler:
                 self._remember("user", text, conv.pending.turn, sender=inbox.sent_by)
                 who = f" from {inbox.sent_by}" if inbox.sent_by else ""
                 self.plan.event(Reason.MESSAGE_RECEIVED, f"message {conv.pending.turn}{who} accepted")
-                self._start(Trigger.TURN)
+                if warm is None:
+                    self._start(Trigger.TURN)
+                else:
+                    self._add_warm_wait(warm, self.now)
+                    self.st.phase = Phase.RUNNING
                 return
         timeout = self.spec.conversation.idle_timeout_seconds if self.spec.conversation else None
         if timeout is None or conv.idle_since is None:
@@ -519,6 +547,52 @@ class _Reconciler:
             return
         self._end_conversation(Reason.CONVERSATION_IDLE, f"no message for conversation.idleTimeoutSeconds="
                                f"{timeout}; the session ended after {conv.turns} message(s)")
+        if warm is not None:
+            self._close_warm(warm, "the conversation ended while the pod waited warm")
+
+    # -- warm runners -------------------------------------------------------------------------------
+
+    def _fold_warm(self, run: Run) -> None:
+        """The active run's pod answered a turn and stays up for the next message: the turn is folded
+        in (reply, usage) and the run goes on."""
+        rep = self.report
+        if rep is None or rep.pod != run.pod or not rep.warm or rep.result != RunResult.SUCCEEDED \
+                or rep.conversation is None:
+            return
+        counted = run.usage or Usage()
+        if (rep.usage.successful_requests, rep.usage.total_tokens) >= (counted.successful_requests,
+                                                                        counted.total_tokens):
+            run.usage = rep.usage  # a run's reports are cumulative: every turn it answered so far
+        if rep.flow_id:
+            self.st.flow_id = rep.flow_id
+        conv = self.conv
+        if conv is not None and conv.session_id and rep.conversation.turn <= conv.turns:
+            return  # folded before
+        self._turn_done(rep.conversation.model_copy(), rep.output)
+        if self.st.phase in c.TERMINAL_PHASES:  # the session ended with that turn (maxTurns)
+            self._close_warm(run, f"run {run.pod} answered the conversation's last message")
+
+    def _waiting_warm(self, run: Run) -> bool:
+        """Is ``run`` (active) a warm pod between two messages? Only a warm run is active while the
+        session is open and no message is pending: a cold run always carries one."""
+        conv = self.conv
+        return (run.finished_at is None and conv is not None and bool(conv.session_id) and conv.pending is None
+                and not conv.ended and self.fb.request is None)
+
+    def _add_warm_wait(self, run: Run, until: dt.datetime) -> None:
+        since = self.conv.idle_since if self.conv is not None else None
+        if since is not None and until > since:
+            run.warm_seconds = round((run.warm_seconds or 0.0) + (until - since).total_seconds(), 3)
+
+    def _close_warm(self, run: Run, message: str) -> None:
+        """End a warm run the session no longer needs, and stop its pod."""
+        if self._waiting_warm(run):
+            self._add_warm_wait(run, self.now)
+        run.result, run.reason, run.message = RunResult.SUCCEEDED, str(Reason.RUN_SUCCEEDED), message
+        run.finished_at = self.now
+        pod = self.pods.get(run.pod)
+        if pod is not None and not pod.terminated and not pod.deleting:
+            self.plan.delete_pods.append(run.pod)
 
     def _refuse_untimely_message(self) -> None:
         """A message that arrived while the flow could not take one (checked against the phase it had
@@ -562,9 +636,24 @@ class _Reconciler:
         pending = self.conv.pending if self.conv is not None else None
         if pending is not None and trigger != Trigger.KICKOFF:
             message = {"turn": pending.turn, "text": pending.text, "sender": pending.sent_by}
+        keep_warm = self._keep_warm()
         return RunIntent(index=index, trigger=trigger, feedback=feedback,
                          prior=total_usage(self.runs[:index]).totals(),
-                         active_deadline_seconds=left, message=message)
+                         active_deadline_seconds=left, message=message, keep_warm_seconds=keep_warm)
+
+    def _keep_warm(self) -> int:
+        """How long a run's pod may wait warm for a conversation's next message: for a Flow known to be
+        a conversation (an inline ``conversational`` block, a session open, or ``spec.conversation``)."""
+        conv_spec = self.spec.conversation
+        definition = self.spec.definition
+        block = (definition.model_extra or {}).get("conversational") if definition is not None else None
+        known = (conv_spec is not None or (self.conv is not None and bool(self.conv.session_id))
+                 or (isinstance(block, dict) and block.get("enabled", True) is not False))
+        if not known:
+            return 0
+        if conv_spec is not None and conv_spec.keep_warm_seconds is not None:
+            return conv_spec.keep_warm_seconds
+        return c.DEFAULT_KEEP_WARM_SECONDS
 
     # -- endings ------------------------------------------------------------------------------------
 
@@ -637,12 +726,12 @@ def budget_spent(spec: FlowSpec, usage: Usage) -> str | None:
 
 
 def running_seconds(runs: list[Run], now: dt.datetime) -> float:
-    """Time runner pods existed: waiting for feedback or in retry backoff does not count."""
+    """Time runner pods existed: waiting for feedback, in retry backoff, or warm for a message does not count."""
     spent = 0.0
     for r in runs:
         start = r.started_at
         if start is not None:
-            spent += ((r.finished_at or now) - start).total_seconds()
+            spent += ((r.finished_at or now) - start).total_seconds() - (r.warm_seconds or 0.0)
     return spent
 
 

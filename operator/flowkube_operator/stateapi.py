@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -29,7 +30,7 @@ import ssl
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 from pydantic import ValidationError
@@ -115,6 +116,14 @@ def target_of_pod(pod: Body) -> Target | None:
 ActiveRun = Callable[[str, str], tuple[str, str, str] | None]
 
 
+class WarmRuns(Protocol):
+    """The controller's side of warm conversation runners (see ``Controller``)."""
+
+    def warm_report(self, namespace: str, flow: str, report: RunReport) -> bool: ...
+
+    def message_for(self, namespace: str, flow: str, pod: str, after: int) -> tuple[int, Body | None]: ...
+
+
 def claims(token: str) -> dict[str, Any]:
     """The JWT's payload, unverified: only to turn junk away before a TokenReview is spent on it."""
     try:
@@ -136,10 +145,13 @@ def plausible(token: str) -> bool:
 
 class StateApi:
     def __init__(self, kube: Callable[[], Kube | None], active_run: ActiveRun,
-                 on_late_report: Callable[[Target, RunReport], None] = lambda t, r: None) -> None:
+                 on_late_report: Callable[[Target, RunReport], None] = lambda t, r: None,
+                 warm: WarmRuns | None = None) -> None:
         self._kube = kube
         self._active_run = active_run
         self._on_late_report = on_late_report
+        self._warm = warm
+        self._changed: dict[tuple[str, str], asyncio.Event] = {}  # (namespace, flow) -> set when it changes
         self._tokens: dict[str, tuple[float, Target | StateError]] = {}  # sha256(token) -> (until, outcome)
         self._cm_uids: dict[str, str] = {}  # Flow uid -> uid of its state ConfigMap
         self._reviews = asyncio.Semaphore(REVIEW_CONCURRENCY)
@@ -292,15 +304,49 @@ class StateApi:
                 raise
         raise StateError(409, f"configmap {c.state_configmap_name(t.flow)} keeps changing owner; retry")
 
+    # -- a warm runner's next message ----------------------------------------------------------------
+
+    def flow_changed(self, key: tuple[str, str]) -> None:
+        """The controller saw the Flow change: wake the long polls waiting on it."""
+        event = self._changed.pop(key, None)
+        if event is not None:
+            event.set()
+
+    async def _message(self, request: web.Request, t: Target, after_text: str) -> web.Response:
+        """``GET /v1/message/<after>``: held until message ``after + 1`` is accepted for this pod (200,
+        ``{"turn", "text", "sender"}``), for at most ``?wait=`` seconds (204), or 410 when none will come."""
+        if self._warm is None:
+            return _error(404, "this operator serves no warm runners")
+        if not after_text.isdigit():
+            return _error(400, "the path ends with the number of the last message answered")
+        after = int(after_text)
+        try:
+            wait = min(max(float(request.query.get("wait", c.MESSAGE_POLL_SECONDS)), 0.0), c.MESSAGE_POLL_SECONDS)
+        except ValueError:
+            return _error(400, "wait must be a number of seconds")
+        deadline = time.monotonic() + wait
+        key = (t.namespace, t.flow)
+        while True:
+            code, body = self._warm.message_for(t.namespace, t.flow, t.pod, after)
+            if code != 204:
+                return web.json_response(body, status=code)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return web.Response(status=204)
+            changed = self._changed.setdefault(key, asyncio.Event())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), left)
+
     # -- HTTP ----------------------------------------------------------------------------------------
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=BODY_LIMIT)
         app.router.add_get(c.STATE_API_PREFIX + "{key}", self._handle(self._get))
         app.router.add_put(c.STATE_API_PREFIX + "{key}", self._handle(self._put))
+        app.router.add_get(c.MESSAGE_API_PREFIX + "{key}", self._handle(self._message, state_key=False))
         return app
 
-    def _handle(self, fn: Callable[[web.Request, Target, str], Awaitable[web.Response]]
+    def _handle(self, fn: Callable[[web.Request, Target, str], Awaitable[web.Response]], state_key: bool = True,
                 ) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def handler(request: web.Request) -> web.Response:
             code = 500
@@ -309,9 +355,12 @@ class StateApi:
                 if not KEY_PATTERN.fullmatch(key):
                     raise StateError(400, "invalid key")
                 target = await self.authenticate(request.headers.get("Authorization", ""))
-                if key not in (c.STATE_KEY, c.report_key(target.pod)):
+                if not state_key:
+                    if target.late:
+                        raise StateError(410, f"the run of pod {target.pod} was closed: no message will come")
+                elif key not in (c.STATE_KEY, c.report_key(target.pod)):
                     raise StateError(403, f"a run may use only {c.STATE_KEY} and its own report key")
-                if target.late and (key != c.report_key(target.pod) or request.method != "PUT"):
+                elif target.late and (key != c.report_key(target.pod) or request.method != "PUT"):
                     raise StateError(403, f"the run of pod {target.pod} was closed: only its own report "
                                           "may still be written")
                 response = await fn(request, target, key)
@@ -358,6 +407,13 @@ class StateApi:
         await self.put(t, key, value)
         if report is not None and t.late:
             self._on_late_report(t, report)
+        elif report is not None and report.warm and self._warm is not None \
+                and not self._warm.warm_report(t.namespace, t.flow, report):
+            # Stored, but this replica does not reconcile: the runner sends it again, on a new
+            # connection (so, through the Service, likely to another replica), until the leader has it.
+            response = _error(503, "this operator replica does not reconcile; send the turn's report again")
+            response.headers["Connection"] = "close"
+            return response
         return web.Response(status=204)
 
     async def serve(self, host: str, port: int, cert: str, key: str) -> web.AppRunner:

@@ -26,7 +26,7 @@ from flowkube_api.report import RunReport
 
 from .config import ConfigError, RunnerConfig
 from .run import execute, publish
-from .store import FileStore, StateApiStore, StateStore, StoreError
+from .store import FileStore, StateApiStore, StoreError
 
 log = logging.getLogger("flowkube_runner")
 
@@ -120,7 +120,7 @@ def run_from_environment() -> int:
         publish(failed, None, RunnerConfig.termination_log_from_env())
         return c.EXIT_PERMANENT
 
-    store: StateStore | None = None
+    store: FileStore | StateApiStore | None = None
     try:
         store = FileStore(config.state_dir) if config.state_dir else StateApiStore.from_environment()
     except StoreError as e:
@@ -136,7 +136,7 @@ def run_from_environment() -> int:
             finished_at=datetime.now(UTC),
         )
     else:
-        report = execute(config, store, started_at=started_at, stop=stop)
+        report = execute(config, store, started_at=started_at, stop=stop, inbox=store)
     publish(report, store, config.termination_log)
     log.info("run ended: %s %s (exit %d)", report.result, report.reason, report.exit_code)
     return report.exit_code

@@ -85,6 +85,7 @@ class RunnerConfig:
     prices: dict[str, ModelPrice] = field(default_factory=dict)
     termination_log: Path = DEFAULT_TERMINATION_LOG
     state_dir: Path | None = None
+    keep_warm_seconds: float = 0.0  # a conversation's pod waits this long for its next message
 
     @staticmethod
     def termination_log_from_env(env: Mapping[str, str] | None = None) -> Path:
@@ -125,6 +126,10 @@ class RunnerConfig:
         except ValueError as e:
             raise ConfigError(c.Reason.INTERNAL_ERROR, f"{c.ENV_PRICES}: {e}") from e
         state_dir = env.get(ENV_STATE_DIR, "").strip()
+        try:
+            keep_warm = max(0.0, float(env.get(c.ENV_KEEP_WARM_SECONDS, "0") or "0"))
+        except ValueError as e:
+            raise ConfigError(c.Reason.INTERNAL_ERROR, f"{c.ENV_KEEP_WARM_SECONDS}: {e}") from e
         return cls(
             flow=flow,
             namespace=env.get(c.ENV_NAMESPACE, "").strip() or "default",
@@ -138,6 +143,7 @@ class RunnerConfig:
             prices=prices,
             termination_log=cls.termination_log_from_env(env),
             state_dir=Path(state_dir) if state_dir else None,
+            keep_warm_seconds=keep_warm,
         )
 
 

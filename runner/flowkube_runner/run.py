@@ -9,21 +9,25 @@ imports them (and with them crewAI, seconds of imports) only when it starts.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
 
 from flowkube_api import constants as c
 from flowkube_api.report import FeedbackApplied, FeedbackRequest, RunReport, TurnReport, Usage, excerpt
 
-from .config import RunnerConfig
+from .config import Message, RunnerConfig
 from .engine.api import Ending, InvalidFlow, InvalidInputs
 from .engine.pricing import Pricer
 from .engine.state import StateDocument
-from .store import StateCorrupt, StateStore, StateTooLarge, StoreError
+from .store import Inbox, MessageGone, StateCorrupt, StateStore, StateTooLarge, StoreError
 
 if TYPE_CHECKING:
     from .engine.session import FlowSession
@@ -125,14 +129,12 @@ class InterimReport:
 
 
 class _Run:
-    def __init__(
-        self, config: RunnerConfig, store: StateStore, interim: InterimReport, stop: threading.Event | None
-    ) -> None:
+    def __init__(self, config: RunnerConfig, store: StateStore, stop: threading.Event | None) -> None:
         from .engine.usage import UsageRecorder  # crewAI loads here, when the run starts
 
         self.config = config
         self.store = store
-        self.interim = interim
+        self.interim: InterimReport | None = None  # the current step's (see _attempt)
         self.stop = stop
         self.recorder: UsageRecorder = UsageRecorder(
             prior_total_tokens=config.prior_total_tokens,
@@ -147,7 +149,8 @@ class _Run:
         self.feedback_applied: FeedbackApplied | None = None
 
     def _after_model_call(self, recorder: UsageRecorder) -> None:
-        self.interim.update(recorder.recorded, self.flow_id())
+        if self.interim is not None:
+            self.interim.update(recorder.recorded, self.flow_id())
 
     def flow_id(self) -> str | None:
         return self.session.flow_id() if self.session is not None else None
@@ -221,6 +224,17 @@ class _Run:
                 return Ending(paused=True)  # paused is where the earlier run ended: report it again
             return self.resume(session, document)
         return session.turn(document, message.turn, message.text)
+
+    def next_turn(self) -> Ending:
+        """A warm turn: the next message (``config.message``), in this process, on the same session."""
+        session = self.session
+        if session is None:
+            raise RuntimeError("a warm turn before the run's first")
+        self.feedback_applied = None
+        if self.stop is not None and self.stop.is_set():
+            raise RunFailure(c.Reason.RUN_INTERRUPTED, STOPPED_MESSAGE, permanent=False)
+        with self.recorder.recording():
+            return self.converse(session, session.document)
 
     # --- the whole run ---
 
@@ -302,24 +316,47 @@ def execute(
     *,
     started_at: datetime | None = None,
     stop: threading.Event | None = None,
+    inbox: Inbox | None = None,
 ) -> RunReport:
     """``stop``, once set (the process got SIGTERM), lets the model call in flight finish and starts
-    no new one; the run then ends ``RunInterrupted`` with a retryable exit code."""
-    started_at = started_at or datetime.now(UTC)
-    report = RunReport(
+    no new one; the run then ends ``RunInterrupted`` with a retryable exit code.
+
+    With an ``inbox`` and ``config.keep_warm_seconds``, a conversation's run that answered its turn
+    stays: it publishes the turn (a ``warm`` report), waits for the next message and answers it in
+    this process with the same Flow instance, until the window passes with no message."""
+    template = RunReport(
         pod=config.pod,
         flow=config.flow,
         trigger=config.trigger,
         result=c.RunResult.FAILED,
         reason=c.Reason.INTERNAL_ERROR,
         exit_code=c.EXIT_RETRYABLE,
-        started_at=started_at,
+        started_at=started_at or datetime.now(UTC),
     )
-    run: _Run | None = None
-    interim = InterimReport(store, report)
     try:
-        run = _Run(config, store, interim, stop)
-        ending = run.drive()
+        run = _Run(config, store, stop)
+    except BaseException as error:
+        if isinstance(error, KeyboardInterrupt | SystemExit):
+            raise
+        return _attempt(template, None, error)
+    report = _attempt(template, run, run.drive)
+    if inbox is not None and config.keep_warm_seconds > 0:
+        report = _stay_warm(run, template, report, inbox)
+    return report
+
+
+def _attempt(template: RunReport, run: _Run | None, step: Callable[[], Ending] | BaseException) -> RunReport:
+    """One step of a run (its first, or a warm turn) as a report: ``execute`` never raises."""
+    report = template.model_copy()
+    interim = InterimReport(run.store, report) if run is not None else None
+    if run is not None and interim is not None:
+        run.interim = interim
+    try:
+        if isinstance(step, BaseException):
+            raise step
+        if run is None:
+            raise RuntimeError("no run to step")
+        ending = step()
         usage = run.recorder.usage()
         if run.recorder.exceeded:
             raise _permanent(c.Reason.BUDGET_EXCEEDED, run.recorder.budget_message())
@@ -338,12 +375,87 @@ def execute(
         report.message = str(failure)
         report.exit_code = c.EXIT_PERMANENT if failure.permanent else c.EXIT_RETRYABLE
     finally:
-        interim.close()  # from here on only the final report may be written under this run's key
+        if interim is not None:
+            interim.close()  # from here on only the final report may be written under this run's key
     if run is not None:
         report.feedback_applied = run.feedback_applied
         report.flow_id = run.flow_id()
     report.finished_at = datetime.now(UTC)
     return report
+
+
+def _stay_warm(run: _Run, template: RunReport, report: RunReport, inbox: Inbox) -> RunReport:
+    """Answer the conversation's next messages in this process while they come within the window."""
+    while _answered_and_open(report) and not (run.stop is not None and run.stop.is_set()):
+        assert report.conversation is not None
+        answered = report.conversation.turn
+        try:
+            run.store.put(c.report_key(report.pod), report.model_copy(update={"warm": True}).encode())
+        except Exception as e:
+            log.warning("could not say the turn is done (%s); the pod ends and the next message starts another", e)
+            return report
+        log.info("message %d answered; waiting up to %.0fs for the next", answered, run.config.keep_warm_seconds)
+        message = _wait_for_message(inbox, answered, run.config.keep_warm_seconds, run.stop)
+        if message is None:
+            return report
+        log.info("message %d taken (warm)", message.turn)
+        run.config = dataclasses.replace(run.config, message=message)
+        report = _attempt(template, run, run.next_turn)
+    return report
+
+
+def _poll(inbox: Inbox, after: int, wait: float) -> tuple[threading.Event, list[Any]]:
+    """One long poll in its own thread: (set when it answered, [its answer or exception])."""
+    done, box = threading.Event(), list[Any]()
+
+    def poll() -> None:
+        try:
+            box.append(inbox.next_message(after, wait))
+        except BaseException as e:  # handed to the waiting thread
+            box.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=poll, daemon=True, name="message-poll").start()
+    return done, box
+
+
+def _answered_and_open(report: RunReport) -> bool:
+    turn = report.conversation
+    return (report.result == c.RunResult.SUCCEEDED and report.exit_code == c.EXIT_OK
+            and turn is not None and not turn.ended)
+
+
+def _wait_for_message(inbox: Inbox, after: int, window: float, stop: threading.Event | None) -> Message | None:
+    """Message ``after + 1``, or None when the window passed, the operator said none will come, or
+    the pod is being stopped (SIGTERM ends the wait at once: each poll runs in its own thread)."""
+    deadline = time.monotonic() + window
+    stopping = stop or threading.Event()
+    while not stopping.is_set():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        done, box = _poll(inbox, after, min(float(c.MESSAGE_POLL_SECONDS), left))
+        while not done.wait(0.2):  # SIGTERM sets `stop`, which cannot wake a wait on `done`: look every 0.2 s
+            if stopping.is_set():
+                return None
+        found = box[0] if box else None
+        if isinstance(found, MessageGone):
+            log.info("no more messages for this pod: %s", found)
+            return None
+        if isinstance(found, BaseException):
+            log.warning("waiting for the next message failed; the pod ends (the next message starts another): %s",
+                        found)
+            return None
+        if found is not None:
+            try:
+                message = Message.model_validate(found)
+            except ValidationError as e:
+                log.warning("the operator sent an unreadable message: %s", e)
+                return None
+            if message.turn == after + 1:
+                return message
+    return None
 
 
 def _record_ending(report: RunReport, ending: Ending, run: _Run) -> None:

@@ -52,6 +52,19 @@ class StateStore(Protocol):
     def put(self, key: str, value: bytes) -> None: ...
 
 
+class MessageGone(Exception):
+    """No message will come to this pod: its run was closed, or the conversation ended."""
+
+
+class Inbox(Protocol):
+    """Where a warm conversation runner waits for the message after the one it answered last."""
+
+    def next_message(self, after: int, wait: float) -> dict[str, Any] | None:
+        """Message ``after + 1`` as ``{"turn", "text", "sender"}``, or None if none came within about
+        ``wait`` seconds. Raises ``MessageGone``."""
+        ...
+
+
 def encode_json(document: Any, limit: int = STATE_LIMIT) -> bytes:
     """gzip JSON, refusing (not truncating) anything over ``limit`` compressed bytes."""
     data = gzip.compress(json.dumps(document, separators=(",", ":")).encode("utf-8"), mtime=0)
@@ -84,6 +97,21 @@ class FileStore:
             return self._path(key).read_bytes()
         except FileNotFoundError:
             return None
+
+    def next_message(self, after: int, wait: float) -> dict[str, Any] | None:
+        """Development only: the next message of a warm conversation is the file
+        ``message.<after + 1>.json`` (``{"turn", "text"}``) that someone writes into the directory."""
+        path = self.directory / f"message.{after + 1}.json"
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                found = json.loads(path.read_text())
+                return found if isinstance(found, dict) else None
+            except (FileNotFoundError, ValueError):  # not there yet, or being written
+                pass
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)  # a file has no long poll: look 20 times a second
 
     def put(self, key: str, value: bytes) -> None:
         target = self._path(key)
@@ -165,6 +193,26 @@ class StateApiStore:
             raise StateTooLarge(len(value), STATE_LIMIT)
         if response.status_code not in (200, 204):
             raise StoreError(f"PUT state {key}: {_status_text(response)}")
+
+    def next_message(self, after: int, wait: float) -> dict[str, Any] | None:
+        """The operator's long poll: it answers as soon as the message is accepted for this pod. An
+        operator that is away (a restart, a rollout) is waited out: the window goes on."""
+        try:
+            response = self._client.get(f"{c.MESSAGE_API_PREFIX}{after}", params={"wait": f"{wait:.1f}"},
+                                        timeout=wait + 15.0)
+        except (httpx.TransportError, OSError):
+            time.sleep(min(1.0, wait))  # the operator is away: ask again in a moment
+            return None
+        code = response.status_code
+        if code == 200:
+            found = response.json()
+            return found if isinstance(found, dict) else None
+        if code == 204:
+            return None
+        if code >= 500 or code == 429:
+            time.sleep(min(1.0, wait))
+            return None
+        raise MessageGone(_status_text(response))
 
 
 def _status_text(response: httpx.Response) -> str:

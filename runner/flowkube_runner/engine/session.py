@@ -42,6 +42,9 @@ class FlowSession:
         self._definition: FlowDefinition | None = None
         self._flow_class: Any = None
         self._flow: Flow[Any] | None = None
+        # The instance that holds the conversation in this process: a warm runner answers each next
+        # message with it (crewAI keeps one instance per session; a new one per turn costs its build).
+        self._conversing: Flow[Any] | None = None
 
     # --- what the run reads back ---
 
@@ -180,7 +183,7 @@ class FlowSession:
         """Start the session: its id and empty transcript are saved before any message is taken."""
         if document is not None:  # opened before (this is a retry): the session stands
             return self._answered(document.conversation_turn or 0, document)
-        flow = self._new_flow()
+        flow = self._conversing = self._new_flow()
         state = flow.state
         session = str(getattr(state, "id", "") or flow.flow_id)
         saved = self._persistence.commit(StateDocument(flow_id=session, state=state_dict(state)), turn=0)
@@ -200,7 +203,12 @@ class FlowSession:
             state["ended"] = True
             return self._answered(turn, self._persistence.commit(document.model_copy(update={"state": state}),
                                                                  turn=turn))
-        flow = self._new_flow()
+        flow = self._conversing
+        if flow is None:
+            flow = self._conversing = self._new_flow()
+        else:
+            self._persistence.attach(flow)
+            self._flow = flow
         self._persistence.hold()
         result = flow.handle_turn(text, session_id=document.flow_id)
         if isinstance(result, HumanFeedbackPending):

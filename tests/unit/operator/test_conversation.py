@@ -198,3 +198,118 @@ def test_a_patch_of_both_inboxes_is_checked_for_both() -> None:
                   "feedback": {"response": {"text": "approved"}}}
     problem = review_status_write({"status": body["status"]}, {"status": new_status}, by_operator=False)
     assert problem is not None and "no feedback request is pending" in problem
+
+
+# -- warm runners: the pod that answered a turn stays up for the next message ----------------------
+
+
+def warm(name: str, turn: int, reply: str | None = None, ended: bool = False,
+         trigger: Trigger = Trigger.KICKOFF) -> RunReport:
+    return turn_report(name, turn, reply, ended, trigger=trigger).model_copy(update={"warm": True})
+
+
+def warm_opened(conversation: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
+    body = flow(conversation={"keepWarmSeconds": 60, **(conversation or {})}, **spec)
+    p = step(body)
+    assert p.create_pod is not None and p.create_pod.keep_warm_seconds == 60
+    step(body, pod("f-0", "Running"), warm("f-0", 0), at=1)
+    return body
+
+
+def test_a_warm_pod_answers_message_after_message_in_one_run() -> None:
+    body = warm_opened(activeDeadlineSeconds=100)
+    st = body["status"]
+    assert st["phase"] == Phase.AWAITING_MESSAGE and st["conversation"]["sessionId"] == "s1"
+    assert "finishedAt" not in st["runs"][0], "the pod waits warm: its run goes on"
+    # A message is taken by the waiting pod (the state API's long poll), not by a new pod.
+    body["status"]["conversation"]["inbox"] = {"text": "hi", "sentBy": "ana"}
+    p = step(body, pod("f-0", "Running"), at=31)
+    assert p.create_pod is None and len(body["status"]["runs"]) == 1
+    assert body["status"]["phase"] == Phase.RUNNING and body["status"]["conversation"]["pending"]["turn"] == 1
+    assert body["status"]["runs"][0]["warmSeconds"] == 30.0
+    # Its turn is folded in when it says so, and it waits again.
+    step(body, pod("f-0", "Running"), warm("f-0", 1, "hello Ana"), at=32)
+    st = body["status"]
+    assert st["phase"] == Phase.AWAITING_MESSAGE and st["conversation"]["turns"] == 1
+    assert st["conversation"]["lastReply"] == "hello Ana" and "pending" not in st["conversation"]
+    assert st["usage"]["totalTokens"] == 25 and "finishedAt" not in st["runs"][0]
+    # The same report again (a restart, a resent hint) changes nothing.
+    again = step(body, pod("f-0", "Running"), warm("f-0", 1, "hello Ana"), at=33)
+    assert again.events == [] and body["status"]["conversation"]["turns"] == 1
+    # Waiting is not working: 200 s warm does not reach activeDeadlineSeconds=100.
+    p = step(body, pod("f-0", "Running"), at=233)
+    assert p.delete_pods == [] and body["status"]["phase"] == Phase.AWAITING_MESSAGE
+
+
+def test_the_window_passing_ends_the_run_well_and_a_message_then_starts_a_new_pod() -> None:
+    body = warm_opened()
+    ended = turn_report("f-0", 0, trigger=Trigger.KICKOFF)  # its last word, not warm any more
+    step(body, pod("f-0", "Succeeded", exit_code=0, at=1), ended, at=70)
+    run = body["status"]["runs"][0]
+    assert run["result"] == RunResult.SUCCEEDED and body["status"]["phase"] == Phase.AWAITING_MESSAGE
+    assert run["warmSeconds"] > 0
+    p = send(body, "hello", at=80)
+    assert p.create_pod is not None and p.create_pod.trigger == Trigger.TURN and p.create_pod.index == 1
+
+
+def test_a_message_accepted_as_the_window_closed_goes_to_a_new_pod_not_lost() -> None:
+    body = warm_opened()
+    body["status"]["conversation"]["inbox"] = {"text": "late", "sentBy": "ana"}
+    step(body, pod("f-0", "Running"), at=60)  # accepted for the warm pod...
+    assert body["status"]["conversation"]["pending"]["turn"] == 1
+    # ...which ended without taking it.
+    p = step(body, pod("f-0", "Succeeded", exit_code=0, at=1), turn_report("f-0", 0, trigger=Trigger.KICKOFF),
+             at=61)
+    assert p.create_pod is not None and p.create_pod.message == {"turn": 1, "text": "late", "sender": "ana"}
+    assert body["status"]["phase"] == Phase.PENDING
+
+
+def test_a_warm_pod_killed_while_it_waits_is_no_failure() -> None:
+    body = warm_opened({"idleTimeoutSeconds": 600})
+    step(body, pod("f-0", "Running"), warm("f-0", 1, "one"), at=5)
+    killed = pod("f-0", "Failed", exit_code=137, at=1)
+    p = step(body, killed, warm("f-0", 1, "one"), at=20)
+    run = body["status"]["runs"][0]
+    assert run["result"] == RunResult.SUCCEEDED and p.create_pod is None
+    assert body["status"]["phase"] == Phase.AWAITING_MESSAGE
+    # Gone without a trace in the cache (deleted while no one watched): the same.
+    body = warm_opened()
+    step(body, {}, warm("f-0", 0), at=20)
+    assert body["status"]["runs"][0]["result"] == RunResult.SUCCEEDED
+    assert body["status"]["phase"] == Phase.AWAITING_MESSAGE
+
+
+def test_idle_timeout_and_max_turns_close_the_warm_run_and_stop_its_pod() -> None:
+    body = warm_opened({"idleTimeoutSeconds": 30})
+    p = step(body, pod("f-0", "Running"), at=40)
+    assert body["status"]["phase"] == Phase.SUCCEEDED and p.delete_pods == ["f-0"]
+    assert body["status"]["runs"][0]["result"] == RunResult.SUCCEEDED
+    assert cond(body, "Succeeded")["reason"] == Reason.CONVERSATION_IDLE
+
+    body = warm_opened({"maxTurns": 1})
+    body["status"]["conversation"]["inbox"] = {"text": "only one"}
+    step(body, pod("f-0", "Running"), at=2)
+    p = step(body, pod("f-0", "Running"), warm("f-0", 1, "the one answer"), at=3)
+    assert body["status"]["phase"] == Phase.SUCCEEDED and p.delete_pods == ["f-0"]
+    assert cond(body, "Succeeded")["reason"] == Reason.MAX_TURNS_REACHED
+
+
+def test_a_warm_pod_killed_mid_turn_hands_its_message_to_a_retry() -> None:
+    body = warm_opened(retries={"limit": 1, "backoffSeconds": 0})
+    body["status"]["conversation"]["inbox"] = {"text": "question"}
+    step(body, pod("f-0", "Running"), at=2)
+    mid = report("f-0", RunResult.FAILED, reason=Reason.RUN_INTERRUPTED, exit_code=3, usage=usage(30, 5))
+    p = step(body, pod("f-0", "Failed", exit_code=137, at=1), mid, at=10)
+    assert p.create_pod is not None and p.create_pod.message is not None and p.create_pod.message["turn"] == 1
+    assert body["status"]["usage"]["totalTokens"] == 35, "what the killed pod reported counts"
+
+
+def test_cold_conversations_and_plain_flows_never_wait_warm() -> None:
+    p = step(flow(conversation={"keepWarmSeconds": 0}))
+    assert p.create_pod is not None and p.create_pod.keep_warm_seconds == 0
+    p = step(flow())  # a flowRef not yet known to be a conversation
+    assert p.create_pod is not None and p.create_pod.keep_warm_seconds == 0
+    inline = flow(definition={"name": "chat", "conversational": {"enabled": True}})
+    del inline["spec"]["flowRef"]
+    p = step(inline)
+    assert p.create_pod is not None and p.create_pod.keep_warm_seconds == 120

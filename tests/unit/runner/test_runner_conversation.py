@@ -7,12 +7,15 @@ from the state and answers it with crewAI's ``handle_turn``. Usage is compared w
 from __future__ import annotations
 
 import json
+import signal
+import time
 from typing import Any
 
 import pytest
 
 from flowkube_api import constants as c
 from flowkube_api.report import RunReport, TurnReport
+from flowkube_devstack.cluster import wait_for
 from flowkube_devstack.stubmodel import Rules, StubModel, ledger_usage
 
 from .test_runner_flows import MODEL, Finished, Harness, harness, kill_during_held_call, stub, succeeded
@@ -188,3 +191,80 @@ def test_the_routers_end_route_ends_the_session(harness: Harness, stub: StubMode
     succeeded(harness.run(c.Trigger.KICKOFF, SPEC))
     ended = answered(say(harness, 1, "thanks, that is all"), 1)
     assert ended.ended and ended.reply == "Conversation ended."  # crewAI's built-in end_conversation
+
+
+# -- warm: one process answers message after message ------------------------------------------------
+
+
+def warm_report(harness: Harness, pod: str, turn: int, timeout: float = 120) -> RunReport:
+    """Wait (with a deadline) until the pod says it answered ``turn`` and waits for the next message."""
+    found: list[RunReport] = []
+
+    def ready() -> bool:
+        data = harness.store.get(c.report_key(pod))
+        report = RunReport.decode(data) if data else None
+        if report is not None and report.warm and report.conversation is not None \
+                and report.conversation.turn == turn:
+            found.append(report)
+            return True
+        return False
+
+    wait_for(ready, timeout, f"{pod} to answer message {turn} and wait warm", interval=0.01)
+    return found[-1]
+
+
+def send_file(harness: Harness, turn: int, text: str) -> None:
+    """What the operator's long poll hands a warm pod; the file store's stand-in is a file."""
+    path = harness.state_dir / f"message.{turn}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"turn": turn, "text": text}))
+    tmp.replace(path)
+
+
+def test_a_warm_runner_answers_each_message_in_the_same_process(harness: Harness, stub: StubModel) -> None:
+    stub.set_rules(Rules.from_json(CHAT_RULES))
+    pod, proc = harness.spawn(c.Trigger.KICKOFF, SPEC, extra_env={c.ENV_KEEP_WARM_SECONDS: "30"})
+    try:
+        opened = warm_report(harness, pod, 0)
+        assert proc.poll() is None, "the pod stays up after opening the session"
+        seconds = []
+        for turn, (text, reply) in enumerate([("Hi, my name is Ana", "Nice to meet you."),
+                                              ("What is my name?", "Your name is Ana."),
+                                              ("I want a refund", "Refund started")], start=1):
+            started = time.perf_counter()
+            send_file(harness, turn, text)
+            report = warm_report(harness, pod, turn)
+            seconds.append(time.perf_counter() - started)
+            assert report.conversation is not None and report.conversation.reply == reply
+            assert report.conversation.session_id == opened.conversation.session_id  # type: ignore[union-attr]
+            assert proc.poll() is None
+        print(f"\nwarm turns in one process: {', '.join(f'{s * 1000:.0f} ms' for s in seconds)}")
+        # Each user message is once in the transcript, in order; usage is cumulative and exact.
+        users = [text for role, text in transcript(harness) if role == "user"]
+        assert users == ["Hi, my name is Ana", "What is my name?", "I want a refund"]
+        assert report.usage.totals() == ledger_usage(stub.ledger()).totals()
+        # An exit command ends the session, and the pod with it (no more waiting).
+        send_file(harness, 4, "exit")
+        run = harness.finish(pod, proc, timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    final = answered(run, 4)
+    assert final.ended and not run.report.warm  # type: ignore[union-attr]
+    assert run.report.usage.totals() == ledger_usage(stub.ledger()).totals()  # type: ignore[union-attr]
+
+
+def test_a_warm_runner_exits_when_its_window_passes_or_it_is_stopped(harness: Harness, stub: StubModel) -> None:
+    stub.set_rules(Rules.from_json(CHAT_RULES))
+    pod, proc = harness.spawn(c.Trigger.KICKOFF, SPEC, extra_env={c.ENV_KEEP_WARM_SECONDS: "2"})
+    warm_report(harness, pod, 0)
+    run = harness.finish(pod, proc, timeout=60)  # nobody writes: the window passes
+    assert answered(run, 0).turn == 0 and not run.report.warm  # type: ignore[union-attr]
+
+    # The next message starts a fresh process that restores the session and waits warm in turn.
+    pod, proc = harness.spawn(c.Trigger.TURN, SPEC, extra_env={
+        c.ENV_KEEP_WARM_SECONDS: "600", c.ENV_MESSAGE: json.dumps({"turn": 1, "text": "Hi, my name is Ana"})})
+    warm_report(harness, pod, 1)
+    proc.send_signal(signal.SIGTERM)  # deleted while it waits: it ends well, long before its window would
+    run = harness.finish(pod, proc, timeout=30)
+    assert answered(run, 1).reply == "Nice to meet you." and run.exit_code == c.EXIT_OK
