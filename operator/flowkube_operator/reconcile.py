@@ -211,14 +211,8 @@ class _Reconciler:
             self.plan.create_pod = self._intent(len(self.runs) - 1, run.trigger)
             self.st.phase = Phase.PENDING
             return
-        if pod is not None and not pod.terminated:
-            self._fold_warm(run)
-            if run.finished_at is not None:  # the session ended with the turn it folded
-                return
-            if self._waiting_warm(run):  # between two messages: it is the session's, not the deadline's, time
-                self.st.phase = Phase.AWAITING_MESSAGE
-                self._await_message(warm=run)
-                return
+        if pod is not None and not pod.terminated and self._follow_warm(run):
+            return
         final = None  # a pod gone without our seeing it end may have left its final report
         if pod is None:
             rep = self._report_of(run)
@@ -551,6 +545,19 @@ class _Reconciler:
             self._close_warm(warm, "the conversation ended while the pod waited warm")
 
     # -- warm runners -------------------------------------------------------------------------------
+
+    def _follow_warm(self, run: Run) -> bool:
+        """A running pod that may be warm: fold the turn it reported; True when that settles the run
+        for now (the session ended with that turn, or the pod waits between two messages: that is
+        the session's time, not the deadline's)."""
+        self._fold_warm(run)
+        if run.finished_at is not None:
+            return True
+        if self._waiting_warm(run):
+            self.st.phase = Phase.AWAITING_MESSAGE
+            self._await_message(warm=run)
+            return True
+        return False
 
     def _fold_warm(self, run: Run) -> None:
         """The active run's pod answered a turn and stays up for the next message: the turn is folded
