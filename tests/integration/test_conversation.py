@@ -1,4 +1,6 @@
-"""Conversations end to end with the REAL runner: a chat session as a Flow, one runner pod per turn.
+"""Conversations end to end with the REAL runner: a chat session as a Flow, its turns answered by a warm
+runner pod (one process, message after message) or, once the pod's window passed, by a new pod that
+restores the session from the state.
 
 The operator from its chart (webhooks, status policy), runner pods from the runner image, crewAI's
 conversational flow as the engine, the stub model answering the router's structured call and the
@@ -17,6 +19,7 @@ import pytest
 
 from flowkube_api.report import Usage
 from flowkube_devstack.cluster import LocalCluster
+from flowkube_devstack.stubmodel import Rules
 from flowkube_operator import cli
 from tests.integration.conftest import Flows
 from tests.integration.realrunner import MODEL, RealRunnerStack, real_runner_stack
@@ -107,7 +110,8 @@ def test_a_chat_session_answers_each_message_once_and_ends_by_exit(
     assert next(c for c in st["conditions"] if c["type"] == "Succeeded")["reason"] == "ConversationEnded"
     users = [m["content"] for m in conv["messages"] if m["role"] == "user"]
     assert users == ["Hi, my name is Ana", "What is my name?", "I want a refund", "exit"], "each message once"
-    assert [r["trigger"] for r in st["runs"]] == ["kickoff", "turn", "turn", "turn", "turn"]
+    # Warm: the pod that opened the session answered every message, and ended with the session.
+    assert [(r["trigger"], r["result"]) for r in st["runs"]] == [("kickoff", "Succeeded")]
     late = patch_message(stack, flows, "support", "hello again")
     assert late.returncode != 0, "an ended conversation takes no message"
 
@@ -128,3 +132,71 @@ def test_a_message_to_a_flow_that_is_not_a_conversation_is_refused(stack: RealRu
     flows.apply("plain", {"flowRef": "flowkube_runner.examples.article:ArticleFlow", "inputs": {"topic": "x"}})
     out = patch_message(stack, flows, "plain", "hello")
     assert out.returncode != 0 and "AwaitingMessage" in out.stderr, out
+
+
+def status(flows: Flows, name: str) -> dict[str, Any]:
+    found = flows.get(name)
+    assert found is not None, f"flow {name} is gone"
+    result: dict[str, Any] = found.get("status") or {}
+    return result
+
+
+def test_the_window_passing_between_messages_restores_the_session_in_a_new_pod(
+        stack: RealRunnerStack, flows: Flows) -> None:
+    mark = len(stack.stub.ledger())
+    flows.apply("brief", {"definition": SUPPORT, "conversation": {"keepWarmSeconds": 2}})
+
+    def pod_gone(s: dict[str, Any]) -> bool:  # the last run ended: its pod's window passed
+        return s.get("phase") == "AwaitingMessage" and bool(s["runs"][-1].get("finishedAt"))
+
+    flows.wait("brief", pod_gone, "the opening pod to end after its window", timeout=TURN_TIMEOUT)
+    assert patch_message(stack, flows, "brief", "Hi, my name is Ana").returncode == 0
+    assert answered(flows, "brief", 1)["conversation"]["lastReply"] == "Nice to meet you."
+    flows.wait("brief", pod_gone, "the first turn's pod to end after its window", timeout=TURN_TIMEOUT)
+    assert patch_message(stack, flows, "brief", "What is my name?").returncode == 0
+    st = answered(flows, "brief", 2)
+    assert st["conversation"]["lastReply"] == "Your name is Ana.", "a new pod restored the session from the state"
+    assert [(r["trigger"], r.get("result")) for r in st["runs"]] == [
+        ("kickoff", "Succeeded"), ("turn", "Succeeded"), ("turn", None)]
+    assert all(r.get("warmSeconds", 0) > 0 for r in st["runs"][:2]), st["runs"]
+    flows.wait("brief", pod_gone, "the last pod to end", timeout=TURN_TIMEOUT)
+    assert Usage.model_validate(status(flows, "brief")["usage"]) == stack.usage_since(mark)
+
+
+def test_a_warm_pod_stopped_mid_turn_or_killed_while_it_waits_loses_no_message(
+        stack: RealRunnerStack, flows: Flows) -> None:
+    mark = len(stack.stub.ledger())
+    flows.apply("sturdy", {"definition": SUPPORT, "conversation": {"keepWarmSeconds": 600}})
+    flows.wait_phase("sturdy", "AwaitingMessage", timeout=TURN_TIMEOUT)
+    assert patch_message(stack, flows, "sturdy", "Hi, my name is Ana").returncode == 0
+    answered(flows, "sturdy", 1)
+
+    # Deleted (SIGTERM, as a drain does) during the turn's model call: the call in flight is let
+    # finish and counted, the turn is not saved, and a new pod answers the same message.
+    stack.stub.set_rules(Rules.from_json({**RULES, "rules": [
+        {"contains": "slow question", "hold": True, "times": 1, "reply": "held"}, *RULES["rules"]]}))
+    try:
+        assert patch_message(stack, flows, "sturdy", "a slow question").returncode == 0
+        assert stack.stub.wait_held(1, timeout=TURN_TIMEOUT), "the warm pod took the message"
+        pod = status(flows, "sturdy")["runs"][-1]["pod"]
+        stack.cluster.kubectl("delete", "pod", pod, "-n", flows.ns, "--wait=false")
+    finally:
+        stack.stub.release_held()
+    st = answered(flows, "sturdy", 2)
+    assert [r["trigger"] for r in st["runs"]] == ["kickoff", "retry"], st["runs"]
+    assert st["runs"][0]["reason"] in ("Disrupted", "PodDeleted"), st["runs"][0]
+
+    # Killed outright while it waits warm: nothing was under way, so nothing failed; the next message
+    # goes to a new pod.
+    pod = st["runs"][-1]["pod"]
+    stack.cluster.kubectl("delete", "pod", pod, "-n", flows.ns, "--grace-period=0", "--force")
+    flows.wait("sturdy", lambda s: bool(s["runs"][-1].get("finishedAt")), "the killed pod's run to end", 120)
+    st = status(flows, "sturdy")
+    assert st["runs"][-1]["result"] == "Succeeded" and st["phase"] == "AwaitingMessage", st["runs"][-1]
+    assert patch_message(stack, flows, "sturdy", "What is my name?").returncode == 0
+    st = answered(flows, "sturdy", 3)
+    assert st["conversation"]["lastReply"] == "Your name is Ana."
+    assert [r["trigger"] for r in st["runs"]] == ["kickoff", "retry", "turn"]
+    users = [m["content"] for m in st["conversation"]["messages"] if m["role"] == "user"]
+    assert users == ["Hi, my name is Ana", "a slow question", "What is my name?"], "each message once"
+    assert Usage.model_validate(st["usage"]) == stack.usage_since(mark), "every answered call, once"
