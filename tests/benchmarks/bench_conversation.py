@@ -1,6 +1,11 @@
-"""Benchmark: a conversation's turns on the real node, every turn a cold runner pod. Prints figures.
+"""Benchmark: a conversation's turns on the real node, cold (every turn a new runner pod) and warm (one
+pod answers every message). Prints figures.
 
-    .venv/bin/python -m tests.benchmarks.bench_conversation [--messages 8] [--floors 3]
+    .venv/bin/python -m tests.benchmarks.bench_conversation [--messages 8] [--floors 3] [--warm-messages 50]
+
+The warm part, after the cold one: a second conversation with ``keepWarmSeconds: 600``, its messages
+sent one after another; each latency runs from the PATCH returning to the Flow version with the
+reply, as below; the runner process's resident memory is read from /proc along the way.
 
 The operator from its chart (webhooks, status policy), runner pods from the runner image on the
 local stack's real node (kubelet, containerd), the stub model answering crewAI's router and chat
@@ -168,16 +173,17 @@ def container_state(pod: Obj) -> Obj:
 def conversation(flow: Obj) -> Obj:
     status = flow.get("status") or {}
     if status.get("phase") in ("Failed", "Succeeded"):
-        raise RuntimeError(f"{NAME} ended {status['phase']}: {status.get('message')}")
+        raise RuntimeError(f"{flow['metadata']['name']} ended {status['phase']}: {status.get('message')}")
     conv: Obj = status.get("conversation") or {}
     return conv
 
 
-def answered(i: int) -> Callable[[Obj], bool]:
+def answered(name: str, i: int) -> Callable[[Obj], bool]:
     def done(flow: Obj) -> bool:
+        if flow["metadata"]["name"] != name:
+            return False
         conv = conversation(flow)
-        return (flow["metadata"]["name"] == NAME and conv.get("turns", 0) >= i and "pending" not in conv
-                and flow["status"].get("phase") == "AwaitingMessage")
+        return conv.get("turns", 0) >= i and "pending" not in conv and flow["status"].get("phase") == "AwaitingMessage"
 
     return done
 
@@ -241,11 +247,11 @@ def floor(cluster: LocalCluster, http: httpx.Client, pods: Watch, k: int) -> lis
 
 @dataclass
 class Turn:
-    """Seconds since the patch returned: each milestone of one turn."""
+    """Seconds since the patch returned: each milestone of one turn (a warm turn has no pod of its own)."""
 
     total: float
     accepted: float | None
-    created: float
+    created: float | None
     running: float | None
     first_call: float
     last_answer: float
@@ -253,22 +259,39 @@ class Turn:
     calls: int
 
 
-def send(http: httpx.Client, text: str) -> float:
+def send(http: httpx.Client, name: str, text: str) -> float:
     body = {"status": {"conversation": {"inbox": {"text": text}}}}
-    r = http.patch(f"{FLOWS}/{NAME}/status", json=body, headers={"Content-Type": "application/merge-patch+json"})
+    r = http.patch(f"{FLOWS}/{name}/status", json=body, headers={"Content-Type": "application/merge-patch+json"})
     if r.status_code >= 300:
         raise RuntimeError(f"message refused: {r.status_code} {r.text}")
     return time.time()
 
 
-def turn(http: httpx.Client, flows: Watch, pods: Watch, stub: StubModel, i: int) -> Turn:
-    fmark, pmark, lmark = flows.mark(), pods.mark(), len(stub.ledger())
-    sent = send(http, message(i))
-    done, flow = flows.wait(answered(i), TURN_TIMEOUT, f"the reply to message {i}", since=fmark)
+def warm_turn(http: httpx.Client, flows: Watch, stub: StubModel, name: str, i: int) -> Turn:
+    """A message answered by the pod that waits warm: patch -> accepted -> the pod's model calls -> reply."""
+    fmark, lmark = flows.mark(), len(stub.ledger())
+    sent = send(http, name, message(i))
+    done, flow = flows.wait(answered(name, i), TURN_TIMEOUT, f"the reply to message {i}", since=fmark)
     got = flow["status"]["conversation"].get("lastReply")
     if got != reply(i):
         raise RuntimeError(f"message {i} answered {got!r}, expected {reply(i)!r}")
-    accepted = flows.first(lambda o: "pending" in conversation(o), since=fmark)
+    accepted = flows.first(lambda o: named(name)(o) and "pending" in conversation(o), since=fmark)
+    calls = stub.ledger()[lmark:]
+    if not calls:
+        raise RuntimeError(f"message {i} was answered without a model call")
+    return Turn(total=done - sent, accepted=accepted[0] - sent if accepted else None, created=None, running=None,
+                first_call=calls[0]["received"] - sent, last_answer=calls[-1]["time"] - sent, terminated=None,
+                calls=len(calls))
+
+
+def turn(http: httpx.Client, flows: Watch, pods: Watch, stub: StubModel, i: int) -> Turn:
+    fmark, pmark, lmark = flows.mark(), pods.mark(), len(stub.ledger())
+    sent = send(http, NAME, message(i))
+    done, flow = flows.wait(answered(NAME, i), TURN_TIMEOUT, f"the reply to message {i}", since=fmark)
+    got = flow["status"]["conversation"].get("lastReply")
+    if got != reply(i):
+        raise RuntimeError(f"message {i} answered {got!r}, expected {reply(i)!r}")
+    accepted = flows.first(lambda o: named(NAME)(o) and "pending" in conversation(o), since=fmark)
     pod_name = c.run_pod_name(NAME, i)
     created, _ = pods.wait(named(pod_name), 30, f"{pod_name} created", since=pmark)
     # The kubelet may report the container's end after the operator has read the run's report.
@@ -299,6 +322,7 @@ class Result:
 
 
 def conversation_run(cluster: LocalCluster, stub: StubModel, op: ChartOperator, n: int, n_floors: int) -> Result:
+    ledger_mark = len(stub.ledger())
     http = http_client(cluster)
     flows = Watch(cluster, FLOWS)
     pods = Watch(cluster, f"/api/v1/namespaces/{NS}/pods")
@@ -316,7 +340,7 @@ def conversation_run(cluster: LocalCluster, stub: StubModel, op: ChartOperator, 
                 floor_calls += len(stub.ledger()) - mark
 
         r = http.post(FLOWS, json={"apiVersion": "flowkube.io/v1alpha1", "kind": "Flow", "metadata": {"name": NAME},
-                                   "spec": {"definition": SUPPORT}})
+                                   "spec": {"definition": SUPPORT, "conversation": {"keepWarmSeconds": 0}}})
         r.raise_for_status()
         applied = time.time()
         opened, _ = flows.wait(lambda o: conversation(o).get("sessionId") is not None
@@ -328,13 +352,13 @@ def conversation_run(cluster: LocalCluster, stub: StubModel, op: ChartOperator, 
             print(f"  message {i}: reply in status {turns[-1].total:.2f} s after the patch", flush=True)
             floors_after(i)
         status = http.get(f"{FLOWS}/{NAME}").raise_for_status().json()["status"]
-        ledger = stub.ledger()  # the stub serves this Flow only (the floor pods call no model)
+        ledger = stub.ledger()[ledger_mark:]  # the stub serves this Flow only now (the floor pods call no model)
         usage = ledger_usage(ledger)
         added = sorted({o["metadata"]["name"] for _, kind, o in pods.events
                         if kind == "ADDED" and o["metadata"].get("labels", {}).get(c.LABEL_FLOW) == NAME})
         sums = {m.split()[0]: float(m.split()[1]) for m in op.metrics().splitlines()
                 if m.startswith(("flowkube_conversation_turn_seconds_sum", "flowkube_conversation_turn_seconds_count"))
-                and f'namespace="{NS}"' in m}  # the leader's /metrics (one replica here)
+                and f'namespace="{NS}"' in m}  # the leader's /metrics (one replica here), both Flows
         return Result(
             opened=opened - applied, turns=turns, floors=floors, pods=added,
             triggers=[run["trigger"] for run in status.get("runs", [])],
@@ -346,6 +370,101 @@ def conversation_run(cluster: LocalCluster, stub: StubModel, op: ChartOperator, 
         flows.stop()
         pods.stop()
         http.close()
+
+
+# --- warm: one pod answers every message ---
+
+WARM = "chat-warm"
+
+
+def rss_of_pod(pod: str) -> int | None:
+    """Resident memory (bytes) of the runner process of ``pod``: the real node's containers are this
+    host's processes, found by the pod name in their environment."""
+    needle = f"{c.ENV_POD_NAME}={pod}".encode()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if needle not in (proc / "environ").read_bytes().split(b"\0"):
+                continue
+            for line in (proc / "status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            continue
+    return None
+
+
+@dataclass
+class WarmResult:
+    opened: float
+    turns: list[Turn]
+    pods: list[str]
+    usage_matches: bool
+    calls: int
+    rss: list[tuple[int, int | None]]  # (messages answered, resident bytes of the pod's process)
+
+
+def warm_run(cluster: LocalCluster, stub: StubModel, n: int) -> WarmResult:
+    ledger_mark = len(stub.ledger())
+    http = http_client(cluster)
+    flows = Watch(cluster, FLOWS)
+    pods = Watch(cluster, f"/api/v1/namespaces/{NS}/pods")
+    try:
+        r = http.post(FLOWS, json={"apiVersion": "flowkube.io/v1alpha1", "kind": "Flow", "metadata": {"name": WARM},
+                                   "spec": {"definition": SUPPORT, "conversation": {"keepWarmSeconds": 600}}})
+        r.raise_for_status()
+        applied = time.time()
+        opened, _ = flows.wait(lambda o: named(WARM)(o) and conversation(o).get("sessionId") is not None
+                               and o["status"].get("phase") == "AwaitingMessage", TURN_TIMEOUT, "the session")
+        pod = c.run_pod_name(WARM, 0)
+        rss = [(0, rss_of_pod(pod))]
+        turns: list[Turn] = []
+        for i in range(1, n + 1):
+            turns.append(warm_turn(http, flows, stub, WARM, i))
+            if i == 1 or i % 10 == 0 or i == n:
+                rss.append((i, rss_of_pod(pod)))
+                print(f"  warm message {i}: reply in status {turns[-1].total * 1000:.0f} ms after the patch",
+                      flush=True)
+        status = http.get(f"{FLOWS}/{WARM}").raise_for_status().json()["status"]
+        ledger = stub.ledger()[ledger_mark:]
+        added = sorted({o["metadata"]["name"] for _, kind, o in pods.events
+                        if kind == "ADDED" and o["metadata"].get("labels", {}).get(c.LABEL_FLOW) == WARM})
+        return WarmResult(opened=opened - applied, turns=turns, pods=added, calls=len(ledger),
+                          usage_matches=Usage.model_validate(status["usage"]) == ledger_usage(ledger), rss=rss)
+    finally:
+        flows.stop()
+        pods.stop()
+        http.close()
+
+
+def warm_report(res: WarmResult, cold: Result | None) -> None:
+    lat = [t.total for t in res.turns]
+    n = len(lat)
+    print(f"\nwarm conversation: {n} messages answered by the pod that opened the session (keepWarmSeconds=600)")
+    print(f"patch returned -> reply in status: p50 {statistics.median(lat) * 1000:.0f} ms, "
+          f"p99 {rank(lat, 99) * 1000:.0f} ms (nearest rank of {n}), min {min(lat) * 1000:.0f} ms, "
+          f"max {max(lat) * 1000:.0f} ms")
+    if cold is not None and cold.turns:
+        cold_p50 = statistics.median([t.total for t in cold.turns])
+        print(f"cold turn p50 in the same run {cold_p50:.2f} s: "
+              f"warm is {cold_p50 / statistics.median(lat):.0f}x faster")
+    t = res.turns
+    print("where a warm turn's time goes (median):")
+    parts: list[tuple[str, list[float | None]]] = [
+        ("patch -> message accepted (status.conversation.pending)", [x.accepted for x in t]),
+        ("patch -> first model call received (long poll answered, handle_turn started)", [x.first_call for x in t]),
+        ("first call received -> last call answered (router, chat)", [x.last_answer - x.first_call for x in t]),
+        ("last call answered -> reply in status (state saved, warm report, fold, status write)",
+         [x.total - x.last_answer for x in t]),
+    ]
+    for what, seconds in parts:
+        print(f"  {what}: {median(seconds) * 1000:.0f} ms")
+    print("resident memory of the warm pod's process: " + ", ".join(
+        f"{k} msgs {v / 2**20:.0f} MiB" if v is not None else f"{k} msgs ?" for k, v in res.rss))
+    one = "OK" if len(res.pods) == 1 else "MISMATCH"
+    print(f"runner pods created for the Flow: {len(res.pods)} (expected 1): {one}")
+    print(f"status.usage equals the stub ledger ({res.calls} calls): {'yes' if res.usage_matches else 'NO'}")
 
 
 # --- figures ---
@@ -390,9 +509,9 @@ def report(res: Result, n: int) -> None:
         ("patch -> message accepted (status.conversation.pending)", [x.accepted for x in t]),
         ("patch -> runner pod created", [x.created for x in t]),
         ("pod created -> container running, as the kubelet reports it",
-         [x.running - x.created if x.running is not None else None for x in t]),
+         [x.running - x.created if x.running is not None and x.created is not None else None for x in t]),
         ("pod created -> first model call received (start, imports, Flow, state read)",
-         [x.first_call - x.created for x in t]),
+         [x.first_call - x.created if x.created is not None else None for x in t]),
         (f"first call received -> last call answered ({median([float(x.calls) for x in t]):.0f} calls a turn: "
          "router, chat; crewAI between them)", [x.last_answer - x.first_call for x in t]),
         ("last call answered -> container terminated, as reported (state save, report, exit)",
@@ -422,13 +541,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--messages", type=int, default=8, help="messages sent, one after another (default 8)")
     parser.add_argument("--floors", type=int, default=3, help="floor pods, spread between turns (default 3)")
+    parser.add_argument("--warm-messages", type=int, default=50,
+                        help="messages to a second, warm conversation after the cold one (default 50; 0: none)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="flowkube-bench-conv-") as tmp:
         t0 = time.monotonic()
         cluster = LocalCluster(Path(tmp)).start()
         print(f"local cluster started in {time.monotonic() - t0:.0f} s", flush=True)
         try:
-            with StubModel(rules(args.messages), host=cluster.host_ip) as stub:
+            with StubModel(rules(max(args.messages, args.warm_messages)), host=cluster.host_ip) as stub:
                 url = cluster.host_service("stub-model", "flowkube-dev", stub.port)
                 op = ChartOperator(cluster, runner_env={"OPENAI_BASE_URL": f"{url}/v1", **RUNNER_ENV},
                                    values=["log.level=WARNING"])
@@ -440,12 +561,16 @@ def main() -> None:
                     wait_for(lambda: cluster.kubectl("get", "sa", "default", "-n", NS, check=False).returncode == 0,
                              30, "the namespace's ServiceAccount")
                     res = conversation_run(cluster, stub, op, args.messages, args.floors)
+                    warm = warm_run(cluster, stub, args.warm_messages) if args.warm_messages else None
                 finally:
                     op.stop()
         finally:
             cluster.stop()
     report(res, args.messages)
-    if len(res.pods) != args.messages + 1 or not res.usage_matches:
+    if warm is not None:
+        warm_report(warm, res)
+    if len(res.pods) != args.messages + 1 or not res.usage_matches or (
+            warm is not None and (len(warm.pods) != 1 or not warm.usage_matches)):
         raise SystemExit(1)
 
 
