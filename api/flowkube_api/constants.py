@@ -126,6 +126,8 @@ ENV_FEEDBACK = "FLOWKUBE_FEEDBACK"  # JSON: {"requestId", "text", "timedOut", "o
 ENV_MESSAGE = "FLOWKUBE_MESSAGE"  # JSON: {"turn", "text", "sender"}: the conversation message this run answers
 # Seconds a conversation's runner pod stays up after a turn, waiting for the next message (0: it exits).
 ENV_KEEP_WARM_SECONDS = "FLOWKUBE_KEEP_WARM_SECONDS"
+# Seconds a paused run's pod stays up waiting for the feedback answer (0: it exits).
+ENV_FEEDBACK_KEEP_WARM_SECONDS = "FLOWKUBE_FEEDBACK_KEEP_WARM_SECONDS"
 ENV_PRIOR_TOTAL_TOKENS = "FLOWKUBE_PRIOR_TOTAL_TOKENS"
 ENV_PRIOR_COST = "FLOWKUBE_PRIOR_COST"  # USD spent by earlier runs, a decimal string ("0.0123")
 ENV_PRICES = "FLOWKUBE_PRICES"  # JSON: price overrides by model (flowkube_api.prices), set by the operator
@@ -144,6 +146,7 @@ STATE_API_PREFIX = "/v1/state/"  # + key: GET and PUT of one binaryData key of t
 STATE_KEY_PATTERN = r"[-._a-zA-Z0-9]{1,253}"  # what a ConfigMap key may be
 # + the number of the last message the caller answered: a warm runner's long poll for the next one.
 MESSAGE_API_PREFIX = "/v1/message/"
+ANSWER_API_PREFIX = "/v1/answer/"  # + the feedback request id: a warm paused runner's long poll for its answer
 MESSAGE_POLL_SECONDS = 20  # the longest one long poll is held before "nothing yet" (204)
 DEFAULT_KEEP_WARM_SECONDS = 120  # spec.conversation.keepWarmSeconds when unset
 

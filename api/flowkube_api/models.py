@@ -88,6 +88,12 @@ class FeedbackSpec(Model):
         description="How long a feedback request may wait; then the step's default outcome is used, "
         "or the flow fails with FeedbackTimedOut.",
     )
+    keep_warm_seconds: int | None = Field(
+        default=None, ge=0, le=86400,
+        description="A paused run's pod stays up this long waiting for the answer, and resumes the flow in the "
+        "same process (well under a second, against a new pod's start-up). Unset or 0: the pod exits when it "
+        "pauses and the answer starts a new one. Waiting does not count toward activeDeadlineSeconds.",
+    )
 
 
 class ConversationSpec(Model):
@@ -194,8 +200,8 @@ class Run(Model):
     message: str | None = None
     usage: Usage | None = None
     warm_seconds: float | None = Field(
-        default=None, description="Time the run's pod waited warm for a conversation's next message; "
-        "not counted toward activeDeadlineSeconds.")
+        default=None, description="Time the run's pod waited warm for a conversation's next message or a "
+        "feedback answer; not counted toward activeDeadlineSeconds.")
 
 
 class PendingFeedback(FeedbackRequest):

@@ -261,19 +261,34 @@ class Controller:
             self.queue.add(key)
         return True
 
+    def _warm_status(self, namespace: str, flow: str, pod: str) -> tuple[Body | None, Body | None]:
+        """(the Flow's cached status, None) while ``pod`` is its running attempt; else (None, why)."""
+        cached = self.flows.get((namespace, flow))
+        if cached is None:
+            return None, {"message": f"flow {namespace}/{flow} is gone"}
+        status: Body = json.loads(cached[2]).get("status") or {}
+        runs = status.get("runs") or []
+        if not runs or runs[-1].get("pod") != pod or runs[-1].get("finishedAt"):
+            return None, {"message": f"the run of pod {pod} is closed"}
+        if status.get("phase") in c.TERMINAL_PHASES:
+            return None, {"message": f"the flow is {status.get('phase')}"}
+        return status, None
+
+    def _read_warm_report(self, key: Key) -> None:
+        """A warm pod waits on something the status does not show yet (the leader changed, or the
+        hint was lost): read its report. Its polls repeat this until the status shows it."""
+        if self.leading:
+            self._warm.setdefault(key, None)
+            self.queue.add(key)
+
     def message_for(self, namespace: str, flow: str, pod: str, after: int) -> tuple[int, Body | None]:
         """A warm pod's long poll, from the cache: (200, the message after ``after``) once it is accepted
         for this pod; (204, None) while there is none; (410, why) when none will come to this pod."""
-        key = (namespace, flow)
-        cached = self.flows.get(key)
-        if cached is None:
-            return 410, {"message": f"flow {namespace}/{flow} is gone"}
-        status = json.loads(cached[2]).get("status") or {}
-        runs = status.get("runs") or []
-        if not runs or runs[-1].get("pod") != pod or runs[-1].get("finishedAt"):
-            return 410, {"message": f"the run of pod {pod} is closed"}
+        status, gone = self._warm_status(namespace, flow, pod)
+        if status is None:
+            return 410, gone
         conv = status.get("conversation") or {}
-        if conv.get("ended") or status.get("phase") in c.TERMINAL_PHASES:
+        if conv.get("ended"):
             return 410, {"message": "the conversation has ended"}
         pending = conv.get("pending") or {}
         if pending.get("turn") == after + 1:
@@ -281,12 +296,25 @@ class Controller:
         turns = int(conv.get("turns") or 0)
         if turns > after:
             return 410, {"message": f"message {after + 1} was answered already"}
-        if self.leading and (turns < after or not conv.get("sessionId")):
-            # The pod answered a turn the status does not show (the leader changed, or its hint was
-            # lost): read its report. Its polls repeat this until the turn is in.
-            self._warm.setdefault(key, None)
-            self.queue.add(key)
+        if turns < after or not conv.get("sessionId"):
+            self._read_warm_report((namespace, flow))
         return 204, None
+
+    def answer_for(self, namespace: str, flow: str, pod: str, request_id: str) -> tuple[int, Body | None]:
+        """A warm paused pod's long poll: (200, the answer to ``request_id``) once it is accepted;
+        (204, None) while the request pends; (410, why) when no answer will come to this pod."""
+        status, gone = self._warm_status(namespace, flow, pod)
+        if status is None:
+            return 410, gone
+        fb = status.get("feedback") or {}
+        if (fb.get("request") or {}).get("id") == request_id:
+            return 204, None
+        answer = next((h for h in fb.get("history") or [] if h.get("requestId") == request_id), None)
+        if answer is None:
+            self._read_warm_report((namespace, flow))
+            return 204, None
+        return 200, {"requestId": request_id, "text": answer.get("response") or "",
+                     "timedOut": bool(answer.get("timedOut")), "outcome": answer.get("outcome")}
 
     # -- workers -------------------------------------------------------------------------------------
 
@@ -502,6 +530,7 @@ class Controller:
                 feedback=intent.feedback, message=intent.message, prior=intent.prior,
                 active_deadline_seconds=intent.active_deadline_seconds, state_ca=self.state_ca,
                 keep_warm_seconds=intent.keep_warm_seconds,
+                feedback_keep_warm_seconds=intent.feedback_keep_warm_seconds,
             )
             self._may_write()
             try:

@@ -78,6 +78,7 @@ class RunIntent:
     active_deadline_seconds: int | None
     message: Body | None = None  # the conversation message this run answers: {"turn", "text", "sender"}
     keep_warm_seconds: int = 0  # a conversation's pod waits this long for its next message (see _keep_warm)
+    feedback_keep_warm_seconds: int = 0  # a paused run's pod waits this long for the answer
 
 
 @dataclass
@@ -149,6 +150,7 @@ class _Reconciler:
         self.refusal: str | None = None
         self.message_refusal: str | None = None
         self.failure: tuple[Reason | str, str] | None = None
+        self.resume_now = False  # a warm paused pod ended with its request answered but not taken
 
     # -- entry --------------------------------------------------------------------------------------
 
@@ -305,10 +307,7 @@ class _Reconciler:
             run.usage = rep.usage  # every LLM call the run made counts, however it ended
             if rep.flow_id:
                 self.st.flow_id = rep.flow_id
-            applied = rep.feedback_applied
-            for h in self.fb.history or []:
-                if applied is not None and h.request_id == applied.request_id and not h.outcome:
-                    h.outcome = applied.outcome  # the outcome crewAI collapsed the answer to
+            self._note_applied(rep)
         run.finished_at = finished_at or self.now
         if run.started_at is None:
             run.started_at = run.finished_at
@@ -319,20 +318,34 @@ class _Reconciler:
             self._terminal(Phase.SUCCEEDED, Reason.RUN_SUCCEEDED, "the flow finished")
             self.plan.event(Reason.RUN_SUCCEEDED, f"run {run.pod} succeeded; the flow finished")
         elif result == RunResult.PAUSED and rep is not None and rep.feedback_request is not None:
-            fr = rep.feedback_request
-            timeout = self.spec.feedback.timeout_seconds if self.spec.feedback else None
-            self.fb.request = PendingFeedback(
-                **fr.model_dump(exclude={"output", "requested_at"}), output=excerpt(fr.output or ""),
-                requested_at=self.now, deadline=self.now + dt.timedelta(seconds=timeout) if timeout else None,
-            )
-            self.st.phase = Phase.AWAITING_FEEDBACK
-            self.plan.event(Reason.FEEDBACK_REQUESTED,
-                            f"{fr.method} asks for feedback (request {fr.id}): {excerpt(fr.message, 256)}")
+            if any(h.request_id == rep.feedback_request.id for h in self.fb.history or []):
+                # Its warm pod waited for the answer and ended before it took it: a new pod resumes.
+                self.resume_now = True
+            else:
+                self._feedback_requested(rep.feedback_request)
         else:
             if result != RunResult.FAILED:  # Paused without a request: nothing could ever resume it
                 run.result, reason = RunResult.FAILED, Reason.INTERNAL_ERROR
                 message = "the run paused but reported no feedback request"
             self._after_failure(run, reason, message)
+
+    def _note_applied(self, rep: RunReport) -> None:
+        applied = rep.feedback_applied
+        for h in self.fb.history or []:
+            if applied is not None and h.request_id == applied.request_id and not h.outcome:
+                h.outcome = applied.outcome  # the outcome crewAI collapsed the answer to
+
+    def _feedback_requested(self, fr: FeedbackRequest) -> None:
+        """The flow paused on ``fr``: it is pending in status (once: a warm pod's request is there already)."""
+        if self.fb.request is None or self.fb.request.id != fr.id:
+            timeout = self.spec.feedback.timeout_seconds if self.spec.feedback else None
+            self.fb.request = PendingFeedback(
+                **fr.model_dump(exclude={"output", "requested_at"}), output=excerpt(fr.output or ""),
+                requested_at=self.now, deadline=self.now + dt.timedelta(seconds=timeout) if timeout else None,
+            )
+            self.plan.event(Reason.FEEDBACK_REQUESTED,
+                            f"{fr.method} asks for feedback (request {fr.id}): {excerpt(fr.message, 256)}")
+        self.st.phase = Phase.AWAITING_FEEDBACK
 
     def _after_failure(self, run: Run, reason: Reason | str, message: str) -> None:
         if reason in DISRUPTION_REASONS:
@@ -387,6 +400,8 @@ class _Reconciler:
                 self.failure = (Reason.RETRY_BACKOFF, f"retrying in {left:.0f}s after: {last.message}")
                 return
             self._start(Trigger.RETRY)
+        elif last.result == RunResult.PAUSED and self.resume_now:
+            self._start(Trigger.RESUME)
         elif last.result == RunResult.PAUSED:
             # Paused run whose request was already answered: a resume run is recorded right away,
             # so this only happens when the resume was refused; nothing to do until a new answer.
@@ -394,7 +409,8 @@ class _Reconciler:
         elif self.conv is not None and self.conv.session_id:
             self._await_message()
 
-    def _await_feedback(self) -> None:
+    def _await_feedback(self, warm: Run | None = None) -> None:
+        """Take the answer: a new run resumes the flow, or the ``warm`` run whose pod waits for it."""
         req = self.fb.request
         assert req is not None
         self.st.phase = Phase.AWAITING_FEEDBACK
@@ -406,7 +422,7 @@ class _Reconciler:
                 self._refuse(problem)
             else:
                 self._answer(req, text=resp.text or "", outcome=None, timed_out=False,
-                             by=resp.responded_by)
+                             by=resp.responded_by, warm=warm)
             return
         deadline = req.deadline
         if deadline is None:
@@ -415,15 +431,17 @@ class _Reconciler:
             self.plan.later((deadline - self.now).total_seconds())
             return
         if req.default_outcome:
-            self._answer(req, text="", outcome=req.default_outcome, timed_out=True, by=None)
+            self._answer(req, text="", outcome=req.default_outcome, timed_out=True, by=None, warm=warm)
             return
+        if warm is not None:
+            self._close_warm(warm, f"no answer to request {req.id} came", RunResult.PAUSED)
         self.fb.request = None
         self._terminal(Phase.FAILED, Reason.FEEDBACK_TIMED_OUT,
                        f"no feedback for request {req.id} ({req.method}) before {req.deadline}, "
                        "and the step has no default outcome")
 
     def _answer(self, req: FeedbackRequest, *, text: str, outcome: str | None, timed_out: bool,
-                by: str | None) -> None:
+                by: str | None, warm: Run | None = None) -> None:
         history = list(self.fb.history or [])
         history.append(FeedbackRecord(
             request_id=req.id, method=req.method, response=text or None, outcome=outcome,
@@ -437,7 +455,11 @@ class _Reconciler:
         else:
             who = f" from {by}" if by else ""
             self.plan.event(Reason.FEEDBACK_RECEIVED, f"feedback{who} accepted for request {req.id}")
-        self._start(Trigger.RESUME)
+        if warm is None:
+            self._start(Trigger.RESUME)
+        else:  # the pod that paused takes the answer through the state API's long poll
+            self._add_warm_wait(warm, self.now, since=req.requested_at)
+            self.st.phase = Phase.RUNNING
 
     def _refuse(self, problem: str) -> None:
         self.refusal = f"feedback response refused: {problem}"
@@ -547,31 +569,40 @@ class _Reconciler:
     # -- warm runners -------------------------------------------------------------------------------
 
     def _follow_warm(self, run: Run) -> bool:
-        """A running pod that may be warm: fold the turn it reported; True when that settles the run
-        for now (the session ended with that turn, or the pod waits between two messages: that is
-        the session's time, not the deadline's)."""
+        """A running pod that may be warm: fold what it reported (a turn answered, a pause for
+        feedback); True when that settles the run for now (the session ended with that turn, or the
+        pod waits for a message or an answer: that is the user's time, not the deadline's)."""
         self._fold_warm(run)
         if run.finished_at is not None:
             return True
-        if self._waiting_warm(run):
+        if not self._waiting_warm(run):
+            return False
+        if self.fb.request is not None:
+            self._await_feedback(warm=run)
+        else:
             self.st.phase = Phase.AWAITING_MESSAGE
             self._await_message(warm=run)
-            return True
-        return False
+        return True
 
     def _fold_warm(self, run: Run) -> None:
-        """The active run's pod answered a turn and stays up for the next message: the turn is folded
-        in (reply, usage) and the run goes on."""
+        """The active run's pod reported and stays up (a warm report): fold the turn it answered or
+        the request it paused on into status, and let the run go on."""
         rep = self.report
-        if rep is None or rep.pod != run.pod or not rep.warm or rep.result != RunResult.SUCCEEDED \
-                or rep.conversation is None:
+        if rep is None or rep.pod != run.pod or not rep.warm:
             return
         counted = run.usage or Usage()
         if (rep.usage.successful_requests, rep.usage.total_tokens) >= (counted.successful_requests,
                                                                         counted.total_tokens):
-            run.usage = rep.usage  # a run's reports are cumulative: every turn it answered so far
+            run.usage = rep.usage  # a run's reports are cumulative: everything it did so far
         if rep.flow_id:
             self.st.flow_id = rep.flow_id
+        self._note_applied(rep)
+        if rep.result == RunResult.PAUSED and rep.feedback_request is not None:
+            if not any(h.request_id == rep.feedback_request.id for h in self.fb.history or []):
+                self._feedback_requested(rep.feedback_request)
+            return
+        if rep.result != RunResult.SUCCEEDED or rep.conversation is None:
+            return
         conv = self.conv
         if conv is not None and conv.session_id and rep.conversation.turn <= conv.turns:
             return  # folded before
@@ -580,22 +611,28 @@ class _Reconciler:
             self._close_warm(run, f"run {run.pod} answered the conversation's last message")
 
     def _waiting_warm(self, run: Run) -> bool:
-        """Is ``run`` (active) a warm pod between two messages? Only a warm run is active while the
-        session is open and no message is pending: a cold run always carries one."""
+        """Is ``run`` (active) a warm pod waiting for a message or an answer? Status alone says so: a
+        cold run is never active while a request pends, nor while an open session has nothing pending."""
+        if run.finished_at is not None:
+            return False
+        if self.fb.request is not None:
+            return True
         conv = self.conv
-        return (run.finished_at is None and conv is not None and bool(conv.session_id) and conv.pending is None
-                and not conv.ended and self.fb.request is None)
+        return conv is not None and bool(conv.session_id) and conv.pending is None and not conv.ended
 
-    def _add_warm_wait(self, run: Run, until: dt.datetime) -> None:
-        since = self.conv.idle_since if self.conv is not None else None
+    def _add_warm_wait(self, run: Run, until: dt.datetime, since: dt.datetime | None = None) -> None:
+        if since is None:
+            since = self.fb.request.requested_at if self.fb.request is not None else (
+                self.conv.idle_since if self.conv is not None else None)
         if since is not None and until > since:
             run.warm_seconds = round((run.warm_seconds or 0.0) + (until - since).total_seconds(), 3)
 
-    def _close_warm(self, run: Run, message: str) -> None:
-        """End a warm run the session no longer needs, and stop its pod."""
+    def _close_warm(self, run: Run, message: str, result: RunResult = RunResult.SUCCEEDED) -> None:
+        """End a warm run nobody will answer any more, and stop its pod."""
         if self._waiting_warm(run):
             self._add_warm_wait(run, self.now)
-        run.result, run.reason, run.message = RunResult.SUCCEEDED, str(Reason.RUN_SUCCEEDED), message
+        reason = Reason.RUN_PAUSED if result == RunResult.PAUSED else Reason.RUN_SUCCEEDED
+        run.result, run.reason, run.message = result, str(reason), message
         run.finished_at = self.now
         pod = self.pods.get(run.pod)
         if pod is not None and not pod.terminated and not pod.deleting:
@@ -643,10 +680,11 @@ class _Reconciler:
         pending = self.conv.pending if self.conv is not None else None
         if pending is not None and trigger != Trigger.KICKOFF:
             message = {"turn": pending.turn, "text": pending.text, "sender": pending.sent_by}
-        keep_warm = self._keep_warm()
+        fb_spec = self.spec.feedback
         return RunIntent(index=index, trigger=trigger, feedback=feedback,
                          prior=total_usage(self.runs[:index]).totals(),
-                         active_deadline_seconds=left, message=message, keep_warm_seconds=keep_warm)
+                         active_deadline_seconds=left, message=message, keep_warm_seconds=self._keep_warm(),
+                         feedback_keep_warm_seconds=(fb_spec.keep_warm_seconds or 0) if fb_spec else 0)
 
     def _keep_warm(self) -> int:
         """How long a run's pod may wait warm for a conversation's next message: for a Flow known to be

@@ -88,6 +88,7 @@ def runner_pod(  # noqa: PLR0913 - keyword-only: every input of the pod spec, ea
     prior: TokenUsage | None = None,
     active_deadline_seconds: int | None = None,
     keep_warm_seconds: int = 0,
+    feedback_keep_warm_seconds: int = 0,
 ) -> Body:
     """The runner pod of attempt `index`. Its name is deterministic, so re-creating it is a no-op.
 
@@ -126,6 +127,8 @@ def runner_pod(  # noqa: PLR0913 - keyword-only: every input of the pod spec, ea
         env.append({"name": c.ENV_FEEDBACK, "value": json.dumps(feedback, separators=(",", ":"))})
     if keep_warm_seconds > 0:
         env.append({"name": c.ENV_KEEP_WARM_SECONDS, "value": str(keep_warm_seconds)})
+    if feedback_keep_warm_seconds > 0:
+        env.append({"name": c.ENV_FEEDBACK_KEEP_WARM_SECONDS, "value": str(feedback_keep_warm_seconds)})
     if message is not None:
         env.append({"name": c.ENV_MESSAGE, "value": json.dumps(message, separators=(",", ":"), ensure_ascii=False)})
     own = {e["name"] for e in env}
@@ -175,8 +178,8 @@ def runner_pod(  # noqa: PLR0913 - keyword-only: every input of the pod spec, ea
                 "audience": c.STATE_AUDIENCE, "expirationSeconds": 3600, "path": "token"}}]}},
         ],
     }
-    if active_deadline_seconds is not None and keep_warm_seconds <= 0:
-        # A pod that may wait warm for a message has none: the kubelet would count the wait. The
+    if active_deadline_seconds is not None and keep_warm_seconds <= 0 and feedback_keep_warm_seconds <= 0:
+        # A pod that may wait warm for a message or an answer has none: the kubelet would count the wait. The
         # operator stops it at the deadline itself (reconcile), counting only its working time.
         pod_spec["activeDeadlineSeconds"] = max(1, active_deadline_seconds)
     for key in ("nodeSelector", "tolerations", "affinity", "priorityClassName", "imagePullSecrets"):

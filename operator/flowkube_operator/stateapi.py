@@ -123,6 +123,8 @@ class WarmRuns(Protocol):
 
     def message_for(self, namespace: str, flow: str, pod: str, after: int) -> tuple[int, Body | None]: ...
 
+    def answer_for(self, namespace: str, flow: str, pod: str, request_id: str) -> tuple[int, Body | None]: ...
+
 
 def claims(token: str) -> dict[str, Any]:
     """The JWT's payload, unverified: only to turn junk away before a TokenReview is spent on it."""
@@ -312,14 +314,23 @@ class StateApi:
         if event is not None:
             event.set()
 
-    async def _message(self, request: web.Request, t: Target, after_text: str) -> web.Response:
+    async def _message(self, request: web.Request, t: Target, after: str) -> web.Response:
         """``GET /v1/message/<after>``: held until message ``after + 1`` is accepted for this pod (200,
         ``{"turn", "text", "sender"}``), for at most ``?wait=`` seconds (204), or 410 when none will come."""
+        if not after.isdigit():
+            return _error(400, "the path ends with the number of the last message answered")
+        return await self._long_poll(request, t, lambda w: w.message_for(t.namespace, t.flow, t.pod, int(after)))
+
+    async def _answer(self, request: web.Request, t: Target, request_id: str) -> web.Response:
+        """``GET /v1/answer/<request id>``: held until the answer to that feedback request is accepted
+        (200, ``{"requestId", "text", "timedOut", "outcome"}``), at most ``?wait=`` seconds (204), or 410."""
+        return await self._long_poll(request, t, lambda w: w.answer_for(t.namespace, t.flow, t.pod, request_id))
+
+    async def _long_poll(self, request: web.Request, t: Target,
+                         look: Callable[[WarmRuns], tuple[int, Body | None]]) -> web.Response:
+        """Answered from the operator's cache, looked at again each time the Flow changes."""
         if self._warm is None:
             return _error(404, "this operator serves no warm runners")
-        if not after_text.isdigit():
-            return _error(400, "the path ends with the number of the last message answered")
-        after = int(after_text)
         try:
             wait = min(max(float(request.query.get("wait", c.MESSAGE_POLL_SECONDS)), 0.0), c.MESSAGE_POLL_SECONDS)
         except ValueError:
@@ -327,7 +338,7 @@ class StateApi:
         deadline = time.monotonic() + wait
         key = (t.namespace, t.flow)
         while True:
-            code, body = self._warm.message_for(t.namespace, t.flow, t.pod, after)
+            code, body = look(self._warm)
             if code != 204:
                 return web.json_response(body, status=code)
             left = deadline - time.monotonic()
@@ -344,6 +355,7 @@ class StateApi:
         app.router.add_get(c.STATE_API_PREFIX + "{key}", self._handle(self._get))
         app.router.add_put(c.STATE_API_PREFIX + "{key}", self._handle(self._put))
         app.router.add_get(c.MESSAGE_API_PREFIX + "{key}", self._handle(self._message, state_key=False))
+        app.router.add_get(c.ANSWER_API_PREFIX + "{key}", self._handle(self._answer, state_key=False))
         return app
 
     def _handle(self, fn: Callable[[web.Request, Target, str], Awaitable[web.Response]], state_key: bool = True,
@@ -357,7 +369,7 @@ class StateApi:
                 target = await self.authenticate(request.headers.get("Authorization", ""))
                 if not state_key:
                     if target.late:
-                        raise StateError(410, f"the run of pod {target.pod} was closed: no message will come")
+                        raise StateError(410, f"the run of pod {target.pod} was closed: nothing will come to it")
                 elif key not in (c.STATE_KEY, c.report_key(target.pod)):
                     raise StateError(403, f"a run may use only {c.STATE_KEY} and its own report key")
                 elif target.late and (key != c.report_key(target.pod) or request.method != "PUT"):

@@ -86,6 +86,7 @@ class RunnerConfig:
     termination_log: Path = DEFAULT_TERMINATION_LOG
     state_dir: Path | None = None
     keep_warm_seconds: float = 0.0  # a conversation's pod waits this long for its next message
+    feedback_keep_warm_seconds: float = 0.0  # a paused run's pod waits this long for the answer
 
     @staticmethod
     def termination_log_from_env(env: Mapping[str, str] | None = None) -> Path:
@@ -126,10 +127,8 @@ class RunnerConfig:
         except ValueError as e:
             raise ConfigError(c.Reason.INTERNAL_ERROR, f"{c.ENV_PRICES}: {e}") from e
         state_dir = env.get(ENV_STATE_DIR, "").strip()
-        try:
-            keep_warm = max(0.0, float(env.get(c.ENV_KEEP_WARM_SECONDS, "0") or "0"))
-        except ValueError as e:
-            raise ConfigError(c.Reason.INTERNAL_ERROR, f"{c.ENV_KEEP_WARM_SECONDS}: {e}") from e
+        keep_warm = _seconds(env, c.ENV_KEEP_WARM_SECONDS)
+        feedback_keep_warm = _seconds(env, c.ENV_FEEDBACK_KEEP_WARM_SECONDS)
         return cls(
             flow=flow,
             namespace=env.get(c.ENV_NAMESPACE, "").strip() or "default",
@@ -144,7 +143,15 @@ class RunnerConfig:
             termination_log=cls.termination_log_from_env(env),
             state_dir=Path(state_dir) if state_dir else None,
             keep_warm_seconds=keep_warm,
+            feedback_keep_warm_seconds=feedback_keep_warm,
         )
+
+
+def _seconds(env: Mapping[str, str], name: str) -> float:
+    try:
+        return max(0.0, float(env.get(name, "0") or "0"))
+    except ValueError as e:
+        raise ConfigError(c.Reason.INTERNAL_ERROR, f"{name}: {e}") from e
 
 
 M = TypeVar("M", bound=BaseModel)

@@ -10,6 +10,7 @@ imports them (and with them crewAI, seconds of imports) only when it starts.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -23,7 +24,7 @@ from pydantic import ValidationError
 from flowkube_api import constants as c
 from flowkube_api.report import FeedbackApplied, FeedbackRequest, RunReport, TurnReport, Usage, excerpt
 
-from .config import Message, RunnerConfig
+from .config import Feedback, Message, RunnerConfig
 from .engine.api import Ending, InvalidFlow, InvalidInputs
 from .engine.pricing import Pricer
 from .engine.state import StateDocument
@@ -236,6 +237,18 @@ class _Run:
         with self.recorder.recording():
             return self.converse(session, session.document)
 
+    def next_resume(self) -> Ending:
+        """A warm resume: the answer (``config.feedback``) to the request this process paused on."""
+        session = self.session
+        document = session.document if session is not None else None
+        if session is None or document is None:
+            raise RuntimeError("a warm resume before the run's first step")
+        self.feedback_applied = None
+        if self.stop is not None and self.stop.is_set():
+            raise RunFailure(c.Reason.RUN_INTERRUPTED, STOPPED_MESSAGE, permanent=False)
+        with self.recorder.recording():
+            return self.resume(session, document)
+
     # --- the whole run ---
 
     def _document(self) -> StateDocument | None:
@@ -340,7 +353,7 @@ def execute(
             raise
         return _attempt(template, None, error)
     report = _attempt(template, run, run.drive)
-    if inbox is not None and config.keep_warm_seconds > 0:
+    if inbox is not None and (config.keep_warm_seconds > 0 or config.feedback_keep_warm_seconds > 0):
         report = _stay_warm(run, template, report, inbox)
     return report
 
@@ -385,39 +398,48 @@ def _attempt(template: RunReport, run: _Run | None, step: Callable[[], Ending] |
 
 
 def _stay_warm(run: _Run, template: RunReport, report: RunReport, inbox: Inbox) -> RunReport:
-    """Answer the conversation's next messages in this process while they come within the window."""
-    while _answered_and_open(report) and not (run.stop is not None and run.stop.is_set()):
-        assert report.conversation is not None
-        answered = report.conversation.turn
+    """While the run ends where someone must answer (a conversation's turn, or a pause for feedback)
+    within a window: say so (a ``warm`` report), wait for the answer, and go on in this process."""
+    while not (run.stop is not None and run.stop.is_set()):
+        step: Callable[[], Ending]
+        poll: Callable[[float], dict[str, Any] | None]
+        if _answered_and_open(report) and run.config.keep_warm_seconds > 0:
+            assert report.conversation is not None
+            after = report.conversation.turn
+            what, window = f"message {after + 1}", run.config.keep_warm_seconds
+            poll = functools.partial(lambda wait, after: inbox.next_message(after, wait), after=after)
+        elif _paused_on(report) and run.config.feedback_keep_warm_seconds > 0:
+            assert report.feedback_request is not None
+            request = report.feedback_request.id
+            what, window = f"the answer to {request}", run.config.feedback_keep_warm_seconds
+            poll = functools.partial(lambda wait, request: inbox.next_answer(request, wait), request=request)
+        else:
+            return report
         try:
             run.store.put(c.report_key(report.pod), report.model_copy(update={"warm": True}).encode())
         except Exception as e:
-            log.warning("could not say the turn is done (%s); the pod ends and the next message starts another", e)
+            log.warning("could not say the run waits (%s); the pod ends and the answer starts another", e)
             return report
-        log.info("message %d answered; waiting up to %.0fs for the next", answered, run.config.keep_warm_seconds)
-        message = _wait_for_message(inbox, answered, run.config.keep_warm_seconds, run.stop)
-        if message is None:
+        log.info("waiting up to %.0fs for %s", window, what)
+        found = _wait_warm(poll, window, run.stop)
+        if found is None:
             return report
-        log.info("message %d taken (warm)", message.turn)
-        run.config = dataclasses.replace(run.config, message=message)
-        report = _attempt(template, run, run.next_turn)
-    return report
-
-
-def _poll(inbox: Inbox, after: int, wait: float) -> tuple[threading.Event, list[Any]]:
-    """One long poll in its own thread: (set when it answered, [its answer or exception])."""
-    done, box = threading.Event(), list[Any]()
-
-    def poll() -> None:
         try:
-            box.append(inbox.next_message(after, wait))
-        except BaseException as e:  # handed to the waiting thread
-            box.append(e)
-        finally:
-            done.set()
-
-    threading.Thread(target=poll, daemon=True, name="message-poll").start()
-    return done, box
+            if report.result == c.RunResult.PAUSED:
+                run.config = dataclasses.replace(run.config, feedback=Feedback.model_validate(found))
+                step = run.next_resume
+            else:
+                message = Message.model_validate(found)
+                if message.turn != report.conversation.turn + 1:  # type: ignore[union-attr]
+                    raise ValueError(f"message {message.turn} is not the next one")
+                run.config = dataclasses.replace(run.config, message=message)
+                step = run.next_turn
+        except (ValidationError, ValueError) as e:
+            log.warning("the operator sent what this pod cannot take (%s); the pod ends", e)
+            return report
+        log.info("%s taken (warm)", what)
+        report = _attempt(template, run, step)
+    return report
 
 
 def _answered_and_open(report: RunReport) -> bool:
@@ -426,35 +448,49 @@ def _answered_and_open(report: RunReport) -> bool:
             and turn is not None and not turn.ended)
 
 
-def _wait_for_message(inbox: Inbox, after: int, window: float, stop: threading.Event | None) -> Message | None:
-    """Message ``after + 1``, or None when the window passed, the operator said none will come, or
-    the pod is being stopped (SIGTERM ends the wait at once: each poll runs in its own thread)."""
+def _paused_on(report: RunReport) -> bool:
+    return report.result == c.RunResult.PAUSED and report.feedback_request is not None
+
+
+def _poll(poll: Callable[[float], dict[str, Any] | None], wait: float) -> tuple[threading.Event, list[Any]]:
+    """One long poll in its own thread: (set when it answered, [its answer or exception])."""
+    done, box = threading.Event(), list[Any]()
+
+    def run() -> None:
+        try:
+            box.append(poll(wait))
+        except BaseException as e:  # handed to the waiting thread
+            box.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, daemon=True, name="warm-poll").start()
+    return done, box
+
+
+def _wait_warm(poll: Callable[[float], dict[str, Any] | None], window: float,
+               stop: threading.Event | None) -> dict[str, Any] | None:
+    """What the pod waits for, or None when the window passed, the operator said nothing will come,
+    or the pod is being stopped (SIGTERM ends the wait at once: each poll runs in its own thread)."""
     deadline = time.monotonic() + window
     stopping = stop or threading.Event()
     while not stopping.is_set():
         left = deadline - time.monotonic()
         if left <= 0:
             return None
-        done, box = _poll(inbox, after, min(float(c.MESSAGE_POLL_SECONDS), left))
+        done, box = _poll(poll, min(float(c.MESSAGE_POLL_SECONDS), left))
         while not done.wait(0.2):  # SIGTERM sets `stop`, which cannot wake a wait on `done`: look every 0.2 s
             if stopping.is_set():
                 return None
         found = box[0] if box else None
         if isinstance(found, MessageGone):
-            log.info("no more messages for this pod: %s", found)
+            log.info("nothing more will come to this pod: %s", found)
             return None
         if isinstance(found, BaseException):
-            log.warning("waiting for the next message failed; the pod ends (the next message starts another): %s",
-                        found)
+            log.warning("waiting failed; the pod ends (the answer starts another): %s", found)
             return None
         if found is not None:
-            try:
-                message = Message.model_validate(found)
-            except ValidationError as e:
-                log.warning("the operator sent an unreadable message: %s", e)
-                return None
-            if message.turn == after + 1:
-                return message
+            return dict(found)
     return None
 
 

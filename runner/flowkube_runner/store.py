@@ -57,11 +57,16 @@ class MessageGone(Exception):
 
 
 class Inbox(Protocol):
-    """Where a warm conversation runner waits for the message after the one it answered last."""
+    """Where a warm runner waits: for a conversation's next message, or a feedback answer."""
 
     def next_message(self, after: int, wait: float) -> dict[str, Any] | None:
         """Message ``after + 1`` as ``{"turn", "text", "sender"}``, or None if none came within about
         ``wait`` seconds. Raises ``MessageGone``."""
+        ...
+
+    def next_answer(self, request_id: str, wait: float) -> dict[str, Any] | None:
+        """The answer to feedback request ``request_id`` as ``{"requestId", "text", "timedOut",
+        "outcome"}``, or None if none came within about ``wait`` seconds. Raises ``MessageGone``."""
         ...
 
 
@@ -101,7 +106,14 @@ class FileStore:
     def next_message(self, after: int, wait: float) -> dict[str, Any] | None:
         """Development only: the next message of a warm conversation is the file
         ``message.<after + 1>.json`` (``{"turn", "text"}``) that someone writes into the directory."""
-        path = self.directory / f"message.{after + 1}.json"
+        return self._poll_file(f"message.{after + 1}.json", wait)
+
+    def next_answer(self, request_id: str, wait: float) -> dict[str, Any] | None:
+        """Development only: the file ``answer.<request id>.json`` (``{"requestId", "text"}``)."""
+        return self._poll_file(f"answer.{request_id}.json", wait)
+
+    def _poll_file(self, name: str, wait: float) -> dict[str, Any] | None:
+        path = self._path(name)
         deadline = time.monotonic() + wait
         while True:
             try:
@@ -195,11 +207,16 @@ class StateApiStore:
             raise StoreError(f"PUT state {key}: {_status_text(response)}")
 
     def next_message(self, after: int, wait: float) -> dict[str, Any] | None:
-        """The operator's long poll: it answers as soon as the message is accepted for this pod. An
-        operator that is away (a restart, a rollout) is waited out: the window goes on."""
+        return self._long_poll(f"{c.MESSAGE_API_PREFIX}{after}", wait)
+
+    def next_answer(self, request_id: str, wait: float) -> dict[str, Any] | None:
+        return self._long_poll(f"{c.ANSWER_API_PREFIX}{request_id}", wait)
+
+    def _long_poll(self, path: str, wait: float) -> dict[str, Any] | None:
+        """The operator answers as soon as what the pod waits for is accepted for it. An operator that
+        is away (a restart, a rollout) is waited out: the window goes on."""
         try:
-            response = self._client.get(f"{c.MESSAGE_API_PREFIX}{after}", params={"wait": f"{wait:.1f}"},
-                                        timeout=wait + 15.0)
+            response = self._client.get(path, params={"wait": f"{wait:.1f}"}, timeout=wait + 15.0)
         except (httpx.TransportError, OSError):
             time.sleep(min(1.0, wait))  # the operator is away: ask again in a moment
             return None

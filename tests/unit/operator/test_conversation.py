@@ -313,3 +313,60 @@ def test_cold_conversations_and_plain_flows_never_wait_warm() -> None:
     del inline["spec"]["flowRef"]
     p = step(inline)
     assert p.create_pod is not None and p.create_pod.keep_warm_seconds == 120
+
+
+# -- warm feedback: the paused pod waits for the answer and resumes in its own process ----------------
+
+
+def warm_paused(**spec: Any) -> tuple[dict[str, Any], RunReport]:
+    body = flow(feedback={"keepWarmSeconds": 300, **spec.pop("feedback", {})}, **spec)
+    p = step(body)
+    assert p.create_pod is not None and p.create_pod.feedback_keep_warm_seconds == 300
+    fr = FeedbackRequest(id="req-1", method="review", message="Approve?", emit=["approved", "rejected"],
+                         output="draft text")
+    rep = report("f-0", RunResult.PAUSED, reason=Reason.RUN_PAUSED, feedback_request=fr, usage=usage(3, 2),
+                 warm=True)
+    step(body, pod("f-0", "Running"), rep, at=5)
+    return body, rep
+
+
+def test_a_warm_paused_pod_takes_the_answer_without_a_new_pod() -> None:
+    body, rep = warm_paused()
+    st = body["status"]
+    assert st["phase"] == Phase.AWAITING_FEEDBACK and st["feedback"]["request"]["id"] == "req-1"
+    assert "finishedAt" not in st["runs"][0] and st["usage"]["totalTokens"] == 5
+    again = step(body, pod("f-0", "Running"), rep, at=6)  # the same report again: nothing new
+    assert again.events == []
+    body["status"]["feedback"]["response"] = {"text": "ship it", "requestId": "req-1"}
+    p = step(body, pod("f-0", "Running"), at=25)
+    st = body["status"]
+    assert p.create_pod is None and len(st["runs"]) == 1 and st["phase"] == Phase.RUNNING
+    assert "request" not in st["feedback"] and st["feedback"]["history"][0]["response"] == "ship it"
+    assert st["runs"][0]["warmSeconds"] == 20.0
+    done = report("f-0", RunResult.SUCCEEDED, usage=usage(10, 4), output="shipped")
+    step(body, pod("f-0", "Succeeded", exit_code=0, at=0), done, at=30)
+    assert body["status"]["phase"] == Phase.SUCCEEDED and body["status"]["usage"]["totalTokens"] == 14
+
+
+def test_a_warm_paused_pod_that_ends_first_leaves_the_request_or_hands_the_answer_to_a_new_pod() -> None:
+    body, rep = warm_paused()
+    asked = body["status"]["feedback"]["request"]["requestedAt"]
+    final = rep.model_copy(update={"warm": False})
+    step(body, pod("f-0", "Succeeded", exit_code=0, at=0), final, at=300)  # the window passed
+    st = body["status"]
+    assert st["runs"][0]["result"] == RunResult.PAUSED and st["phase"] == Phase.AWAITING_FEEDBACK
+    assert st["feedback"]["request"]["requestedAt"] == asked, "the same request, not asked again"
+
+    body, rep = warm_paused()
+    body["status"]["feedback"]["response"] = {"text": "ok"}
+    step(body, pod("f-0", "Running"), at=299)  # accepted for the waiting pod...
+    p = step(body, pod("f-0", "Succeeded", exit_code=0, at=0), rep.model_copy(update={"warm": False}), at=301)
+    assert p.create_pod is not None and p.create_pod.trigger == Trigger.RESUME  # ...which never took it
+    assert p.create_pod.feedback is not None and p.create_pod.feedback["text"] == "ok"
+
+
+def test_a_warm_paused_pod_is_stopped_when_the_request_times_out() -> None:
+    body, _ = warm_paused(feedback={"timeoutSeconds": 60})
+    p = step(body, pod("f-0", "Running"), at=70)
+    assert body["status"]["phase"] == Phase.FAILED and p.delete_pods == ["f-0"]
+    assert body["status"]["runs"][0]["result"] == RunResult.PAUSED

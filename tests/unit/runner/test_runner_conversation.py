@@ -18,7 +18,17 @@ from flowkube_api.report import RunReport, TurnReport
 from flowkube_devstack.cluster import wait_for
 from flowkube_devstack.stubmodel import Rules, StubModel, ledger_usage
 
-from .test_runner_flows import MODEL, Finished, Harness, harness, kill_during_held_call, stub, succeeded
+from .test_runner_flows import (
+    MODEL,
+    RULES,
+    Finished,
+    Harness,
+    article_definition,
+    harness,
+    kill_during_held_call,
+    stub,
+    succeeded,
+)
 
 __all__ = ["harness", "stub"]  # fixtures
 
@@ -268,3 +278,41 @@ def test_a_warm_runner_exits_when_its_window_passes_or_it_is_stopped(harness: Ha
     proc.send_signal(signal.SIGTERM)  # deleted while it waits: it ends well, long before its window would
     run = harness.finish(pod, proc, timeout=30)
     assert answered(run, 1).reply == "Nice to meet you." and run.exit_code == c.EXIT_OK
+
+
+def warm_paused_on(harness: Harness, pod: str, method: str, timeout: float = 120) -> RunReport:
+    found: list[RunReport] = []
+
+    def ready() -> bool:
+        data = harness.store.get(c.report_key(pod))
+        report = RunReport.decode(data) if data else None
+        if report is not None and report.warm and report.feedback_request is not None \
+                and report.feedback_request.method == method:
+            found.append(report)
+            return True
+        return False
+
+    wait_for(ready, timeout, f"{pod} to pause on {method} and wait warm", interval=0.01)
+    return found[-1]
+
+
+def test_a_warm_paused_runner_resumes_each_answer_in_the_same_process(harness: Harness, stub: StubModel) -> None:
+    stub.set_rules(Rules.from_json(RULES))
+    spec = {"definition": article_definition()}
+    pod, proc = harness.spawn(c.Trigger.KICKOFF, spec, extra_env={c.ENV_FEEDBACK_KEEP_WARM_SECONDS: "60"})
+    try:
+        first = warm_paused_on(harness, pod, "review")
+        assert proc.poll() is None and first.result == c.RunResult.PAUSED
+        request = first.feedback_request.id  # type: ignore[union-attr]
+        (harness.state_dir / f"answer.{request}.json").write_text(json.dumps({"requestId": request, "text": "LGTM"}))
+        second = warm_paused_on(harness, pod, "final_review")
+        assert second.feedback_applied is not None and second.feedback_applied.outcome == "approved"
+        request = second.feedback_request.id  # type: ignore[union-attr]
+        (harness.state_dir / f"answer.{request}.json").write_text(json.dumps({"requestId": request, "text": "ship it"}))
+        run = harness.finish(pod, proc, timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    done = succeeded(run)
+    assert done.output == "Operators, polished. | LGTM | ship it", "polish read the draft of the same process"
+    assert done.usage == ledger_usage(stub.ledger()), "every call of the three steps, once"
