@@ -111,6 +111,23 @@ def test_inline_definition_pauses_for_feedback_and_resumes_on_a_raw_status_patch
     assert sum(usage_of({"usage": r["usage"]}).successful_requests for r in st["runs"]) == ledger.successful_requests
 
 
+def test_a_warm_paused_pod_takes_the_answer_and_resumes_in_its_own_process(
+        stack: RealRunnerStack, flows: Flows) -> None:
+    mark = len(stack.stub.ledger())
+    flows.apply("warm-review", {"definition": review_definition(), "feedback": {"keepWarmSeconds": 600}})
+    st = flows.wait_phase("warm-review", "AwaitingFeedback", timeout=RUN_TIMEOUT)
+    assert "finishedAt" not in st["runs"][0], "the paused pod waits warm: its run goes on"
+    pods = [p["metadata"]["name"] for p in flows.pods("warm-review")]
+    stack.cluster.kubectl("patch", "flow", "warm-review", "-n", flows.ns, "--subresource=status", "--type=merge",
+                          "-p", '{"status":{"feedback":{"response":{"text":"approved"}}}}')
+    st = flows.wait_phase("warm-review", "Succeeded", timeout=RUN_TIMEOUT)
+    assert [(r["trigger"], r["result"]) for r in st["runs"]] == [("kickoff", "Succeeded")], "one pod, one run"
+    assert [p["metadata"]["name"] for p in flows.pods("warm-review")] == pods
+    assert st["result"]["output"] == PUBLISHED
+    assert st["feedback"]["history"][0]["outcome"] == "approved"
+    assert usage_of(st) == stack.usage_since(mark), "the draft, the answer's collapse and publish, once each"
+
+
 def test_class_flow_by_reference(stack: RealRunnerStack, flows: Flows) -> None:
     mark = len(stack.stub.ledger())
     flows.apply("article", {"flowRef": ARTICLE_FLOW, "inputs": {"topic": "cats"}})
