@@ -282,6 +282,11 @@ class _Run:
                 return session.kickoff(dict(spec.inputs))
             if trigger is c.Trigger.RESUME:
                 assert document is not None
+                if document.pending is None and document.has_completed_methods:
+                    # A warm pod took this answer and was lost after it settled the request: the
+                    # answer is in the state; go on from the last completed method, like a retry.
+                    log.info("the request was settled by an earlier pod: continuing after its last method")
+                    return session.retry(document)
                 return self.resume(session, document)
             return self.retry(session, document)
 

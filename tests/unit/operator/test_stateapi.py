@@ -314,3 +314,62 @@ def test_the_http_edge_refuses_bad_requests_with_clear_statuses() -> None:
             assert await (await client.get(c.STATE_API_PREFIX + c.STATE_KEY, headers=auth)).read() == b"fine"
 
     asyncio.run(scenario())
+
+
+def warm_flow(rv: int, **status: Any) -> dict[str, Any]:
+    return {"metadata": {"name": "demo", "namespace": "ns", "uid": FLOW_UID, "resourceVersion": str(rv)},
+            "status": {"runs": [{"pod": "demo-0"}], **status}}
+
+
+def test_a_warm_pod_long_polls_for_its_next_message_and_answer() -> None:
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from flowkube_operator.controller import Controller
+    from flowkube_operator.settings import Settings
+
+    ctl = Controller(Settings(), on_flow_change=lambda k, b: None)
+    kube = FakeKube()
+    state = StateApi(lambda: kube, ctl.active_run, warm=ctl)  # type: ignore[arg-type,return-value]
+    ctl.on_flow_seen = state.flow_changed
+    waiting: dict[str, Any] = {"phase": "AwaitingMessage", "conversation": {"sessionId": "s1", "turns": 1}}
+    ctl.flow_event("ADDED", warm_flow(10, **waiting))
+    ctl.pod_event("ADDED", {**runner_pod(), "status": {"phase": "Running"}})
+    auth = {"Authorization": f"Bearer {jwt('good')}"}
+
+    async def scenario() -> None:
+        async with TestClient(TestServer(state.app())) as client:
+            nothing = await client.get(c.MESSAGE_API_PREFIX + "1", params={"wait": "0.2"}, headers=auth)
+            assert nothing.status == 204
+            poll = asyncio.ensure_future(client.get(c.MESSAGE_API_PREFIX + "1", params={"wait": "10"}, headers=auth))
+            await asyncio.sleep(0)  # let the poll reach its wait (ordering only: the answer is awaited below)
+            accepted = {**waiting, "conversation": {**waiting["conversation"],
+                                                    "pending": {"turn": 2, "text": "hi", "sentBy": "ana"}}}
+            ctl.flow_event("MODIFIED", warm_flow(11, **accepted))  # the status write that accepted it
+            got = await asyncio.wait_for(poll, 5)
+            assert got.status == 200 and await got.json() == {"turn": 2, "text": "hi", "sender": "ana"}
+            stale = await client.get(c.MESSAGE_API_PREFIX + "0", params={"wait": "0"}, headers=auth)
+            assert stale.status == 410  # message 1 was answered: nothing will come for it
+
+            asked = {"phase": "AwaitingFeedback", "feedback": {"request": {"id": "r1", "method": "m", "message": "?"}}}
+            ctl.flow_event("MODIFIED", warm_flow(12, **asked))
+            pending = await client.get(c.ANSWER_API_PREFIX + "r1", params={"wait": "0.1"}, headers=auth)
+            assert pending.status == 204
+            answered = {"phase": "Running", "feedback": {"history": [
+                {"requestId": "r1", "method": "m", "response": "yes", "respondedAt": "2026-11-23T00:00:00Z"}]}}
+            ctl.flow_event("MODIFIED", warm_flow(13, **answered))
+            got = await client.get(c.ANSWER_API_PREFIX + "r1", params={"wait": "5"}, headers=auth)
+            assert got.status == 200 and (await got.json())["text"] == "yes"
+
+            # A follower (not leading) stores a warm report but sends the runner to the leader.
+            warm = RunReport(pod="demo-0", trigger=Trigger.KICKOFF, result=RunResult.PAUSED,
+                             reason=Reason.RUN_PAUSED, exit_code=0, warm=True)
+            put = await client.put(c.STATE_API_PREFIX + c.report_key("demo-0"), data=warm.encode(), headers=auth)
+            assert put.status == 503 and put.headers.get("Connection") == "close"
+            assert c.report_key("demo-0") in kube.configmaps["demo-state"]["binaryData"]
+
+            ctl.flow_event("MODIFIED", {**warm_flow(14), "status": {"runs": [
+                {"pod": "demo-0", "finishedAt": "2026-11-23T00:00:00Z"}]}})
+            closed = await client.get(c.MESSAGE_API_PREFIX + "2", params={"wait": "5"}, headers=auth)
+            assert closed.status == 410
+
+    asyncio.run(scenario())
