@@ -9,8 +9,11 @@ imports them (and with them crewAI, seconds of imports) only when it starts.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
 import functools
+import gc
 import logging
 import threading
 import time
@@ -425,6 +428,7 @@ def _stay_warm(run: _Run, template: RunReport, report: RunReport, inbox: Inbox) 
         except Exception as e:
             log.warning("could not say the run waits (%s); the pod ends and the answer starts another", e)
             return report
+        _release_memory()
         log.info("waiting up to %.0fs for %s", window, what)
         found = _wait_warm(poll, window, run.stop)
         if found is None:
@@ -445,6 +449,15 @@ def _stay_warm(run: _Run, template: RunReport, report: RunReport, inbox: Inbox) 
         log.info("%s taken (warm)", what)
         report = _attempt(template, run, step)
     return report
+
+
+def _release_memory() -> None:
+    """Between two answers, give back what the step freed: a turn serialises the whole transcript
+    several times (crewAI's saves, the state commit), and glibc keeps those freed pages otherwise, so
+    a warm pod's resident memory would climb with the transcript many times over."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _answered_and_open(report: RunReport) -> bool:
