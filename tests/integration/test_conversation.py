@@ -18,9 +18,10 @@ from typing import Any
 import pytest
 
 from flowkube_api.report import Usage
-from flowkube_devstack.cluster import LocalCluster
+from flowkube_devstack.cluster import LocalCluster, wait_for
 from flowkube_devstack.stubmodel import Rules
 from flowkube_operator import cli
+from flowkube_runner.__main__ import STOP_LOG
 from tests.integration.conftest import Flows
 from tests.integration.realrunner import MODEL, RealRunnerStack, real_runner_stack
 
@@ -144,7 +145,7 @@ def status(flows: Flows, name: str) -> dict[str, Any]:
 def test_the_window_passing_between_messages_restores_the_session_in_a_new_pod(
         stack: RealRunnerStack, flows: Flows) -> None:
     mark = len(stack.stub.ledger())
-    flows.apply("brief", {"definition": SUPPORT, "conversation": {"keepWarmSeconds": 2}})
+    flows.apply("brief", {"definition": SUPPORT, "conversation": {"keepWarmSeconds": 4}})
 
     def pod_gone(s: dict[str, Any]) -> bool:  # the last run ended: its pod's window passed
         return s.get("phase") == "AwaitingMessage" and bool(s["runs"][-1].get("finishedAt"))
@@ -180,6 +181,12 @@ def test_a_warm_pod_stopped_mid_turn_or_killed_while_it_waits_loses_no_message(
         assert stack.stub.wait_held(1, timeout=TURN_TIMEOUT), "the warm pod took the message"
         pod = status(flows, "sturdy")["runs"][-1]["pod"]
         stack.cluster.kubectl("delete", "pod", pod, "-n", flows.ns, "--wait=false")
+
+        def took_sigterm() -> bool:  # the kubelet's SIGTERM reached the runner while its call was held
+            out = stack.cluster.kubectl("logs", pod, "-n", flows.ns, check=False)
+            return STOP_LOG in out.stdout + out.stderr
+
+        wait_for(took_sigterm, 60, f"runner pod {pod} to take the SIGTERM")
     finally:
         stack.stub.release_held()
     st = answered(flows, "sturdy", 2)
