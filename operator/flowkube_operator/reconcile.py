@@ -192,9 +192,7 @@ class _Reconciler:
                 continue
             rep, pod = self.late[run.pod], self.pods.get(run.pod)
             counted = run.usage or Usage()
-            if rep is not None and rep.pod == run.pod and (
-                    rep.usage.successful_requests, rep.usage.total_tokens) > (
-                    counted.successful_requests, counted.total_tokens):
+            if rep is not None and rep.pod == run.pod and _more(rep.usage, counted):
                 added = rep.usage.total_tokens - counted.total_tokens
                 run.usage = rep.usage
                 self.plan.event(Reason.LATE_REPORT, f"run {run.pod} reported {added} more tokens after it was "
@@ -230,8 +228,7 @@ class _Reconciler:
                 pod is None or pod.terminated or over > STOP_GRACE_SECONDS):
             # Over the deadline, and the pod stopped (or will not stop): end the run only now, so the
             # report read below has every LLM call the pod completed before it was stopped.
-            if pod is not None and not pod.terminated and not pod.deleting:
-                self.plan.delete_pods.append(run.pod)
+            self._stop_pod(run.pod)
             run.exit_code = pod.exit_code if pod is not None else None
             self._end_run(run, self._report_of(run), RunResult.FAILED, Reason.DEADLINE_EXCEEDED,
                           f"the flow ran longer than activeDeadlineSeconds={limit}",
@@ -318,7 +315,7 @@ class _Reconciler:
             self._terminal(Phase.SUCCEEDED, Reason.RUN_SUCCEEDED, "the flow finished")
             self.plan.event(Reason.RUN_SUCCEEDED, f"run {run.pod} succeeded; the flow finished")
         elif result == RunResult.PAUSED and rep is not None and rep.feedback_request is not None:
-            if any(h.request_id == rep.feedback_request.id for h in self.fb.history or []):
+            if self._answered(rep.feedback_request.id):
                 # Its warm pod waited for the answer and ended before it took it: a new pod resumes.
                 self.resume_now = True
             else:
@@ -328,6 +325,10 @@ class _Reconciler:
                 run.result, reason = RunResult.FAILED, Reason.INTERNAL_ERROR
                 message = "the run paused but reported no feedback request"
             self._after_failure(run, reason, message)
+
+    def _answered(self, request_id: str) -> bool:
+        """Has an answer to this request been accepted (it is in the history)?"""
+        return any(h.request_id == request_id for h in self.fb.history or [])
 
     def _note_applied(self, rep: RunReport) -> None:
         applied = rep.feedback_applied
@@ -590,23 +591,18 @@ class _Reconciler:
         rep = self.report
         if rep is None or rep.pod != run.pod or not rep.warm:
             return
-        counted = run.usage or Usage()
-        if (rep.usage.successful_requests, rep.usage.total_tokens) >= (counted.successful_requests,
-                                                                        counted.total_tokens):
+        if _more(rep.usage, run.usage or Usage()):
             run.usage = rep.usage  # a run's reports are cumulative: everything it did so far
         if rep.flow_id:
             self.st.flow_id = rep.flow_id
         self._note_applied(rep)
         if rep.result == RunResult.PAUSED and rep.feedback_request is not None:
-            if not any(h.request_id == rep.feedback_request.id for h in self.fb.history or []):
+            if not self._answered(rep.feedback_request.id):
                 self._feedback_requested(rep.feedback_request)
             return
         if rep.result != RunResult.SUCCEEDED or rep.conversation is None:
             return
-        conv = self.conv
-        if conv is not None and conv.session_id and rep.conversation.turn <= conv.turns:
-            return  # folded before
-        self._turn_done(rep.conversation.model_copy(), rep.output)
+        self._turn_done(rep.conversation.model_copy(), rep.output)  # nothing new if it was folded before
         if self.st.phase in c.TERMINAL_PHASES:  # the session ended with that turn (maxTurns)
             self._close_warm(run, f"run {run.pod} answered the conversation's last message")
 
@@ -634,9 +630,13 @@ class _Reconciler:
         reason = Reason.RUN_PAUSED if result == RunResult.PAUSED else Reason.RUN_SUCCEEDED
         run.result, run.reason, run.message = result, str(reason), message
         run.finished_at = self.now
-        pod = self.pods.get(run.pod)
+        self._stop_pod(run.pod)
+
+    def _stop_pod(self, name: str) -> None:
+        """Delete a runner pod that still runs (once: not one already stopping)."""
+        pod = self.pods.get(name)
         if pod is not None and not pod.terminated and not pod.deleting:
-            self.plan.delete_pods.append(run.pod)
+            self.plan.delete_pods.append(name)
 
     def _refuse_untimely_message(self) -> None:
         """A message that arrived while the flow could not take one (checked against the phase it had
@@ -748,6 +748,12 @@ class _Reconciler:
 
 
 # -- the arithmetic of runs and answers ------------------------------------------------------------
+
+
+def _more(reported: Usage, counted: Usage) -> bool:
+    """A run's reports are cumulative: is this one further along than what its entry counts?"""
+    return (reported.successful_requests, reported.total_tokens) > (counted.successful_requests,
+                                                                    counted.total_tokens)
 
 
 def total_usage(runs: list[Run]) -> Usage:
