@@ -231,26 +231,29 @@ class _Run:
 
     def next_turn(self) -> Ending:
         """A warm turn: the next message (``config.message``), in this process, on the same session."""
-        session = self.session
-        if session is None:
-            raise RuntimeError("a warm turn before the run's first")
-        self.feedback_applied = None
-        if self.stop is not None and self.stop.is_set():
-            raise RunFailure(c.Reason.RUN_INTERRUPTED, STOPPED_MESSAGE, permanent=False)
-        with self.recorder.recording():
-            return self.converse(session, session.document)
+        return self._warm_step(self.converse)
 
     def next_resume(self) -> Ending:
         """A warm resume: the answer (``config.feedback``) to the request this process paused on."""
+        def resume(session: FlowSession, document: StateDocument | None) -> Ending:
+            if document is None:
+                raise RuntimeError("a warm resume without the state it paused in")
+            return self.resume(session, document)
+
+        return self._warm_step(resume)
+
+    def _warm_step(self, act: Callable[[FlowSession, StateDocument | None], Ending]) -> Ending:
         session = self.session
-        document = session.document if session is not None else None
-        if session is None or document is None:
-            raise RuntimeError("a warm resume before the run's first step")
+        if session is None:
+            raise RuntimeError("a warm step before the run's first")
         self.feedback_applied = None
+        self._refuse_if_stopped()
+        with self.recorder.recording():
+            return act(session, session.document)
+
+    def _refuse_if_stopped(self) -> None:
         if self.stop is not None and self.stop.is_set():
             raise RunFailure(c.Reason.RUN_INTERRUPTED, STOPPED_MESSAGE, permanent=False)
-        with self.recorder.recording():
-            return self.resume(session, document)
 
     # --- the whole run ---
 
@@ -276,8 +279,7 @@ class _Run:
         if self.recorder.budget_already_spent():
             self.recorder.exceeded = True
             raise _permanent(c.Reason.BUDGET_EXCEEDED, self.recorder.budget_message())
-        if self.stop is not None and self.stop.is_set():
-            raise RunFailure(c.Reason.RUN_INTERRUPTED, STOPPED_MESSAGE, permanent=False)
+        self._refuse_if_stopped()
         with self.recorder.recording():
             if session.is_conversation():
                 return self.converse(session, document)
@@ -369,9 +371,9 @@ def execute(
 def _attempt(template: RunReport, run: _Run | None, step: Callable[[], Ending] | BaseException) -> RunReport:
     """One step of a run (its first, or a warm turn) as a report: ``execute`` never raises."""
     report = template.model_copy()
-    interim = InterimReport(run.store, report) if run is not None else None
-    if run is not None and interim is not None:
-        run.interim = interim
+    interim = None
+    if run is not None:
+        interim = run.interim = InterimReport(run.store, report)
     try:
         if isinstance(step, BaseException):
             raise step
@@ -418,12 +420,12 @@ def _stay_warm(run: _Run, template: RunReport, report: RunReport, inbox: Inbox) 
             assert report.conversation is not None
             after = report.conversation.turn
             what, window = f"message {after + 1}", run.config.keep_warm_seconds
-            poll = functools.partial(lambda wait, after: inbox.next_message(after, wait), after=after)
+            poll = functools.partial(inbox.next_message, after)
         elif _paused_on(report) and run.config.feedback_keep_warm_seconds > 0:
             assert report.feedback_request is not None
             request = report.feedback_request.id
             what, window = f"the answer to {request}", run.config.feedback_keep_warm_seconds
-            poll = functools.partial(lambda wait, request: inbox.next_answer(request, wait), request=request)
+            poll = functools.partial(inbox.next_answer, request)
         else:
             return report
         try:
