@@ -267,31 +267,33 @@ def send(http: httpx.Client, name: str, text: str) -> float:
     return time.time()
 
 
-def warm_turn(http: httpx.Client, flows: Watch, stub: StubModel, name: str, i: int) -> Turn:
-    """A message answered by the pod that waits warm: patch -> accepted -> the pod's model calls -> reply."""
-    fmark, lmark = flows.mark(), len(stub.ledger())
+def exchange(http: httpx.Client, flows: Watch, name: str, i: int) -> tuple[float, float, float | None]:
+    """Send message ``i`` and wait for its reply in status: (patch returned, reply seen, accepted seen)."""
+    fmark = flows.mark()
     sent = send(http, name, message(i))
     done, flow = flows.wait(answered(name, i), TURN_TIMEOUT, f"the reply to message {i}", since=fmark)
     got = flow["status"]["conversation"].get("lastReply")
     if got != reply(i):
         raise RuntimeError(f"message {i} answered {got!r}, expected {reply(i)!r}")
     accepted = flows.first(lambda o: named(name)(o) and "pending" in conversation(o), since=fmark)
+    return sent, done, accepted[0] if accepted else None
+
+
+def warm_turn(http: httpx.Client, flows: Watch, stub: StubModel, name: str, i: int) -> Turn:
+    """A message answered by the pod that waits warm: patch -> accepted -> the pod's model calls -> reply."""
+    lmark = len(stub.ledger())
+    sent, done, accepted = exchange(http, flows, name, i)
     calls = stub.ledger()[lmark:]
     if not calls:
         raise RuntimeError(f"message {i} was answered without a model call")
-    return Turn(total=done - sent, accepted=accepted[0] - sent if accepted else None, created=None, running=None,
-                first_call=calls[0]["received"] - sent, last_answer=calls[-1]["time"] - sent, terminated=None,
-                calls=len(calls))
+    return Turn(total=done - sent, accepted=accepted - sent if accepted is not None else None, created=None,
+                running=None, first_call=calls[0]["received"] - sent, last_answer=calls[-1]["time"] - sent,
+                terminated=None, calls=len(calls))
 
 
 def turn(http: httpx.Client, flows: Watch, pods: Watch, stub: StubModel, i: int) -> Turn:
-    fmark, pmark, lmark = flows.mark(), pods.mark(), len(stub.ledger())
-    sent = send(http, NAME, message(i))
-    done, flow = flows.wait(answered(NAME, i), TURN_TIMEOUT, f"the reply to message {i}", since=fmark)
-    got = flow["status"]["conversation"].get("lastReply")
-    if got != reply(i):
-        raise RuntimeError(f"message {i} answered {got!r}, expected {reply(i)!r}")
-    accepted = flows.first(lambda o: named(NAME)(o) and "pending" in conversation(o), since=fmark)
+    pmark, lmark = pods.mark(), len(stub.ledger())
+    sent, done, accepted = exchange(http, flows, NAME, i)
     pod_name = c.run_pod_name(NAME, i)
     created, _ = pods.wait(named(pod_name), 30, f"{pod_name} created", since=pmark)
     # The kubelet may report the container's end after the operator has read the run's report.
@@ -302,7 +304,7 @@ def turn(http: httpx.Client, flows: Watch, pods: Watch, stub: StubModel, i: int)
     calls = stub.ledger()[lmark:]
     if not calls:
         raise RuntimeError(f"message {i} was answered without a model call")
-    return Turn(total=done - sent, accepted=accepted[0] - sent if accepted else None, created=created - sent,
+    return Turn(total=done - sent, accepted=accepted - sent if accepted is not None else None, created=created - sent,
                 running=running[0] - sent if running else None, first_call=calls[0]["received"] - sent,
                 last_answer=calls[-1]["time"] - sent, terminated=ended - sent, calls=len(calls))
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -206,21 +207,26 @@ def test_the_routers_end_route_ends_the_session(harness: Harness, stub: StubMode
 # -- warm: one process answers message after message ------------------------------------------------
 
 
-def warm_report(harness: Harness, pod: str, turn: int, timeout: float = 120) -> RunReport:
-    """Wait (with a deadline) until the pod says it answered ``turn`` and waits for the next message."""
+def waiting_warm(harness: Harness, pod: str, on: Callable[[RunReport], bool], what: str,
+                 timeout: float = 120) -> RunReport:
+    """Wait (with a deadline) until the pod's report says it waits warm, ``on`` what the test expects."""
     found: list[RunReport] = []
 
     def ready() -> bool:
         data = harness.store.get(c.report_key(pod))
         report = RunReport.decode(data) if data else None
-        if report is not None and report.warm and report.conversation is not None \
-                and report.conversation.turn == turn:
+        if report is not None and report.warm and on(report):
             found.append(report)
             return True
         return False
 
-    wait_for(ready, timeout, f"{pod} to answer message {turn} and wait warm", interval=0.01)
+    wait_for(ready, timeout, f"{pod} to {what} and wait warm", interval=0.01)
     return found[-1]
+
+
+def warm_report(harness: Harness, pod: str, turn: int) -> RunReport:
+    return waiting_warm(harness, pod, lambda r: r.conversation is not None and r.conversation.turn == turn,
+                        f"answer message {turn}")
 
 
 def send_file(harness: Harness, turn: int, text: str) -> None:
@@ -280,20 +286,9 @@ def test_a_warm_runner_exits_when_its_window_passes_or_it_is_stopped(harness: Ha
     assert answered(run, 1).reply == "Nice to meet you." and run.exit_code == c.EXIT_OK
 
 
-def warm_paused_on(harness: Harness, pod: str, method: str, timeout: float = 120) -> RunReport:
-    found: list[RunReport] = []
-
-    def ready() -> bool:
-        data = harness.store.get(c.report_key(pod))
-        report = RunReport.decode(data) if data else None
-        if report is not None and report.warm and report.feedback_request is not None \
-                and report.feedback_request.method == method:
-            found.append(report)
-            return True
-        return False
-
-    wait_for(ready, timeout, f"{pod} to pause on {method} and wait warm", interval=0.01)
-    return found[-1]
+def warm_paused_on(harness: Harness, pod: str, method: str) -> RunReport:
+    return waiting_warm(harness, pod, lambda r: r.feedback_request is not None and r.feedback_request.method == method,
+                        f"pause on {method}")
 
 
 def test_a_warm_paused_runner_resumes_each_answer_in_the_same_process(harness: Harness, stub: StubModel) -> None:
