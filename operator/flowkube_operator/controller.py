@@ -433,6 +433,8 @@ class Controller:
         status = body.get("status") or {}
         runs = status.get("runs") or []
         report, checked = None, False
+        # The warm hint as this reconcile takes it, before any await: one that comes later stays.
+        hinted, hint = key in self._warm, self._warm.get(key)
         active = runs[-1]["pod"] if runs and not runs[-1].get("finishedAt") else None
         if active is not None:
             if active not in pods and runs[-1].get("startedAt"):
@@ -443,8 +445,8 @@ class Controller:
                     pods[active] = view
             if active in pods and pods[active].terminated:
                 report, checked = await self._load_report(ns, name, uid, active, pods[active]), True
-            elif active in pods and key in self._warm:
-                warm = self._warm[key]
+            elif active in pods and hinted:
+                warm = hint
                 if warm is None or warm.pod != active:
                     warm = await self._load_report(ns, name, uid, active, None)
                 report, checked = warm, True
@@ -460,11 +462,10 @@ class Controller:
         if p.need_report and active is not None:
             report = await self._load_report(ns, name, uid, active, pods.get(active))
             p = plan(body, pods, report, backoff_cap=cap, report_checked=True, late=late)
-        hint = self._warm.get(key)
         await self._apply(key, body, p)
         self._forget_late(key, taken)
-        if key in self._warm and self._warm[key] is hint:
-            del self._warm[key]  # a newer one that came during the apply stays for the next reconcile
+        if hinted and key in self._warm and self._warm[key] is hint:
+            del self._warm[key]  # a newer one that came meanwhile stays for the next reconcile
 
     def _forget_late(self, key: Key, folded: dict[str, RunReport]) -> None:
         """Drop the hints a reconcile folded in; one that arrived meanwhile (a newer report of the

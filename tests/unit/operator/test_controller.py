@@ -152,3 +152,39 @@ def test_a_running_pod_the_watch_never_said_was_deleted_is_found_gone_by_the_rec
         assert "f-0" not in ctl.pods.get(("ns", "f"), {}), "gone from the cache: the run is looked at again"
 
     asyncio.run(scenario())
+
+
+def test_a_warm_report_that_arrives_during_a_reconcile_stays_for_the_next() -> None:
+    from flowkube_api.constants import Reason, RunResult, Trigger
+    from flowkube_api.report import RunReport
+
+    newer = RunReport(pod="f-0", trigger=Trigger.KICKOFF, result=RunResult.PAUSED, reason=Reason.RUN_PAUSED,
+                      exit_code=0, warm=True)
+
+    async def scenario() -> None:
+        ctl = Controller(Settings(), on_flow_change=lambda k, b: None)
+        ctl.leading = True
+        running = flow(10, "Running")
+        running["status"]["runs"] = [{"pod": "f-0", "trigger": "kickoff", "startedAt": "2026-11-23T00:00:00Z"}]
+        ctl.flow_event("MODIFIED", running)
+        live = pod("Running", 4)
+        live["metadata"]["ownerReferences"] = [{"kind": "Flow", "name": "f", "uid": "u", "controller": True}]
+        ctl.pod_event("ADDED", live)
+
+        class Kube:
+            async def get(self, path: str) -> None:  # the report's ConfigMap: the pod reports again meanwhile
+                ctl.warm_report("ns", "f", newer)
+
+            async def merge_patch(self, path: str, patch: dict[str, Any]) -> dict[str, Any]:
+                return {**running, "metadata": {**running["metadata"], "resourceVersion": "11"}}
+
+            async def create(self, path: str, body: dict[str, Any]) -> None:
+                return None
+
+        ctl.attach(Kube())  # type: ignore[arg-type]
+        assert ctl.message_for("ns", "f", "f-0", 0) == (204, None)  # a poll: the status lacks the session
+        assert ctl._warm[("ns", "f")] is None, "read the pod's report"
+        await ctl.reconcile(("ns", "f"))
+        assert ctl._warm[("ns", "f")] is newer, "the report that came during the reconcile is kept for the next"
+
+    asyncio.run(scenario())
