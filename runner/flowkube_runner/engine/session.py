@@ -107,6 +107,10 @@ class FlowSession:
             flow = build()
         except (ValueError, TypeError, ImportError, ValidationError) as e:
             raise InvalidFlow(f"{type(e).__name__}: {e}") from e
+        return self._drive(flow)
+
+    def _drive(self, flow: Flow[Any]) -> Flow[Any]:
+        """``flow`` is the instance this process runs now: crewAI's saves read its runtime."""
         self._persistence.attach(flow)
         self._flow = flow
         return flow
@@ -203,12 +207,7 @@ class FlowSession:
             state["ended"] = True
             return self._answered(turn, self._persistence.commit(document.model_copy(update={"state": state}),
                                                                  turn=turn))
-        flow = self._conversing
-        if flow is None:
-            flow = self._conversing = self._new_flow()
-        else:
-            self._persistence.attach(flow)
-            self._flow = flow
+        flow = self._conversing = self._new_flow() if self._conversing is None else self._drive(self._conversing)
         self._persistence.hold()
         result = flow.handle_turn(text, session_id=document.flow_id)
         if isinstance(result, HumanFeedbackPending):
