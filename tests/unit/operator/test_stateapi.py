@@ -340,6 +340,10 @@ def test_a_warm_pod_long_polls_for_its_next_message_and_answer() -> None:
         async with TestClient(TestServer(state.app())) as client:
             nothing = await client.get(c.MESSAGE_API_PREFIX + "1", params={"wait": "0.2"}, headers=auth)
             assert nothing.status == 204
+            not_a_turn = await client.get(c.MESSAGE_API_PREFIX + "one", headers=auth)
+            assert not_a_turn.status == 400 and "number" in (await not_a_turn.json())["message"]
+            bad_wait = await client.get(c.MESSAGE_API_PREFIX + "1", params={"wait": "soon"}, headers=auth)
+            assert bad_wait.status == 400 and "wait" in (await bad_wait.json())["message"]
             poll = asyncio.ensure_future(client.get(c.MESSAGE_API_PREFIX + "1", params={"wait": "10"}, headers=auth))
             await asyncio.sleep(0)  # let the poll reach its wait (ordering only: the answer is awaited below)
             accepted = {**waiting, "conversation": {**waiting["conversation"],
