@@ -34,7 +34,7 @@ from flowkube_api.report import RunReport
 from flowkube_operator import resources, selfmetrics
 from flowkube_operator.kube import ApiError, Kube, collection_path, delete_namesake_garbage, flow_path, ns_path
 from flowkube_operator.meta import PodView, owner_uid
-from flowkube_operator.reconcile import Plan, late_pods, plan
+from flowkube_operator.reconcile import Plan, RunIntent, late_pods, plan
 from flowkube_operator.settings import Settings
 
 Body = dict[str, Any]
@@ -512,37 +512,28 @@ class Controller:
     async def _apply(self, key: Key, body: Body, p: Plan) -> None:
         assert self.kube is not None
         ns, name = key
-        new_status = p.status.dump()
         old_status = body.get("status") or {}
         intent = p.create_pod
-        # Two round trips: the status (the run's durable record), then the pod. Runner pods need
-        # nothing else made for them: their state goes through the state API (see stateapi).
-        if new_status != old_status:
-            self._may_write()
-            patch = {"metadata": {"resourceVersion": body["metadata"]["resourceVersion"]},
-                     "status": merge_patch(old_status, new_status)}
-            body = await self.kube.merge_patch(
-                flow_path(ns, name, sub="status"), patch)
-            self.flow_event("MODIFIED", body)
-            _observe_turn(ns, old_status, new_status)
-        if intent is not None:
-            pod = resources.runner_pod(
-                body, index=intent.index, trigger=intent.trigger, settings=self.settings,
-                feedback=intent.feedback, message=intent.message, prior=intent.prior,
-                active_deadline_seconds=intent.active_deadline_seconds, state_ca=self.state_ca,
-                keep_warm_seconds=intent.keep_warm_seconds,
-                feedback_keep_warm_seconds=intent.feedback_keep_warm_seconds,
-            )
-            self._may_write()
+        # Runner pods need nothing else made for them: their state goes through the state API (see
+        # stateapi). A kickoff or retry pod comes first, then the one status write that records its
+        # run and startedAt; a resume or turn is recorded first (see reconcile's docstring).
+        if intent is not None and intent.first:
             try:
-                created = await self._create_owned(pod)
-            except ApiError as e:
-                if e.status != 409:  # quota, an invalid podTemplate, Pod Security: say so where users look
-                    self._post_event(body, "Warning", "FailedCreate", f"runner pod {pod['metadata']['name']}: {e}")
+                created = await self._create_runner_pod(body, intent)
+            except (ApiError, ForeignObjectError):
+                # Record the run anyway (started_at unset: "recorded, never seen", created again later),
+                # so `kubectl get` shows it Pending while the event says why its pod cannot be made.
+                if p.status.dump() != old_status:
+                    await self._write_status(key, body, old_status, p.status.dump())
                 raise
-            if created is not None:
-                selfmetrics.RUN_PODS_CREATED.labels(intent.trigger.value).inc()
-                self.pod_event("ADDED", created)
+            run = p.status.runs[intent.index] if p.status.runs else None
+            if run is not None and run.started_at is None:
+                run.started_at = parse_time(created["metadata"].get("creationTimestamp")) or now_utc()
+        new_status = p.status.dump()
+        if new_status != old_status:
+            body = await self._write_status(key, body, old_status, new_status)
+        if intent is not None and not intent.first:
+            await self._create_runner_pod(body, intent)
         if p.prune_reports:
             await self._prune_reports(ns, name, p.prune_reports)
         for pod_name in p.delete_pods:
@@ -557,6 +548,41 @@ class Controller:
         elif p.requeue_after is not None:
             self.queue.add_after(key, p.requeue_after)
 
+    async def _write_status(self, key: Key, body: Body, old_status: Body, new_status: Body) -> Body:
+        """The one status write of a reconcile, guarded by the resourceVersion the plan was made from."""
+        assert self.kube is not None
+        self._may_write()
+        patch = {"metadata": {"resourceVersion": body["metadata"]["resourceVersion"]},
+                 "status": merge_patch(old_status, new_status)}
+        body = await self.kube.merge_patch(flow_path(*key, sub="status"), patch)
+        self.flow_event("MODIFIED", body)
+        _observe_turn(key[0], old_status, new_status)
+        return body
+
+    async def _create_runner_pod(self, flow: Body, intent: RunIntent) -> Body:
+        """The intent's pod, created, or found already there (ours): the pod as the API server has it."""
+        pod = resources.runner_pod(
+            flow, index=intent.index, trigger=intent.trigger, settings=self.settings,
+            feedback=intent.feedback, message=intent.message, prior=intent.prior,
+            active_deadline_seconds=intent.active_deadline_seconds, state_ca=self.state_ca,
+            keep_warm_seconds=intent.keep_warm_seconds,
+            feedback_keep_warm_seconds=intent.feedback_keep_warm_seconds,
+        )
+        self._may_write()
+        try:
+            created, existing = await self._create_owned(pod)
+        except ApiError as e:
+            if e.status != 409:  # quota, an invalid podTemplate, Pod Security: say so where users look
+                self._post_event(flow, "Warning", "FailedCreate", f"runner pod {pod['metadata']['name']}: {e}")
+            raise
+        if created is not None:
+            selfmetrics.RUN_PODS_CREATED.labels(intent.trigger.value).inc()
+            self.pod_event("ADDED", created)
+            return created
+        if existing is None:  # gone again between the AlreadyExists and the read: plan again
+            raise ApiError(409, "it vanished after AlreadyExists", "POST", collection_path(pod))
+        return existing
+
     async def _prune_reports(self, ns: str, name: str, pods: list[str]) -> None:
         """Best effort: a report left behind costs ConfigMap space, not correctness."""
         assert self.kube is not None
@@ -568,21 +594,23 @@ class Controller:
             if e.status != 404:
                 log.warning("could not drop %d old run reports of %s/%s: %s", len(pods), ns, name, e)
 
-    async def _create_owned(self, obj: Body) -> Body | None:
-        """Create obj; None when it already exists and is ours (deterministic names make that
-        success). One left by an earlier Flow of the same name, not yet garbage-collected, raises."""
+    async def _create_owned(self, obj: Body) -> tuple[Body | None, Body | None]:
+        """Create obj: (created, None), or (None, the existing one) when it already exists and is ours
+        (deterministic names make that success). One left by an earlier Flow of the same name, not yet
+        garbage-collected, raises."""
         assert self.kube is not None
         created = await self.kube.create(collection_path(obj), obj)
-        if created is None:
-            meta = obj["metadata"]
-            path = f"{collection_path(obj)}/{meta['name']}"
-            existing = await self.kube.get(path)
-            mine = owner_uid(meta)
-            if existing is not None and owner_uid(existing["metadata"]) != mine:
-                await delete_namesake_garbage(self.kube, path, existing, meta["ownerReferences"][0]["name"], mine)
-                raise ForeignObjectError(f"{obj['kind']} {meta['namespace']}/{meta['name']} still belongs to an "
-                                         "earlier Flow of the same name; waiting for it to be gone")
-        return created
+        if created is not None:
+            return created, None
+        meta = obj["metadata"]
+        path = f"{collection_path(obj)}/{meta['name']}"
+        existing = await self.kube.get(path)
+        mine = owner_uid(meta)
+        if existing is not None and owner_uid(existing["metadata"]) != mine:
+            await delete_namesake_garbage(self.kube, path, existing, meta["ownerReferences"][0]["name"], mine)
+            raise ForeignObjectError(f"{obj['kind']} {meta['namespace']}/{meta['name']} still belongs to an "
+                                     "earlier Flow of the same name; waiting for it to be gone")
+        return None, existing
 
     def _post_event(self, flow: Body, etype: str, reason: str, message: str) -> None:
         """Events are history for `kubectl describe`; posting one never holds up a reconcile."""

@@ -54,6 +54,7 @@ class PodView:
     # (EvictionByEvictionAPI, PreemptionByScheduler, DeletionByTaintManager, TerminationByKubelet,
     # ...) or the kubelet's Evicted.
     disruption: str | None = None
+    trigger: str | None = None  # what started the run (the pod's flowkube.io/trigger label)
 
     @property
     def terminated(self) -> bool:
@@ -84,4 +85,5 @@ class PodView:
             owner_uid=owner_uid(meta),
             uid=meta.get("uid") or "",
             disruption=disruption,
+            trigger=(meta.get("labels") or {}).get(c.LABEL_TRIGGER),
         )

@@ -5,9 +5,13 @@ the report of a run that just ended; it returns the status the Flow should have 
 actions that bring the world there. It never assumes it saw every event: after an operator
 restart, a missed watch event or a conflict it is simply called again and reaches the same plan.
 
-Durable intent comes first: a run is recorded in `status.runs[]` before its pod is created, under
-a deterministic pod name, so a crash between the two steps is repaired by creating that pod again
-(an "AlreadyExists" answer means it is already there).
+Runs have deterministic pod names (`<flow>-<index>`), so a crash between creating a pod and
+recording it is repaired by looking. A kickoff or a retry takes its inputs from what is already
+durable (the spec, the earlier runs, recorded answers), so its pod is created first and the run is
+recorded with its `startedAt` in one status write; a pod found under the next run's name was made
+by such a start whose write was lost, and is adopted. A resume or a turn moves an answer or a
+message out of an inbox, so the run is recorded first and its pod created after: the pod can only
+carry what the status records (an "AlreadyExists" answer means the pod is already there).
 
 Read top to bottom: `plan()`, then the reconciler in the order it works (the active run, what comes
 next, the endings), then the arithmetic of runs. The conditions and message every plan ends with are
@@ -62,6 +66,10 @@ DISRUPTION_REASONS = frozenset({Reason.DISRUPTED, Reason.POD_DELETED})
 # conversation, one run per message, stays under a ConfigMap's 1 MiB.
 REPORTS_KEPT = 20
 
+# Runs whose pod is created before the status write that records them: everything they carry is
+# durable already (a resume or a turn takes an answer or a message out of an inbox: recorded first).
+POD_FIRST_TRIGGERS = frozenset({Trigger.KICKOFF, Trigger.RETRY})
+
 # How long a pod stopped at the deadline gets to be gone before its run is ended anyway (a node that
 # is down never confirms the deletion). Pods are deleted with their default 30 s grace period.
 STOP_GRACE_SECONDS = 60.0
@@ -79,6 +87,9 @@ class RunIntent:
     message: Body | None = None  # the conversation message this run answers: {"turn", "text", "sender"}
     keep_warm_seconds: int = 0  # a conversation's pod waits this long for its next message (see _keep_warm)
     feedback_keep_warm_seconds: int = 0  # a paused run's pod waits this long for the answer
+    # Create the pod before the status write that records the run (and write its startedAt with it):
+    # everything the pod carries is durable already. See the module's docstring.
+    first: bool = False
 
 
 @dataclass
@@ -207,8 +218,9 @@ class _Reconciler:
         if pod is not None and run.started_at is None:
             run.started_at = pod.created_at or self.now
         if pod is None and run.started_at is None:
-            # Recorded but never seen: the pod was not created yet (or the cache lags). Ensure it.
-            self.plan.create_pod = self._intent(len(self.runs) - 1, run.trigger)
+            # Recorded but never seen: the pod was not created yet (or the cache lags). Ensure it;
+            # the record holds everything it carries, so its startedAt comes in the same write.
+            self.plan.create_pod = self._intent(len(self.runs) - 1, run.trigger, first=True)
             self.st.phase = Phase.PENDING
             return
         if pod is not None and not pod.terminated and self._follow_warm(run):
@@ -378,6 +390,8 @@ class _Reconciler:
     # -- what comes next when no run is active ------------------------------------------------------
 
     def _next(self) -> None:
+        if self._adopt():
+            return
         if self.spec.suspend:
             if self.fb.request is None:
                 self.st.phase = Phase.SUSPENDED
@@ -653,6 +667,19 @@ class _Reconciler:
         self.message_refusal = f"message refused: {problem}"
         self.plan.event(Reason.MESSAGE_REFUSED, self.message_refusal, warning=True)
 
+    def _adopt(self) -> bool:
+        """A pod under the next run's name exists, made by a start whose status write was lost (the
+        operator stopped, or the Flow changed under it): record it as that run, started when it was."""
+        name = c.run_pod_name(str(self.meta.get("name")), len(self.runs))
+        pod = self.pods.get(name)
+        if pod is None or pod.trigger not in POD_FIRST_TRIGGERS:
+            return False
+        self.runs.append(Run(pod=name, trigger=Trigger(pod.trigger), started_at=pod.created_at or self.now))
+        self.st.phase = Phase.RUNNING if pod.phase == "Running" else Phase.PENDING
+        if pod.terminated:
+            self.plan.later(0)  # follow it to its end with its report, in the next reconcile
+        return True
+
     def _start(self, trigger: Trigger) -> None:
         spent = budget_spent(self.spec, total_usage(self.runs))
         if spent is not None:
@@ -660,10 +687,10 @@ class _Reconciler:
             return
         index = len(self.runs)
         self.runs.append(Run(pod=c.run_pod_name(str(self.meta.get("name")), index), trigger=trigger))
-        self.plan.create_pod = self._intent(index, trigger)
+        self.plan.create_pod = self._intent(index, trigger, first=trigger in POD_FIRST_TRIGGERS)
         self.st.phase = Phase.PENDING
 
-    def _intent(self, index: int, trigger: Trigger) -> RunIntent:
+    def _intent(self, index: int, trigger: Trigger, *, first: bool) -> RunIntent:
         feedback = None
         # A retry of a failed resume carries the same answer: the runner applies it if the request
         # is still pending in the saved state, and ignores it if the flow had already moved on.
@@ -684,7 +711,8 @@ class _Reconciler:
         return RunIntent(index=index, trigger=trigger, feedback=feedback,
                          prior=total_usage(self.runs[:index]).totals(),
                          active_deadline_seconds=left, message=message, keep_warm_seconds=self._keep_warm(),
-                         feedback_keep_warm_seconds=(fb_spec.keep_warm_seconds or 0) if fb_spec else 0)
+                         feedback_keep_warm_seconds=(fb_spec.keep_warm_seconds or 0) if fb_spec else 0,
+                         first=first)
 
     def _keep_warm(self) -> int:
         """How long a run's pod may wait warm for a conversation's next message: for a Flow known to be

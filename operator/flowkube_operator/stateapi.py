@@ -250,6 +250,10 @@ class StateApi:
         runs = (flow.get("status") or {}).get("runs") or []
         if runs and runs[-1].get("pod") == caller.pod and not runs[-1].get("finishedAt"):
             return target
+        if caller.pod == c.run_pod_name(target.flow, len(runs)):
+            # The next run's pod, created before the status write that records it (a kickoff or a
+            # retry): that write comes in milliseconds, or the next leader adopts the pod.
+            raise StateError(503, f"the run of pod {caller.pod} is not recorded yet; retry")
         closed = any(r.get("pod") == caller.pod and r.get("finishedAt") for r in runs)
         return dataclasses.replace(target, late=True) if closed else None
 

@@ -188,3 +188,60 @@ def test_a_warm_report_that_arrives_during_a_reconcile_stays_for_the_next() -> N
         assert ctl._warm[("ns", "f")] is newer, "the report that came during the reconcile is kept for the next"
 
     asyncio.run(scenario())
+
+
+class RecordingKube:
+    """The API server's side of one reconcile: what was written, in order."""
+
+    def __init__(self, create_error: int | None = None) -> None:
+        self.calls: list[tuple[str, str, Any]] = []
+        self.create_error = create_error
+
+    async def create(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        from flowkube_operator.kube import ApiError
+
+        self.calls.append(("POST", path, body))
+        if self.create_error is not None and path.endswith("/pods"):
+            raise ApiError(self.create_error, {"message": "exceeded quota"}, "POST", path)
+        return {**body, "metadata": {**body["metadata"], "uid": "p1", "resourceVersion": "12",
+                                     "creationTimestamp": "2026-11-24T01:02:03Z"}}
+
+    async def merge_patch(self, path: str, patch: dict[str, Any]) -> dict[str, Any]:
+        self.calls.append(("PATCH", path, patch))
+        return {"metadata": {"name": "f", "namespace": "ns", "uid": "u", "resourceVersion": "13"},
+                "spec": {"flowRef": "a:B"}, "status": patch["status"]}
+
+
+def test_a_kickoff_costs_its_pod_and_one_status_write_that_records_the_run_with_its_start() -> None:
+    async def scenario(kube: RecordingKube) -> None:
+        ctl = Controller(Settings(), on_flow_change=lambda k, b: None)
+        ctl.leading = True
+        new = flow(10, "Pending")
+        del new["status"]
+        ctl.flow_event("ADDED", new)
+        ctl.attach(kube)  # type: ignore[arg-type]
+        try:
+            await ctl.reconcile(("ns", "f"))
+        finally:
+            await asyncio.gather(*ctl._background)
+
+    kube = RecordingKube()
+    asyncio.run(scenario(kube))
+    writes = [(verb, path) for verb, path, _ in kube.calls if not path.endswith("/events")]
+    assert writes == [("POST", "/api/v1/namespaces/ns/pods"),
+                      ("PATCH", "/apis/flowkube.io/v1alpha1/namespaces/ns/flows/f/status")]
+    assert kube.calls[1][2]["status"]["runs"] == [
+        {"pod": "f-0", "trigger": "kickoff", "startedAt": "2026-11-24T01:02:03Z"}]
+
+    # A pod that cannot be made: the run is still recorded (Pending, no start) and the event says why.
+    refused = RecordingKube(create_error=403)
+    try:
+        asyncio.run(scenario(refused))
+    except Exception as e:
+        assert "exceeded quota" in str(e)
+    else:
+        raise AssertionError("the failed create is raised for the worker's backoff")
+    patches = [body for verb, _, body in refused.calls if verb == "PATCH"]
+    assert patches and patches[0]["status"]["runs"] == [{"pod": "f-0", "trigger": "kickoff"}]
+    events = [body for verb, path, body in refused.calls if path.endswith("/events")]
+    assert events and events[0]["reason"] == "FailedCreate"

@@ -76,6 +76,28 @@ def test_replanning_before_the_pod_shows_up_asks_for_the_same_pod_not_another() 
     assert len(body["status"]["runs"]) == 1
 
 
+def test_a_kickoff_pod_comes_before_its_record_and_a_pod_whose_record_was_lost_is_adopted() -> None:
+    body = flow()
+    first = plan(body, {}, now=T0)
+    assert first.create_pod is not None and first.create_pod.first, "kickoff: the pod, then one status write"
+    # The operator stopped after creating f-0 and before the write that records it: the next plan
+    # finds the pod under the next run's name and records it as that run, started when it was.
+    made = {"f-0": PodView(name="f-0", phase="Running", created_at=T0 + dt.timedelta(seconds=1),
+                           trigger="kickoff")}
+    p = step(body, made, at=9)
+    assert p.create_pod is None, "no second pod for the same attempt"
+    assert body["status"]["runs"] == [{"pod": "f-0", "trigger": "kickoff", "startedAt": "2026-11-22T12:00:01Z"}]
+    assert body["status"]["phase"] == Phase.RUNNING
+    # One that already ended is adopted too, and followed to its end in the next reconcile.
+    done = flow()
+    ended = {"f-0": PodView(name="f-0", phase="Succeeded", created_at=T0, exit_code=0, trigger="kickoff",
+                            finished_at=T0 + dt.timedelta(seconds=5))}
+    p = step(done, ended, at=9)
+    assert p.create_pod is None and p.requeue_after is not None and p.requeue_after <= 0.05
+    step(done, ended, report("f-0", RunResult.SUCCEEDED, usage=usage(3, 4)), at=10)
+    assert done["status"]["phase"] == Phase.SUCCEEDED and done["status"]["usage"]["totalTokens"] == 7
+
+
 def test_run_succeeds_with_usage_and_output() -> None:
     body = flow()
     step(body)
@@ -143,6 +165,7 @@ def test_pause_records_the_request_and_a_valid_answer_resumes_exactly_once() -> 
     st["feedback"]["response"] = {"text": "approved", "requestId": "req-1", "respondedBy": "alice"}
     p = step(body, pod("f-0", "Succeeded", exit_code=0), at=30)
     assert p.create_pod is not None and p.create_pod.trigger == Trigger.RESUME
+    assert not p.create_pod.first, "the answer leaves the inbox in the write that records the resume, before its pod"
     assert p.create_pod.feedback == {"requestId": "req-1", "text": "approved", "timedOut": False}
     fb = body["status"]["feedback"]
     assert "request" not in fb and "response" not in fb

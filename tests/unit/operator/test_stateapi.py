@@ -216,6 +216,21 @@ def test_a_restarted_operator_asks_the_api_server_about_a_pod_it_has_not_seen() 
     asyncio.run(scenario())
 
 
+def test_a_pod_made_before_its_run_is_recorded_is_told_to_retry_not_refused() -> None:
+    kube = FakeKube()
+    kube.flows["demo"]["status"]["runs"] = []  # the kickoff's pod exists; the write recording it is not in yet
+    state = api(kube)
+
+    async def scenario() -> None:
+        with pytest.raises(StateError) as early:
+            await state.authenticate(f"Bearer {jwt('good')}")
+        assert early.value.status == 503 and "not recorded yet" in str(early.value)
+        kube.flows["demo"]["status"]["runs"] = [{"pod": "demo-0"}]  # recorded: no refusal was remembered
+        assert await state.authenticate(f"Bearer {jwt('good')}") == POD
+
+    asyncio.run(scenario())
+
+
 def test_put_creates_the_owned_configmap_then_patches_only_its_key() -> None:
     kube = FakeKube()
     state = api(kube)
