@@ -15,6 +15,7 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import dataclasses
 import datetime as dt
 import gzip
 import heapq
@@ -210,9 +211,11 @@ class Controller:
             self._pod_seen[(key[0], meta.get("name", ""))] = time.monotonic()
             view = PodView.from_pod(body)
             known = pods.get(view.name)
-            if known is not None and (known == view or known.resource_version > view.resource_version):
-                return  # the same, or older than what we know (our own create's answer can lag the watch)
+            if known is not None and known.resource_version > view.resource_version:
+                return  # older than what we know (our own create's answer can lag the watch)
             pods[view.name] = view
+            if known is not None and dataclasses.replace(known, resource_version=view.resource_version) == view:
+                return  # nothing the reconcile reads changed (the scheduler's binding, a new IP)
         if key in self.flows:
             self._enqueue(key)
 

@@ -245,3 +245,19 @@ def test_a_kickoff_costs_its_pod_and_one_status_write_that_records_the_run_with_
     assert patches and patches[0]["status"]["runs"] == [{"pod": "f-0", "trigger": "kickoff"}]
     events = [body for verb, path, body in refused.calls if path.endswith("/events")]
     assert events and events[0]["reason"] == "FailedCreate"
+
+
+def test_a_pod_change_the_reconcile_does_not_read_queues_nothing() -> None:
+    queued: list[Any] = []
+    ctl = Controller(Settings(), on_flow_change=lambda k, b: None)
+    ctl.leading = True
+    ctl.flow_event("ADDED", flow(10, "Pending"))
+    ctl._enqueue = queued.append  # type: ignore[method-assign,assignment]
+    ctl.pod_event("ADDED", pod("Pending", 11))
+    assert queued == [("ns", "f")]
+    bound = pod("Pending", 12)
+    bound["spec"] = {"nodeName": "node-1"}  # the scheduler's binding: nothing a plan looks at
+    ctl.pod_event("MODIFIED", bound)
+    assert queued == [("ns", "f")] and ctl.pods[("ns", "f")]["f-0"].resource_version == 12
+    ctl.pod_event("MODIFIED", pod("Running", 13))
+    assert queued == [("ns", "f")] * 2, "a phase change is planned for"
