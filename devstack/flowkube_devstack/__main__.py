@@ -6,6 +6,7 @@
     flowkube-dev status    is it running, and where
     flowkube-dev test      the whole test suite (lint, types, import contracts, unit + integration)
     flowkube-dev build     build (or verify) the control-plane binaries and the images
+    flowkube-dev kind ...  hack/kind-e2e.sh's helpers (python -m flowkube_devstack.kind --help)
     flowkube-dev generate  rewrite every generated file (CRD, chart, dashboard, docs/configuration.md);
                            --check lists stale ones and fails
 """
@@ -22,7 +23,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from flowkube_devstack import build, generate, images, procs
+from flowkube_devstack import build, generate, images, kind, procs
 from flowkube_devstack.demo import demo
 from flowkube_devstack.stack import dev_stack
 
@@ -152,6 +153,10 @@ def run_tests(pytest_args: list[str]) -> int:
         build.control_plane(node=True)
         build.ensure(build.helm())
         images.ensure_all()
+        # tests/integration/test_kind.py's kind and node image; it skips where no container engine answers.
+        if kind.engine_works("podman") or kind.engine_works("docker"):
+            kind.kind_binary()
+            kind.node_image()
     print("== pytest", flush=True)
     rc = subprocess.run([py, "-m", "pytest", *pytest_args], cwd=REPO).returncode
     if rc == 5:
@@ -169,13 +174,17 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--check", action="store_true")
     t = sub.add_parser("test")
     t.add_argument("pytest_args", nargs=argparse.REMAINDER)
+    k = sub.add_parser("kind")
+    k.add_argument("kind_args", nargs=argparse.REMAINDER)
     s = sub.add_parser("_supervise")
     s.add_argument("--dir", type=Path, required=True)
     args, extra = parser.parse_known_args(argv)
-    if extra and args.cmd != "test":
+    if extra and args.cmd not in ("test", "kind"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.cmd == "test":
         args.pytest_args = [*extra, *args.pytest_args]
+    if args.cmd == "kind":
+        args.kind_args = [*extra, *args.kind_args]
     root = stack_dir()
     commands: dict[str, Callable[[], int]] = {
         "up": lambda: up(root),
@@ -185,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         "build": lambda: build.main([]) or images.main([]),
         "generate": lambda: generate.main(["--check"] if args.check else []),
         "test": lambda: run_tests(args.pytest_args),
+        "kind": lambda: kind.main(args.kind_args),
         "_supervise": lambda: _supervise(args.dir),
     }
     try:

@@ -26,7 +26,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flowkube_devstack.versions import COREDNS_VERSION, ETCD_VERSION, HELM_VERSION, KUBERNETES_VERSION
+from flowkube_devstack.versions import (
+    COREDNS_VERSION,
+    ETCD_VERSION,
+    HELM_VERSION,
+    KIND_VERSION,
+    KUBERNETES_VERSION,
+)
 
 MANIFEST = "manifest.json"
 
@@ -125,6 +131,29 @@ def kubernetes_node() -> Component:
         binaries=binaries,
         packages=tuple(f"k8s.io/kubernetes/cmd/{b}" for b in binaries),
         ldflags=_kubernetes_ldflags(KUBERNETES_VERSION),
+    )
+
+
+def kubeadm() -> Component:
+    """kubeadm, which sets up a kind node, from the same module and version as the control plane."""
+    return Component(
+        name="kubeadm",
+        version=KUBERNETES_VERSION,
+        module="k8s.io/kubernetes",
+        binaries=("kubeadm",),
+        packages=("k8s.io/kubernetes/cmd/kubeadm",),
+        ldflags=_kubernetes_ldflags(KUBERNETES_VERSION),
+    )
+
+
+def kind() -> Component:
+    """kind (Kubernetes in Docker or podman), for hack/kind-e2e.sh, from its Go module."""
+    return Component(
+        name="kind",
+        version=KIND_VERSION,
+        module="sigs.k8s.io/kind",
+        binaries=("kind",),
+        packages=("sigs.k8s.io/kind",),
     )
 
 
@@ -297,14 +326,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     factories = {"etcd": etcd, "kubernetes": kubernetes, "kubernetes-node": kubernetes_node,
                  "coredns": coredns, "helm": helm}
+    defaults = list(factories)
+    factories |= {"kubeadm": kubeadm, "kind": kind}  # hack/kind-e2e.sh's own, built only when named
     # Checked here, not with `choices`: argparse checks an empty `nargs="*"` against them as one value.
     parser.add_argument("components", nargs="*", metavar="COMPONENT",
-                        help=f"any of {', '.join(factories)} (default: all)")
+                        help=f"any of {', '.join(factories)} (default: {', '.join(defaults)})")
     args = parser.parse_args(argv)
     if unknown := set(args.components) - set(factories):
         parser.error(f"unknown component(s): {', '.join(sorted(unknown))}; choose from {', '.join(factories)}")
     try:
-        for name in args.components or list(factories):
+        for name in args.components or defaults:
             print(ensure(factories[name]()))
     except BuildError as e:
         print(f"flowkube: {e}", file=sys.stderr)

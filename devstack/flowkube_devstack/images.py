@@ -37,10 +37,10 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, astuple, dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from flowkube_devstack import build
 from flowkube_devstack.versions import KUBERNETES_VERSION
@@ -66,10 +66,10 @@ PYTHON_PACKAGES = ("python3", "python3-pip", "python3-venv", "python-is-python3"
 _DPKG_EXCLUDES = ("/usr/share/doc/*", "/usr/share/man/*", "/usr/share/info/*", "/usr/share/locale/*",
                   "/usr/share/lintian/*")
 _DPKG_INCLUDES = ("/usr/share/doc/*/copyright",)
-# mmdebstrap runs a hook with the new root as "$1" (and cleans apt's lists and caches itself). PEP 668's
-# marker goes, so that the Dockerfiles' `pip install` installs system-wide as on the public image.
-_PYTHON_CLEANUP = ('rm -f "$1"/usr/lib/python3*/EXTERNALLY-MANAGED && rm -rf "$1"/var/cache/apt/* '
-                   '"$1"/var/lib/apt/lists/* "$1"/var/log/apt/* "$1"/var/log/dpkg.log')
+# mmdebstrap runs a hook with the new root as "$1": apt's caches, lists and logs go. For the Python base
+# PEP 668's marker goes too, so that the Dockerfiles' `pip install` installs system-wide as on the public image.
+APT_CLEANUP = 'rm -rf "$1"/var/cache/apt/* "$1"/var/lib/apt/lists/* "$1"/var/log/apt/* "$1"/var/log/dpkg.log'
+_PYTHON_CLEANUP = f'rm -f "$1"/usr/lib/python3*/EXTERNALLY-MANAGED && {APT_CLEANUP}'
 _PYTHON_CONFIG = ("ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "ENV LANG=C.UTF-8",
                   'CMD ["python3"]')
 BASE_VERSION = "3"  # bump to rebuild the base with the same package list (e.g. for security updates)
@@ -152,18 +152,18 @@ def blob_dir() -> Path:
     return images_dir() / "blobs"
 
 
-def _blob(digest: str) -> Path:
+def blob(digest: str) -> Path:
     algorithm, hexdigest = digest.split(":", 1)
     return blob_dir() / algorithm / hexdigest
 
 
-def _log_path(ref: str) -> Path:
+def log_path(ref: str) -> Path:
     name, tag = _split(ref)
     return images_dir() / "logs" / f"{name}@{tag}.log"
 
 
 @contextlib.contextmanager
-def _store_lock(*, shared: bool = False) -> Iterator[None]:
+def store_lock(*, shared: bool = False) -> Iterator[None]:
     """Writers of the blob store (saves, pruning) hold it alone; readers (imports) together."""
     path = build.cache_root() / "locks" / "image-store.lock"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -210,7 +210,7 @@ def _tail(text: str, limit: int = 3000) -> str:
     return text if len(text) <= limit else "..." + text[-limit:]
 
 
-def _run(cmd: Sequence[str], *, log: Path | None = None, cwd: Path | None = None) -> str:
+def run(cmd: Sequence[str], *, log: Path | None = None, cwd: Path | None = None) -> str:
     """Run ``cmd`` (with podman's environment); its output is returned, or appended to ``log`` when
     given. A failure raises BuildError with the command and the tail of its output."""
     shown = " ".join(cmd)
@@ -239,16 +239,16 @@ def in_podman(ref: str) -> bool:
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
 
 
-def _ensure_in_podman(ref: str) -> None:
+def ensure_in_podman(ref: str) -> None:
     """A parent image, copied from its layout when podman's storage does not have it (any more)."""
     if not in_podman(ref):
-        with _store_lock(shared=True):
-            _run(["skopeo", "copy", "-q", "--src-shared-blob-dir", str(blob_dir()),
-                  f"oci:{layout_path(ref)}:{ref}", f"containers-storage:{ref}"])
+        with store_lock(shared=True):
+            run(["skopeo", "copy", "-q", "--src-shared-blob-dir", str(blob_dir()),
+                 f"oci:{layout_path(ref)}:{ref}", f"containers-storage:{ref}"])
 
 
 def _podman_size(ref: str) -> int:
-    return int(_run(["podman", "image", "inspect", "--format", "{{.Size}}", ref]).strip())
+    return int(run(["podman", "image", "inspect", "--format", "{{.Size}}", ref]).strip())
 
 
 def _save(ref: str, record: Record) -> None:
@@ -256,12 +256,12 @@ def _save(ref: str, record: Record) -> None:
     stored uncompressed, so a layer already in the blob store is recognised by its digest and skipped."""
     layout = layout_path(ref)
     layout.parent.mkdir(parents=True, exist_ok=True)
-    with _store_lock():
+    with store_lock():
         for stale in layout.parent.glob(".*.tmp"):  # a save killed halfway (we hold the store's lock)
             shutil.rmtree(stale, ignore_errors=True)
         tmp = layout.with_name(f".{layout.name}.{os.getpid()}.tmp")
-        _run(["skopeo", "copy", "-q", "--dest-oci-accept-uncompressed-layers", "--dest-shared-blob-dir",
-              str(blob_dir()), f"containers-storage:{ref}", f"oci:{tmp}:{ref}"], log=_log_path(ref))
+        run(["skopeo", "copy", "-q", "--dest-oci-accept-uncompressed-layers", "--dest-shared-blob-dir",
+             str(blob_dir()), f"containers-storage:{ref}", f"oci:{tmp}:{ref}"], log=log_path(ref))
         (tmp / RECORD).write_text(json.dumps(asdict(record), indent=2) + "\n")
         shutil.rmtree(layout, ignore_errors=True)
         tmp.rename(layout)
@@ -294,7 +294,7 @@ class Record:
 def cached(ref: str) -> bool:
     """Whether the store has ``ref``: its layout, and every blob it refers to at its recorded size."""
     try:
-        return all(_blob(d["digest"]).stat().st_size == d["size"] for d in _blobs_of(layout_path(ref)))
+        return all(blob(d["digest"]).stat().st_size == d["size"] for d in _blobs_of(layout_path(ref)))
     except (OSError, ValueError, KeyError, TypeError):
         return False
 
@@ -304,7 +304,7 @@ def _progress(message: str, quiet: bool) -> None:
         print(f"flowkube: {message}", file=sys.stderr, flush=True)
 
 
-def _ensure(ref: str, make: Callable[[], None], what: str, *, quiet: bool) -> str:
+def ensure_image(ref: str, make: Callable[[], None], what: str, *, quiet: bool) -> str:
     """``ref``, built with ``make()`` unless its layout exists (or podman still has it: then it is only
     saved). One process at a time builds a given image; the others wait for it and find it cached."""
     name, _ = _split(ref)
@@ -321,8 +321,8 @@ def _ensure(ref: str, make: Callable[[], None], what: str, *, quiet: bool) -> st
         if in_podman(ref):
             _progress(f"image {name}: in podman's storage, saving its layout", quiet)
         else:
-            _progress(f"image {name}: building {ref} ({what}); log {_log_path(ref)}", quiet)
-            _log_path(ref).unlink(missing_ok=True)
+            _progress(f"image {name}: building {ref} ({what}); log {log_path(ref)}", quiet)
+            log_path(ref).unlink(missing_ok=True)
             make()
         built_in = time.monotonic() - started
         size = _podman_size(ref)
@@ -332,14 +332,14 @@ def _ensure(ref: str, make: Callable[[], None], what: str, *, quiet: bool) -> st
     return ref
 
 
-def _manifests(layout: Path) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+def manifests(layout: Path) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
     """(index entry, manifest) of each image in an OCI layout whose blobs are in the store."""
     for entry in json.loads((layout / "index.json").read_text())["manifests"]:
-        yield entry, json.loads(_blob(entry["digest"]).read_bytes())
+        yield entry, json.loads(blob(entry["digest"]).read_bytes())
 
 
 def _blobs_of(layout: Path) -> Iterator[dict[str, Any]]:
-    for entry, manifest in _manifests(layout):
+    for entry, manifest in manifests(layout):
         yield from (entry, manifest["config"], *manifest["layers"])
 
 
@@ -359,7 +359,7 @@ def _prune() -> None:
                 continue
             shutil.rmtree(layout, ignore_errors=True)
             tag = layout.name.rsplit("@", 1)[1]
-            _log_path(f"localhost/{name}:{tag}").unlink(missing_ok=True)
+            log_path(f"localhost/{name}:{tag}").unlink(missing_ok=True)
             subprocess.run(["podman", "rmi", f"localhost/{name}:{tag}"], env=podman_env(),
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             removed = True
@@ -371,9 +371,9 @@ def _prune() -> None:
     except (OSError, ValueError, KeyError, TypeError):
         return  # a layout we cannot read: keep every blob rather than guess
     for algorithm in blob_dir().iterdir():
-        for blob in algorithm.iterdir():
-            if f"{algorithm.name}:{blob.name}" not in referenced:
-                blob.unlink(missing_ok=True)
+        for path in algorithm.iterdir():
+            if f"{algorithm.name}:{path.name}" not in referenced:
+                path.unlink(missing_ok=True)
 
 
 def _dockerfile_build(ref: str, dockerfile: Path, context: Path, build_args: Mapping[str, str]) -> None:
@@ -388,40 +388,47 @@ def _dockerfile_build(ref: str, dockerfile: Path, context: Path, build_args: Map
         cmd += ["-v", f"{HOST_CA_BUNDLE}:{HOST_CA_BUNDLE}:ro"]
     for k, v in build_args.items():
         cmd += ["--build-arg", f"{k}={v}"]
-    _run([*cmd, "-f", str(dockerfile), "-t", ref, str(context)], log=_log_path(ref))
+    run([*cmd, "-f", str(dockerfile), "-t", ref, str(context)], log=log_path(ref))
 
 
 # -- the images -------------------------------------------------------------------------------------
 
 
-def _mmdebstrap_command(rootfs: Path) -> list[str]:
-    cmd = ["mmdebstrap", "--variant=minbase", "--quiet", "--format=tar", f"--include={','.join(PYTHON_PACKAGES)}",
-           "--aptopt=Acquire::Languages \"none\""]
+def mmdebstrap_command(packages: Iterable[str], rootfs: Path, *, cleanup: str, extra: Sequence[str] = ()) -> list[str]:
+    """mmdebstrap writing a minimal Debian DEBIAN_SUITE with ``packages`` to the tar file ``rootfs``: no
+    documentation (but the copyright files), ``extra`` options, and the shell hook ``cleanup`` run on the
+    new root ("$1") at the end. The list is part of the images' keys: the same arguments, the same list."""
+    cmd = ["mmdebstrap", "--variant=minbase", "--quiet", "--format=tar", f"--include={','.join(packages)}",
+           "--aptopt=Acquire::Languages \"none\"", *extra]
     cmd += [f"--dpkgopt=path-exclude={p}" for p in _DPKG_EXCLUDES]
     cmd += [f"--dpkgopt=path-include={p}" for p in _DPKG_INCLUDES]
     # Merged /usr as symlinks, as debootstrap and the official images make it: otherwise apt satisfies
     # init-system-helpers with the usrmerge package, which brings all of perl (50 MB).
     cmd.append("--hook-dir=/usr/share/mmdebstrap/hooks/merged-usr")
-    return [*cmd, f"--customize-hook={_PYTHON_CLEANUP}", DEBIAN_SUITE, str(rootfs), *DEBIAN_SOURCES]
+    return [*cmd, f"--customize-hook={cleanup}", DEBIAN_SUITE, str(rootfs), *DEBIAN_SOURCES]
+
+
+def _python_rootfs(rootfs: Path) -> list[str]:
+    return mmdebstrap_command(PYTHON_PACKAGES, rootfs, cleanup=_PYTHON_CLEANUP)
 
 
 def python_base(*, quiet: bool = False) -> str:
     """The Python 3.11 base image (Debian bookworm), keyed on the suite, sources, packages and recipe."""
-    key = content_key(REPO, (), BASE_VERSION, *_mmdebstrap_command(Path("rootfs.tar")), *_PYTHON_CONFIG)
+    key = content_key(REPO, (), BASE_VERSION, *_python_rootfs(Path("rootfs.tar")), *_PYTHON_CONFIG)
     ref = f"localhost/flowkube-python:{key}"
 
     def make() -> None:
         with tempfile.TemporaryDirectory(prefix="flowkube-rootfs-") as tmp:
             rootfs = Path(tmp) / "rootfs.tar"
-            _run(_mmdebstrap_command(rootfs), log=_log_path(ref))
+            run(_python_rootfs(rootfs), log=log_path(ref))
             changes = [arg for change in _PYTHON_CONFIG for arg in ("--change", change)]
-            _run(["podman", "import", "-q", *changes, str(rootfs), ref], log=_log_path(ref))
+            run(["podman", "import", "-q", *changes, str(rootfs), ref], log=log_path(ref))
         # What the Dockerfiles rely on, checked here rather than halfway through their builds.
         check = ("python --version && pip --version && command -v groupadd useradd"
                  " && ! ls /usr/lib/python3*/EXTERNALLY-MANAGED 2>/dev/null")
-        _run(["podman", "run", "--rm", "--network=none", ref, "sh", "-c", check], log=_log_path(ref))
+        run(["podman", "run", "--rm", "--network=none", ref, "sh", "-c", check], log=log_path(ref))
 
-    return _ensure(ref, make, f"Debian {DEBIAN_SUITE} with Python by mmdebstrap", quiet=quiet)
+    return ensure_image(ref, make, f"Debian {DEBIAN_SUITE} with Python by mmdebstrap", quiet=quiet)
 
 
 def project_image(component: str, base: str, *, quiet: bool = False) -> str:
@@ -435,11 +442,11 @@ def project_image(component: str, base: str, *, quiet: bool = False) -> str:
     deps_key = content_key(REPO, ("pyproject.toml", f"{component}/Dockerfile"), base)
 
     def make() -> None:
-        _ensure_in_podman(base)
+        ensure_in_podman(base)
         _dockerfile_build(ref, REPO / component / "Dockerfile", REPO,
                           {"PYTHON_IMAGE": base, "DEPS_KEY": deps_key, "SOURCE_KEY": key})
 
-    return _ensure(ref, make, f"{component}/Dockerfile", quiet=quiet)
+    return ensure_image(ref, make, f"{component}/Dockerfile", quiet=quiet)
 
 
 def example_runner(runner: str, *, quiet: bool = False) -> str:
@@ -448,10 +455,10 @@ def example_runner(runner: str, *, quiet: bool = False) -> str:
     ref = f"localhost/flowkube-example-runner:{content_key(context, EXAMPLE_CONTEXT, runner)}"
 
     def make() -> None:
-        _ensure_in_podman(runner)
+        ensure_in_podman(runner)
         _dockerfile_build(ref, context / "Dockerfile", context, {"RUNNER_IMAGE": runner})
 
-    return _ensure(ref, make, "examples/runner-image/Dockerfile", quiet=quiet)
+    return ensure_image(ref, make, "examples/runner-image/Dockerfile", quiet=quiet)
 
 
 def devstack(runner: str, *, quiet: bool = False) -> str:
@@ -460,13 +467,13 @@ def devstack(runner: str, *, quiet: bool = False) -> str:
     ref = f"localhost/flowkube-devstack:{key}"
 
     def make() -> None:
-        _ensure_in_podman(runner)
+        ensure_in_podman(runner)
         with tempfile.TemporaryDirectory(prefix="flowkube-devstack-ctx-") as tmp:
             for name, src in DEVSTACK_FILES.items():
                 shutil.copyfile(REPO / src, Path(tmp) / name)
             _dockerfile_build(ref, REPO / "devstack" / "Dockerfile", Path(tmp), {"RUNNER_IMAGE": runner})
 
-    return _ensure(ref, make, "devstack/Dockerfile: the stub model and the scripted runner", quiet=quiet)
+    return ensure_image(ref, make, "devstack/Dockerfile: the stub model and the scripted runner", quiet=quiet)
 
 
 def _kubernetes_module() -> Path:
@@ -500,11 +507,11 @@ def pause(*, quiet: bool = False) -> str:
 
     def make() -> None:
         with tempfile.TemporaryDirectory(prefix="flowkube-pause-") as tmp:
-            _run(["gcc", *flags, "-o", f"{tmp}/pause", str(source)], log=_log_path(ref))
+            run(["gcc", *flags, "-o", f"{tmp}/pause", str(source)], log=log_path(ref))
             Path(tmp, "Containerfile").write_text(_PAUSE_CONTAINERFILE)
-            _run(["podman", "build", "--pull=never", "-t", ref, tmp], log=_log_path(ref))
+            run(["podman", "build", "--pull=never", "-t", ref, tmp], log=log_path(ref))
 
-    return _ensure(ref, make, "pause.c from the Kubernetes module, gcc -static", quiet=quiet)
+    return ensure_image(ref, make, "pause.c from the Kubernetes module, gcc -static", quiet=quiet)
 
 
 def ensure_all(*, quiet: bool = False) -> Images:
@@ -516,45 +523,19 @@ def ensure_all(*, quiet: bool = False) -> Images:
                   pause=pause(quiet=quiet))
 
 
-# -- containerd -------------------------------------------------------------------------------------
+# -- OCI archives and containerd ---------------------------------------------------------------------
 
 
-def load_into_containerd(address: str, refs: Iterable[str]) -> None:
-    """Import images into containerd's ``k8s.io`` namespace (the CRI's), skipping those it has already:
-    one ``ctr images import`` of an OCI layout streamed from the store, holding each blob once (the
-    runner-based images share all but their last layers) and none that containerd has already."""
-    ctr = ["ctr", "--address", address, "-n", "k8s.io"]
-    have = set(_run([*ctr, "images", "ls", "-q"]).split())
-    missing = [ref for ref in dict.fromkeys(refs) if ref not in have]
-    if not missing:
-        return
-    have_blobs = set(_run([*ctr, "content", "ls", "-q"]).split())
-    with _store_lock(shared=True):
-        entries: list[dict[str, Any]] = []
-        blobs: set[str] = set()
-        for ref in missing:
-            if not cached(ref):
-                raise build.BuildError(f"{ref} is not in the image store ({layout_path(ref)}); build it first")
-            for entry, manifest in _manifests(layout_path(ref)):
-                entries.append(entry)
-                blobs.update(d["digest"] for d in (entry, manifest["config"], *manifest["layers"]))
-        cmd = [*ctr, "images", "import", "-"]
-        with tempfile.TemporaryFile() as out:
-            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT)
-            assert proc.stdin is not None
-            try:
-                with proc.stdin, tarfile.open(fileobj=proc.stdin, mode="w|", bufsize=1 << 20) as tar:
-                    _add_bytes(tar, "oci-layout", b'{"imageLayoutVersion": "1.0.0"}')
-                    for digest in sorted(blobs - have_blobs):
-                        tar.add(_blob(digest), arcname="blobs/" + digest.replace(":", "/"), recursive=False)
-                    _add_bytes(tar, "index.json", json.dumps({"schemaVersion": 2, "manifests": entries}).encode())
-            except BrokenPipeError:
-                pass  # ctr stopped reading: its exit status and output say why
-            code = proc.wait()
-            if code != 0:
-                out.seek(0)
-                raise build.BuildError(f"`{' '.join(cmd)}` of {', '.join(missing)} failed (exit {code}):\n"
-                                       f"{_tail(out.read().decode(errors='replace').strip())}")
+def _digest(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def _file_digest(path: Path) -> tuple[str, int]:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return "sha256:" + h.hexdigest(), path.stat().st_size
 
 
 def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
@@ -562,6 +543,109 @@ def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     info.size = len(data)
     info.mode = 0o644
     tar.addfile(info, io.BytesIO(data))
+
+
+@dataclass(frozen=True)
+class OciImage:
+    """One image of an archive: its name, its layers (uncompressed tar files) and its config."""
+
+    name: str
+    layers: tuple[Path, ...]
+    entrypoint: tuple[str, ...] = ()
+    cmd: tuple[str, ...] = ()
+
+    def blobs(self) -> tuple[dict[str, Any], bytes, bytes, list[tuple[str, Path]]]:
+        """(index entry, manifest, config, [(digest, layer file)])."""
+        layers = [(*_file_digest(p), p) for p in self.layers]
+        config: dict[str, Any] = {"Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]}
+        if self.entrypoint:
+            config["Entrypoint"] = list(self.entrypoint)
+        if self.cmd:
+            config["Cmd"] = list(self.cmd)
+        config_blob = json.dumps({"architecture": "amd64", "os": "linux", "config": config,
+                                  "rootfs": {"type": "layers", "diff_ids": [d for d, _, _ in layers]}},
+                                 sort_keys=True).encode()
+        manifest = json.dumps({
+            "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": _digest(config_blob),
+                       "size": len(config_blob)},
+            "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": d, "size": s}
+                       for d, s, _ in layers],
+        }, sort_keys=True).encode()
+        entry = {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": _digest(manifest),
+                 "size": len(manifest), "platform": {"architecture": "amd64", "os": "linux"},
+                 "annotations": {"io.containerd.image.name": self.name,
+                                 "org.opencontainers.image.ref.name": self.name}}
+        return entry, manifest, config_blob, [(d, p) for d, _, p in layers]
+
+
+def _require_cached(ref: str) -> None:
+    if not cached(ref):
+        raise build.BuildError(f"{ref} is not in the image store ({layout_path(ref)}); build it first")
+
+
+def write_oci_archive(out: IO[bytes], built: Sequence[OciImage] = (), stored: Mapping[str, str] = {},
+                      *, skip: Container[str] = frozenset()) -> None:
+    """An OCI image layout as a tar stream (what ``ctr images import`` reads): the ``built`` images and,
+    from the local image store, ``stored`` (ref in the store -> name in the archive; "" keeps the ref).
+    Each blob is written once, and none whose digest is in ``skip`` (those the importer already has)."""
+    entries: list[dict[str, Any]] = []
+    written: set[str] = set()
+    with tarfile.open(fileobj=out, mode="w|", bufsize=1 << 20) as tar:
+        _add_bytes(tar, "oci-layout", b'{"imageLayoutVersion": "1.0.0"}')
+
+        def add(digest: str, data: bytes | Path) -> None:
+            if digest in written or digest in skip:
+                return
+            written.add(digest)
+            arcname = "blobs/" + digest.replace(":", "/")
+            if isinstance(data, Path):
+                tar.add(data, arcname=arcname, recursive=False)
+            else:
+                _add_bytes(tar, arcname, data)
+
+        for image in built:
+            entry, manifest, config, layers = image.blobs()
+            add(entry["digest"], manifest)
+            add(_digest(config), config)
+            for digest, path in layers:
+                add(digest, path)
+            entries.append(entry)
+        for ref, name in stored.items():
+            _require_cached(ref)
+            for index_entry, image_manifest in manifests(layout_path(ref)):
+                for d in (index_entry, image_manifest["config"], *image_manifest["layers"]):
+                    add(d["digest"], blob(d["digest"]))
+                names = dict.fromkeys(("io.containerd.image.name", "org.opencontainers.image.ref.name"), name or ref)
+                entries.append({**index_entry, "annotations": {**index_entry.get("annotations", {}), **names}})
+        _add_bytes(tar, "index.json", json.dumps({"schemaVersion": 2, "manifests": entries}).encode())
+
+
+def load_into_containerd(address: str, refs: Iterable[str]) -> None:
+    """Import images into containerd's ``k8s.io`` namespace (the CRI's), skipping those it has already:
+    one ``ctr images import`` of an OCI layout streamed from the store, holding each blob once (the
+    runner-based images share all but their last layers) and none that containerd has already."""
+    ctr = ["ctr", "--address", address, "-n", "k8s.io"]
+    have = set(run([*ctr, "images", "ls", "-q"]).split())
+    missing = [ref for ref in dict.fromkeys(refs) if ref not in have]
+    if not missing:
+        return
+    have_blobs = set(run([*ctr, "content", "ls", "-q"]).split())
+    with store_lock(shared=True):
+        for ref in missing:  # before ctr starts, so that it is not left with half an archive
+            _require_cached(ref)
+        cmd = [*ctr, "images", "import", "-"]
+        with tempfile.TemporaryFile() as out:
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT)
+            assert proc.stdin is not None
+            # ctr may stop reading: then its exit status and output say why
+            with contextlib.suppress(BrokenPipeError), proc.stdin:
+                write_oci_archive(proc.stdin, stored=dict.fromkeys(missing, ""), skip=have_blobs)
+            code = proc.wait()
+            if code != 0:
+                out.seek(0)
+                raise build.BuildError(f"`{' '.join(cmd)}` of {', '.join(missing)} failed (exit {code}):\n"
+                                       f"{_tail(out.read().decode(errors='replace').strip())}")
 
 
 # -- command line -----------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ network to a real model provider) runs as a pod behind the Service `stub-model.f
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import subprocess
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -31,13 +32,14 @@ _RESTRICTED = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True
                "runAsUser": 65532, "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
 
 
-def deploy_stub_model(cluster: LocalCluster, rules: dict[str, Any], timeout: float = 180.0) -> str:
-    """The stub model as a Deployment and Service of the cluster; returns the URL runner pods use."""
-    assert cluster.images is not None
-    if cluster.kubectl("get", "namespace", STUB_NAMESPACE, check=False).returncode != 0:
-        cluster.kubectl("create", "namespace", STUB_NAMESPACE)
-    cluster.kubectl("label", "namespace", STUB_NAMESPACE, "--overwrite",
-                    "pod-security.kubernetes.io/enforce=restricted")
+def deploy_stub_model(kubectl: Callable[..., subprocess.CompletedProcess[str]], image: str, rules: dict[str, Any],
+                      timeout: float = 180.0) -> str:
+    """The stub model, run from ``image`` (the devstack image), as a Deployment and Service of the cluster
+    ``kubectl`` reaches; returns the URL runner pods use. ``kubectl(*args, check=, input=, timeout=)`` as
+    ``LocalCluster.kubectl``: it raises when ``check`` and kubectl fails."""
+    if kubectl("get", "namespace", STUB_NAMESPACE, check=False).returncode != 0:
+        kubectl("create", "namespace", STUB_NAMESPACE)
+    kubectl("label", "namespace", STUB_NAMESPACE, "--overwrite", "pod-security.kubernetes.io/enforce=restricted")
     labels = {"app.kubernetes.io/name": "stub-model"}
     objs: list[dict[str, Any]] = [
         {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "stub-model-rules", "namespace": STUB_NAMESPACE},
@@ -46,7 +48,7 @@ def deploy_stub_model(cluster: LocalCluster, rules: dict[str, Any], timeout: flo
          "spec": {"replicas": 1, "selector": {"matchLabels": labels}, "template": {
              "metadata": {"labels": labels},
              "spec": {"automountServiceAccountToken": False, "containers": [{
-                 "name": "stub-model", "image": cluster.images.devstack, "imagePullPolicy": "Never",
+                 "name": "stub-model", "image": image, "imagePullPolicy": "Never",
                  "command": [*images.STUB_MODEL_COMMAND, "--host", "0.0.0.0",  # noqa: S104 (in its pod)
                              "--port", str(STUB_PORT),
                              "--rules", "/etc/stub-model/rules.json"],
@@ -59,9 +61,9 @@ def deploy_stub_model(cluster: LocalCluster, rules: dict[str, Any], timeout: flo
         {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "stub-model", "namespace": STUB_NAMESPACE},
          "spec": {"selector": labels, "ports": [{"name": "http", "port": 80, "targetPort": "http"}]}},
     ]
-    cluster.kubectl("apply", "-f", "-", input="\n---\n".join(json.dumps(o) for o in objs))
-    cluster.kubectl("rollout", "status", "deployment/stub-model", "-n", STUB_NAMESPACE, f"--timeout={int(timeout)}s",
-                    timeout=timeout + 10)
+    kubectl("apply", "-f", "-", input="\n---\n".join(json.dumps(o) for o in objs))
+    kubectl("rollout", "status", "deployment/stub-model", "-n", STUB_NAMESPACE, f"--timeout={int(timeout)}s",
+            timeout=timeout + 10)
     return f"http://stub-model.{STUB_NAMESPACE}.svc"
 
 
@@ -71,7 +73,8 @@ def dev_stack(root: Path, rules: dict[str, Any] | None = None) -> Iterator[dict[
     with ExitStack() as stack:
         cluster = LocalCluster(root / "cluster").start()
         stack.callback(cluster.stop)
-        stub = deploy_stub_model(cluster, rules or DEMO_RULES)
+        assert cluster.images is not None
+        stub = deploy_stub_model(cluster.kubectl, cluster.images.devstack, rules or DEMO_RULES)
         # The key comes from each Flow's own Secret (see examples/flows); the stub is the endpoint.
         operator = ChartOperator(cluster, runner_env={"OPENAI_BASE_URL": f"{stub}/v1",
                                                       "CREWAI_TRACING_ENABLED": "false"}).start()

@@ -10,3 +10,5 @@ ETCD_VERSION = "v3.6.16"
 HELM_VERSION = "v3.21.4"
 # The cluster DNS of the local node: the release series Kubernetes 1.36 ships with kubeadm.
 COREDNS_VERSION = "v1.15.0"
+# kind, built from its Go module for hack/kind-e2e.sh: the newest release, and the first to know Kubernetes 1.36.
+KIND_VERSION = "v0.33.0"

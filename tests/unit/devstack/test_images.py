@@ -4,17 +4,19 @@ only when complete, and pruning keeps the recent entries and every blob they use
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
 import subprocess
+import tarfile
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from flowkube_devstack import images
+from flowkube_devstack import images, kind
 from flowkube_devstack.build import BuildError
 
 
@@ -87,7 +89,7 @@ def test_pause_version_comes_from_the_makefile() -> None:
 
 def _blob(data: bytes) -> dict[str, Any]:
     digest = "sha256:" + hashlib.sha256(data).hexdigest()
-    path = images._blob(digest)
+    path = images.blob(digest)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data)
     return {"digest": digest, "size": len(data)}
@@ -125,7 +127,7 @@ def test_an_entry_counts_only_with_every_blob_at_its_size(cache: list[list[str]]
     assert not images.cached(ref)
     _layout(ref, b"base layer", b"top layer")
     assert images.cached(ref)
-    top = images._blob("sha256:" + hashlib.sha256(b"top layer").hexdigest())
+    top = images.blob("sha256:" + hashlib.sha256(b"top layer").hexdigest())
     top.write_bytes(b"top la")  # truncated
     assert not images.cached(ref)
     top.unlink()
@@ -163,3 +165,132 @@ def test_pruning_never_drops_an_entry_used_in_the_last_minutes(cache: list[list[
     images._prune()
     assert all(images.cached(ref) for ref in refs)
     assert not cache
+
+
+# -- mmdebstrap ---------------------------------------------------------------------------------------
+
+_SUITE_TAIL = [
+    "bookworm", "rootfs.tar",
+    "deb http://deb.debian.org/debian bookworm main",
+    "deb http://deb.debian.org/debian bookworm-updates main",
+    "deb http://deb.debian.org/debian-security bookworm-security main",
+]
+_NO_DOCS = [
+    "--dpkgopt=path-exclude=/usr/share/doc/*",
+    "--dpkgopt=path-exclude=/usr/share/man/*",
+    "--dpkgopt=path-exclude=/usr/share/info/*",
+    "--dpkgopt=path-exclude=/usr/share/locale/*",
+    "--dpkgopt=path-exclude=/usr/share/lintian/*",
+    "--dpkgopt=path-include=/usr/share/doc/*/copyright",
+    "--hook-dir=/usr/share/mmdebstrap/hooks/merged-usr",
+]
+_APT_CLEANUP = 'rm -rf "$1"/var/cache/apt/* "$1"/var/lib/apt/lists/* "$1"/var/log/apt/* "$1"/var/log/dpkg.log'
+
+
+def test_the_mmdebstrap_commands_are_the_ones_the_image_keys_were_made_of() -> None:
+    """These lists go into the keys of the Python base, the kind node's rootfs and its node image: one
+    element more, less or moved rebuilds them all. The lists as they were when the keys were made."""
+    assert images._python_rootfs(Path("rootfs.tar")) == [
+        "mmdebstrap", "--variant=minbase", "--quiet", "--format=tar",
+        "--include=python3,python3-pip,python3-venv,python-is-python3,ca-certificates,passwd",
+        '--aptopt=Acquire::Languages "none"',
+        *_NO_DOCS,
+        f'--customize-hook=rm -f "$1"/usr/lib/python3*/EXTERNALLY-MANAGED && {_APT_CLEANUP}',
+        *_SUITE_TAIL,
+    ]
+    node_options = ['--aptopt=Acquire::Languages "none"', '--aptopt=APT::Install-Recommends "false"',
+                    "--skip=output/dev"]
+    assert kind._rootfs_command(kind.NODE_PACKAGES, Path("rootfs.tar")) == [
+        "mmdebstrap", "--variant=minbase", "--quiet", "--format=tar",
+        "--include=systemd,conntrack,iptables,iproute2,ethtool,kmod,libseccomp2,procps,ca-certificates,jq,"
+        "containerd,runc,containernetworking-plugins",
+        *node_options, *_NO_DOCS, f"--customize-hook={_APT_CLEANUP}", *_SUITE_TAIL,
+    ]
+    assert kind._rootfs_command(kind.KUBE_PROXY_PACKAGES, Path("p.tar")) == [
+        "mmdebstrap", "--variant=minbase", "--quiet", "--format=tar", "--include=iptables",
+        *node_options, *_NO_DOCS, f"--customize-hook={_APT_CLEANUP}", "bookworm", "p.tar", *_SUITE_TAIL[2:],
+    ]
+
+
+# -- OCI archives and containerd ----------------------------------------------------------------------
+
+
+def _digest(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def _archive(data: bytes) -> tuple[dict[str, bytes], list[dict[str, Any]]]:
+    """An archive's members (name -> bytes, each name once) and its index's manifests."""
+    with tarfile.open(fileobj=io.BytesIO(data)) as t:
+        names = t.getnames()
+        assert len(names) == len(set(names))
+        files = {n: t.extractfile(n).read() for n in names if t.getmember(n).isfile()}  # type: ignore[union-attr]
+    assert json.loads(files.pop("oci-layout")) == {"imageLayoutVersion": "1.0.0"}
+    return files, json.loads(files.pop("index.json"))["manifests"]
+
+
+def test_an_archive_of_stored_images_holds_each_blob_once_and_none_the_importer_has(
+        cache: list[list[str]]) -> None:
+    a, b = "localhost/flowkube-runner:00000000000a", "localhost/flowkube-devstack:00000000000b"
+    _layout(a, b"shared base", b"runner top")
+    _layout(b, b"shared base", b"devstack top")
+    out = io.BytesIO()
+    images.write_oci_archive(out, stored={a: "", b: "example.com/devstack:v1"}, skip={_digest(b"shared base")})
+    files, manifests = _archive(out.getvalue())
+    assert [m["annotations"]["io.containerd.image.name"] for m in manifests] == [a, "example.com/devstack:v1"]
+    layers = {data for name, data in files.items() if data in (b"shared base", b"runner top", b"devstack top")}
+    assert layers == {b"runner top", b"devstack top"}  # the shared base is skipped: the importer has it
+    assert all(name == "blobs/" + _digest(data).replace(":", "/") for name, data in files.items())
+    with pytest.raises(BuildError, match="not in the image store"):
+        images.write_oci_archive(io.BytesIO(), stored={"localhost/flowkube-runner:0000000000ff": ""})
+
+
+@pytest.fixture
+def ctr(cache: list[list[str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """containerd as `ctr` sees it: the images and blobs it has ("images", "blobs"); what `ctr images
+    import` reads is kept in "imported" (a shell stands in for ctr: "script" runs after reading)."""
+    state: dict[str, Any] = {"images": [], "blobs": [], "imported": None, "script": "", "calls": 0}
+    archive = tmp_path / "imported.tar"
+
+    def fake_run(cmd: list[str], **kwargs: object) -> str:
+        return "\n".join(state["images"] if cmd[-3:-1] == ["images", "ls"] else state["blobs"])
+
+    real_popen = subprocess.Popen
+
+    def fake_popen(cmd: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+        assert cmd[-3:] == ["images", "import", "-"]
+        state["calls"] += 1
+        return real_popen(["sh", "-c", f'cat > "{archive}"; {state["script"]}'], **kwargs)
+
+    monkeypatch.setattr(images, "run", fake_run)
+    monkeypatch.setattr(subprocess, "Popen", fake_popen)
+    state["archive"] = archive
+    return state
+
+
+def test_containerd_is_sent_only_the_images_and_blobs_it_lacks(ctr: dict[str, Any]) -> None:
+    a, b = "localhost/flowkube-runner:00000000000a", "localhost/flowkube-devstack:00000000000b"
+    _layout(a, b"shared base", b"runner top")
+    _layout(b, b"shared base", b"devstack top")
+    ctr["images"], ctr["blobs"] = [a], [_digest(b"shared base")]
+    images.load_into_containerd("/run/containerd.sock", [a, b, b])
+    files, manifests = _archive(ctr["archive"].read_bytes())
+    assert [m["annotations"]["org.opencontainers.image.ref.name"] for m in manifests] == [b]
+    assert b"devstack top" in files.values()
+    assert not {b"shared base", b"runner top"} & set(files.values())
+
+    ctr["images"] = [a, b]
+    images.load_into_containerd("/run/containerd.sock", [a, b])
+    assert ctr["calls"] == 1  # containerd has both: no import at all
+
+
+def test_a_failed_import_says_so_with_ctrs_output(ctr: dict[str, Any]) -> None:
+    ref = "localhost/flowkube-runner:00000000000a"
+    _layout(ref, b"layer")
+    ctr["script"] = "echo 'ctr: content digest mismatch'; exit 3"
+    with pytest.raises(BuildError, match=r"(?s)exit 3.*content digest mismatch"):
+        images.load_into_containerd("/run/containerd.sock", [ref])
+    ctr["script"] = "exit 0"
+    with pytest.raises(BuildError, match="not in the image store"):  # before ctr starts
+        images.load_into_containerd("/run/containerd.sock", ["localhost/flowkube-runner:0000000000ff"])
+    assert ctr["calls"] == 1
