@@ -129,8 +129,13 @@ class LocalCluster:
             self.images = images.ensure_all()
         self.root.mkdir(parents=True, exist_ok=True)
         procs.kill_stale(self.root)
+        previous = self._previous_slot()
         try:
-            self.ns = netns.acquire(build.cache_root() / "netns")
+            self.ns = netns.acquire(build.cache_root() / "netns", prefer=previous)
+            if previous is not None and self.ns.slot != previous:
+                # The saved cluster's addresses (its Services' ClusterIPs, the node's, the pods') are
+                # another slot's, taken now by another cluster: start this one afresh.
+                shutil.rmtree(self.root / "etcd", ignore_errors=True)
             self._spawn = kubenode.wrap_spawn(self.ns, self.root, self.procs)
             self._prepare_pki()
             self._start_etcd(timeout)
@@ -175,8 +180,17 @@ class LocalCluster:
             self._launch_apiserver()
             wait_for(self._apiserver_ready, timeout, "kube-apiserver /readyz after restart")
 
+    def _previous_slot(self) -> int | None:
+        """The network slot this cluster's saved state was made in (a restarted dev stack), if any."""
+        try:
+            slot = json.loads((self.root / "cluster.json").read_text()).get("slot")
+        except (OSError, ValueError):
+            return None
+        return slot if isinstance(slot, int) else None
+
     def describe(self) -> dict[str, Any]:
         return {
+            "slot": self.netns.slot,
             "server": self.server,
             "nodeIP": self.node_ip,
             "hostIP": self.host_ip,

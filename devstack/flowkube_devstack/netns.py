@@ -129,12 +129,14 @@ class Netns:
             self.lock = None
 
 
-def acquire(lock_dir: Path, timeout: float = 60.0) -> Netns:
-    """Take the first free slot (its lock is held until ``delete``) and create its namespace."""
+def acquire(lock_dir: Path, timeout: float = 60.0, prefer: int | None = None) -> Netns:
+    """Take the first free slot, ``prefer`` first (its lock is held until ``delete``), and create its
+    namespace."""
     lock_dir.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + timeout
+    order = sorted(range(SLOTS), key=lambda s: s != prefer)
     while True:
-        for slot in range(SLOTS):
+        for slot in order:
             f = (lock_dir / f"slot-{slot}.lock").open("w")
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
