@@ -297,9 +297,20 @@ def test_leader_election_and_the_disruption_budget(helm: Path) -> None:
     assert pdb["spec"]["selector"]["matchLabels"] == deploy["spec"]["selector"]["matchLabels"]
     assert deploy["spec"]["template"]["metadata"]["labels"] | pdb["spec"]["selector"]["matchLabels"] \
         == deploy["spec"]["template"]["metadata"]["labels"]
+    # Two replicas prefer two nodes (one node still runs both); an affinity of the user's replaces that.
+    spread = deploy["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    (term,) = spread["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert term["podAffinityTerm"]["labelSelector"]["matchLabels"] == deploy["spec"]["selector"]["matchLabels"]
+    own = render(helm, "--set", "affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
+                 ".nodeSelectorTerms[0].matchExpressions[0].key=pool",
+                 "--set", "affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
+                 ".nodeSelectorTerms[0].matchExpressions[0].operator=Exists")
+    assert list(named(own, "Deployment", "flowkube")["spec"]["template"]["spec"]["affinity"]) == ["nodeAffinity"]
     # One replica: no budget (minAvailable 1 would block every drain), leader election still on
     # (a rollout runs two pods for a moment).
     single = render(helm, "--set", "replicaCount=1")
+    assert "affinity" not in named(single, "Deployment", "flowkube")["spec"]["template"]["spec"]
     assert not of_kind(single, "PodDisruptionBudget")
     assert named(single, "Deployment", "flowkube")["spec"]["replicas"] == 1
     assert env_of(next(containers(single)))["FLOWKUBE_LEADER_ELECTION"] == "true"
