@@ -107,25 +107,10 @@ def _go_json(cmd: list[str]) -> dict[str, str]:
     return data
 
 
-def kubernetes() -> Component:
+def _kubernetes_component(name: str, binaries: tuple[str, ...]) -> Component:
+    """Commands of the pinned k8s.io/kubernetes module, built with its version stamped in."""
     return Component(
-        name="kubernetes",
-        version=KUBERNETES_VERSION,
-        module="k8s.io/kubernetes",
-        binaries=("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl"),
-        packages=tuple(
-            f"k8s.io/kubernetes/cmd/{b}"
-            for b in ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
-        ),
-        ldflags=_kubernetes_ldflags(KUBERNETES_VERSION),
-    )
-
-
-def kubernetes_node() -> Component:
-    """The node's own binaries, from the same module and version as the control plane."""
-    binaries = ("kubelet", "kube-proxy")
-    return Component(
-        name="kubernetes-node",
+        name=name,
         version=KUBERNETES_VERSION,
         module="k8s.io/kubernetes",
         binaries=binaries,
@@ -134,16 +119,19 @@ def kubernetes_node() -> Component:
     )
 
 
+def kubernetes() -> Component:
+    return _kubernetes_component("kubernetes", ("kube-apiserver", "kube-controller-manager", "kube-scheduler",
+                                                "kubectl"))
+
+
+def kubernetes_node() -> Component:
+    """The node's own binaries, from the same module and version as the control plane."""
+    return _kubernetes_component("kubernetes-node", ("kubelet", "kube-proxy"))
+
+
 def kubeadm() -> Component:
     """kubeadm, which sets up a kind node, from the same module and version as the control plane."""
-    return Component(
-        name="kubeadm",
-        version=KUBERNETES_VERSION,
-        module="k8s.io/kubernetes",
-        binaries=("kubeadm",),
-        packages=("k8s.io/kubernetes/cmd/kubeadm",),
-        ldflags=_kubernetes_ldflags(KUBERNETES_VERSION),
-    )
+    return _kubernetes_component("kubeadm", ("kubeadm",))
 
 
 def kind() -> Component:

@@ -31,6 +31,7 @@ import io
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -631,20 +632,27 @@ def load_into_containerd(address: str, refs: Iterable[str]) -> None:
     if not missing:
         return
     have_blobs = set(run([*ctr, "content", "ls", "-q"]).split())
+    import_archive([*ctr, "images", "import", "-"], missing, skip=have_blobs)
+
+
+def import_archive(cmd: Sequence[str], refs: Iterable[str], *, skip: Container[str] = frozenset(),
+                   env: Mapping[str, str] | None = None) -> None:
+    """Stream the store's images ``refs`` as one OCI archive into ``cmd``, a ``ctr images import -``
+    (here, or in a kind node), leaving out the blobs in ``skip``; a failure raises with ctr's output."""
+    refs = list(dict.fromkeys(refs))
     with store_lock(shared=True):
-        for ref in missing:  # before ctr starts, so that it is not left with half an archive
+        for ref in refs:  # before ctr starts, so that it is not left with half an archive
             _require_cached(ref)
-        cmd = [*ctr, "images", "import", "-"]
         with tempfile.TemporaryFile() as out:
-            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(list(cmd), stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, env=env)
             assert proc.stdin is not None
             # ctr may stop reading: then its exit status and output say why
             with contextlib.suppress(BrokenPipeError), proc.stdin:
-                write_oci_archive(proc.stdin, stored=dict.fromkeys(missing, ""), skip=have_blobs)
+                write_oci_archive(proc.stdin, stored=dict.fromkeys(refs, ""), skip=skip)
             code = proc.wait()
             if code != 0:
                 out.seek(0)
-                raise build.BuildError(f"`{' '.join(cmd)}` of {', '.join(missing)} failed (exit {code}):\n"
+                raise build.BuildError(f"`{shlex.join(cmd)}` of {', '.join(refs)} failed (exit {code}):\n"
                                        f"{_tail(out.read().decode(errors='replace').strip())}")
 
 

@@ -25,7 +25,6 @@ comes from one of two places:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shlex
@@ -354,16 +353,7 @@ def load(provider: str, node: str, refs: Sequence[str]) -> float:
     the way ``kind load`` does it), each blob once. Returns the seconds it took."""
     started = time.monotonic()
     cmd = [provider, "exec", "-i", node, "ctr", "--namespace", "k8s.io", "images", "import", "--all-platforms", "-"]
-    with tempfile.TemporaryFile() as errors, images.store_lock(shared=True):
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=errors, stderr=subprocess.STDOUT,
-                                env=engine_env(provider))
-        assert proc.stdin is not None
-        with contextlib.suppress(BrokenPipeError), proc.stdin:
-            images.write_oci_archive(proc.stdin, stored=dict.fromkeys(refs, ""))
-        if proc.wait() != 0:
-            errors.seek(0)
-            raise build.BuildError(f"`{shlex.join(cmd)}` failed (exit {proc.returncode}):\n"
-                                   f"{errors.read().decode(errors='replace')[-3000:]}")
+    images.import_archive(cmd, refs, env=engine_env(provider))
     return time.monotonic() - started
 
 

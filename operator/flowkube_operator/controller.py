@@ -526,8 +526,9 @@ class Controller:
             except (ApiError, ForeignObjectError):
                 # Record the run anyway (started_at unset: "recorded, never seen", created again later),
                 # so `kubectl get` shows it Pending while the event says why its pod cannot be made.
-                if p.status.dump() != old_status:
-                    await self._write_status(key, body, old_status, p.status.dump())
+                recorded = p.status.dump()
+                if recorded != old_status:
+                    await self._write_status(key, body, old_status, recorded)
                 raise
             run = p.status.runs[intent.index] if p.status.runs else None
             if run is not None and run.started_at is None:
