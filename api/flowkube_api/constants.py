@@ -25,9 +25,6 @@ MANAGED_BY = "flowkube"
 COMPONENT_RUNNER = "runner"
 COMPONENT_STATE = "state"
 
-FINALIZER = f"{PREFIX}/cleanup"
-
-
 class Phase(StrEnum):
     PENDING = "Pending"
     RUNNING = "Running"

@@ -1,4 +1,4 @@
-"""The I/O edge around `reconcile.plan`: caches fed by kopf's watches, a work queue, and apply.
+"""The I/O edge around `reconcile.plan`: caches fed by two watches (informer.py), a work queue, and apply.
 
 Like controller-runtime: watch events only put a Flow's key on a de-duplicating queue; workers
 take keys, read the latest cached Flow and its pods, plan, and apply. A key is never processed by
@@ -19,13 +19,13 @@ import dataclasses
 import datetime as dt
 import gzip
 import heapq
-import json
 import logging
 import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
+import orjson
 from pydantic import ValidationError
 
 from flowkube_api import constants as c
@@ -33,6 +33,7 @@ from flowkube_api.base import now as now_utc
 from flowkube_api.base import parse_time
 from flowkube_api.report import RunReport
 from flowkube_operator import resources, selfmetrics
+from flowkube_operator.informer import Informer
 from flowkube_operator.kube import ApiError, Kube, collection_path, delete_namesake_garbage, flow_path, ns_path
 from flowkube_operator.meta import PodView, owner_uid
 from flowkube_operator.reconcile import Plan, RunIntent, late_pods, plan
@@ -164,7 +165,19 @@ class Controller:
         self.leading = False  # workers run: this replica is the one status writer
         self.fence: Callable[[], bool] = lambda: True  # asked before every write (leader election)
 
-    # -- watch side (called by kopf handlers; must stay cheap) ---------------------------------------
+    # -- watch side (called by the informers; must stay cheap) ---------------------------------------
+
+    def informers(self, kube: Callable[[], Kube | None], namespaces: list[str]) -> list[Informer]:
+        """The two watches that feed the caches: Flows and runner pods, cluster-wide or per namespace.
+        Every replica runs them (followers serve the state API and metrics from the same caches)."""
+        runner_pods = f"{c.LABEL_MANAGED_BY}={c.MANAGED_BY},{c.LABEL_COMPONENT}={c.COMPONENT_RUNNER}"
+        out = []
+        for ns in namespaces or [""]:
+            flows = flow_path(ns) if ns else f"/apis/{c.GROUP}/{c.VERSION}/{c.PLURAL}"
+            pods = ns_path(ns, "pods") if ns else "/api/v1/pods"
+            out.append(Informer(kube, flows, c.API_VERSION, c.KIND, self.flow_event))
+            out.append(Informer(kube, pods, "v1", "Pod", self.pod_event, label_selector=runner_pods))
+        return out
 
     def flow_event(self, event_type: str, body: Body) -> None:
         meta = body.get("metadata") or {}
@@ -173,7 +186,7 @@ class Controller:
         if event_type == "DELETED":
             self.on_flow_deleted(meta.get("uid", ""))
             if cached is not None and cached[1] != meta.get("uid"):
-                return  # an earlier Flow of this name (kopf handles each uid apart, in no set order)
+                return  # an earlier Flow of this name, deleted (its late DELETED after a relist)
             self.flows.pop(key, None)
             self.pods.pop(key, None)
             self._late.pop(key, None)
@@ -187,8 +200,7 @@ class Controller:
                 # earlier Flow of this name (resourceVersions are comparable across objects here).
                 # The same: the watch's echo of our own status write, already taken from its answer.
                 return
-            self.flows[key] = (_rv(body), meta.get("uid", ""),
-                               json.dumps(_slim(body), separators=(",", ":")).encode())
+            self.flows[key] = (_rv(body), meta.get("uid", ""), orjson.dumps(_slim(body)))
             self._track_active(key, meta.get("uid", ""), body)
             self._on_flow_change(key, body)
             self._enqueue(key)
@@ -269,7 +281,7 @@ class Controller:
         cached = self.flows.get((namespace, flow))
         if cached is None:
             return None, {"message": f"flow {namespace}/{flow} is gone"}
-        status: Body = json.loads(cached[2]).get("status") or {}
+        status: Body = orjson.loads(cached[2]).get("status") or {}
         runs = status.get("runs") or []
         if not runs or runs[-1].get("pod") != pod or runs[-1].get("finishedAt"):
             return None, {"message": f"the run of pod {pod} is closed"}
@@ -360,8 +372,9 @@ class Controller:
 
     async def recheck_pods(self, limit: int = 50) -> int:
         """Read again the running pods of active runs that the watch has been silent about for
-        ``pod_recheck_seconds``: after an API server restart kopf's watch re-lists and never says
-        which pods were deleted in the gap, so the cache would show them running for ever. What the
+        ``pod_recheck_seconds``. The informer's relist says DELETED for a pod deleted in a break of
+        the watch; this is the guard against a watch that is connected but silent, which would
+        leave the cache showing a pod running for ever. What the
         API server answers goes through ``pod_event`` (a pod gone as DELETED). Returns how many were read."""
         assert self.kube is not None
         now, quiet = time.monotonic(), self.settings.pod_recheck_seconds
@@ -426,7 +439,7 @@ class Controller:
     async def reconcile(self, key: Key) -> None:
         assert self.kube is not None
         cached = self.flows.get(key)
-        body = json.loads(cached[2]) if cached is not None else None
+        body = orjson.loads(cached[2]) if cached is not None else None
         if body is None or body.get("metadata", {}).get("deletionTimestamp"):
             return
         ns, name = key

@@ -8,7 +8,7 @@ import logging
 import os
 import signal
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -49,6 +49,7 @@ class Runtime:
     metrics_runner: web.AppRunner | None = None
     elector: LeaderElector | None = None  # with leader election: who holds the Lease
     leadership: asyncio.Task[None] | None = None  # acquires, then holds the Lease
+    watches: list[asyncio.Task[None]] = field(default_factory=list)  # the informers feeding the caches
 
 
 # Set when the process stops because it lost the Lease: `main` then exits non-zero.
@@ -86,32 +87,11 @@ async def prepare_tls() -> tls.ServingTLS:
     return serving
 
 
-class _NoDiffBase(kopf.DiffBaseStorage):
-    """kopf builds a deep-copied "essence" of every object on every event, for change handlers
-    (on.create/update/field). flowkube registers none (only on.event), so there is nothing to
-    diff: this keeps kopf from copying each Flow twice per event (an eighth of the CPU in a burst)
-    and from ever writing a diff-base annotation."""
-
-    def build(self, *, body: kopf.Body, extra_fields: Any = None) -> kopf.BodyEssence:
-        return kopf.BodyEssence()
-
-    def fetch(self, *, body: kopf.Body) -> kopf.BodyEssence | None:
-        return None
-
-    def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: kopf.BodyEssence) -> None:
-        return None
-
-
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-    # Progress and diff-base (used only by kopf's own change handlers) live under our prefix.
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=c.PREFIX)
-    settings.persistence.diffbase_storage = _NoDiffBase()
-    settings.persistence.finalizer = c.FINALIZER
-    # Only the Events we post on purpose; operator logs stay logs.
+    # kopf watches nothing (informer.py does): it serves the admission webhooks, logs in and answers
+    # /healthz. Only the Events we post on purpose; operator logs stay logs.
     settings.posting.level = logging.CRITICAL + 1
-    settings.watching.server_timeout = 300
-    settings.watching.client_timeout = 330
     settings.networking.request_timeout = 30
     serving: tls.ServingTLS = memo.get("tls") or await prepare_tls()
     memo.tls = serving
@@ -167,7 +147,11 @@ async def login(memo: kopf.Memo, **kwargs: Any) -> kopf.ConnectionInfo | None:
     CONTROLLER.attach(kube)
     if old is not None:
         await old.close()
-    elif SETTINGS.leader_election:
+        return info
+    # The first login: the watches start (every replica keeps its caches warm), then reconciling.
+    runtime.watches = [asyncio.create_task(informer.run())
+                       for informer in CONTROLLER.informers(lambda: runtime.kube, SETTINGS.watch_namespaces)]
+    if SETTINGS.leader_election:
         runtime.elector = LeaderElector(lambda: runtime.kube, _lease_config())
         CONTROLLER.fence = runtime.elector.still_leading
         runtime.leadership = asyncio.create_task(_lead(runtime.elector))
@@ -207,18 +191,6 @@ async def _lead(elector: LeaderElector) -> None:
     await CONTROLLER.stop()
     LOST_LEADERSHIP = True
     os.kill(os.getpid(), signal.SIGTERM)
-
-
-# Async on purpose: the controller's watch side only updates caches and the queue, and kopf would
-# run a plain function in a thread pool (a thread hop per event was a sixth of the CPU in a burst).
-@kopf.on.event(c.GROUP, c.VERSION, c.PLURAL)
-async def flow_event(event: kopf.RawEvent, **_: Any) -> None:
-    CONTROLLER.flow_event(event.get("type") or "ADDED", dict(event["object"]))
-
-
-@kopf.on.event("", "v1", "pods", labels={c.LABEL_MANAGED_BY: c.MANAGED_BY, c.LABEL_COMPONENT: c.COMPONENT_RUNNER})
-async def pod_event(event: kopf.RawEvent, **_: Any) -> None:
-    CONTROLLER.pod_event(event.get("type") or "ADDED", dict(event["object"]))
 
 
 def _by_operator(userinfo: kopf.UserInfo, memo: kopf.Memo) -> bool:
@@ -276,6 +248,9 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
     await CONTROLLER.stop()  # no status write after the Lease is given up
     if runtime is None:
         return
+    for task in runtime.watches:
+        task.cancel()
+    await asyncio.gather(*runtime.watches, return_exceptions=True)
     if runtime.elector is not None:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(3):

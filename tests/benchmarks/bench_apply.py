@@ -101,11 +101,11 @@ async def namespace(client: Client, ns: str) -> None:
         await asyncio.sleep(0.05)
 
 
-async def until(pred: Any, limit: float) -> None:
+async def until(pred: Any, limit: float, what: Any = lambda: "waiting") -> None:
     deadline = time.perf_counter() + limit
     while not pred():
         if time.perf_counter() > deadline:
-            raise TimeoutError("benchmark did not finish in time")
+            raise TimeoutError(f"benchmark did not finish in time: {what()} after {limit:.0f} s")
         await asyncio.sleep(0.01)
 
 
@@ -222,7 +222,7 @@ async def burst(b: Bench, ns: str, kind: str, cm: str, concurrency: int) -> Burs
             await client.post(path, make(f"b{i}"))
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    await until(lambda: len(seen) >= n, 600)
+    await until(lambda: len(seen) >= n, 600, lambda: f"{kind} burst in {ns}: {len(seen)} of {n} pods seen")
     per_s = n / (max(seen.values()) - t0)
     await stop(w)
     writes1 = await jobpeer.settle(session, server, pids)
@@ -242,7 +242,7 @@ async def burst(b: Bench, ns: str, kind: str, cm: str, concurrency: int) -> Burs
     cpu2 = jobpeer.cpu_seconds(pids)
     t1 = time.perf_counter()
     ended = await jobpeer.end_pods(session, server, ns, list(seen), concurrency, runner=kind == "Flow")
-    await until(lambda: len(done) >= n, 600)
+    await until(lambda: len(done) >= n, 600, lambda: f"{kind} burst in {ns}: {len(done)} of {n} done")
     out.end_per_s = n / (max(done.values()) - t1)
     await stop(w)
     writes3 = await jobpeer.settle(session, server, pids)
@@ -422,6 +422,11 @@ def main() -> None:
             assert op.proc is not None
             pids["operator"] = op.proc.pid
             r = asyncio.run(run(cluster, op, args.flows, args.rate, pids, tuple(args.concurrency)))
+        except BaseException:
+            if op.log.exists():  # the temporary directory goes with the cluster: show why now
+                print(f"--- the operator's log, last 60 lines:\n{''.join(op.log.read_text().splitlines(True)[-60:])}",
+                      file=sys.stderr)
+            raise
         finally:
             op.stop()
             cluster.stop()
