@@ -11,9 +11,11 @@ watch too old to resume) what it is told adds up to what exists. That is all thi
   ours changes); a 410 Gone, or an ERROR event, means relist;
 - a dropped connection is retried with a capped backoff, resuming where it was.
 
-Each event costs one JSON decode (orjson) and one call: this replaced kopf's watching, whose
-per-event machinery (a logger, cause detection and bookkeeping per event) was a quarter of the
-operator's CPU in a burst. kopf still runs the admission webhooks, login and the liveness endpoint.
+Each event costs one JSON decode (orjson) and one call. This replaced kopf's watching, whose
+per-event machinery (a logger, cause detection and bookkeeping per event) was about a quarter of the
+operator's CPU in a burst, and which watched every pod of the cluster and filtered runner pods in
+Python (here the API server filters, by label). kopf still serves the admission webhooks, logs in and
+answers /healthz.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Benchmark: apply -> runner pod created, against the local control plane, beside Kubernetes' Job
 controller. Prints figures.
 
-    .venv/bin/python -m tests.benchmarks.bench_apply [--flows 300] [--rate 10] [--concurrency 1 16]
+    .venv/bin/python -m tests.benchmarks.bench_apply [--flows 300] [--rate 10] [--concurrency 1 16] [--kind NAME]
 
 0. Before the operator starts: the API server's CPU per write of each kind a Flow needs (its
    create, one status update, its pod), one client, nobody watching.
@@ -21,7 +21,10 @@ Pending until the stand-in kubelet ends them; this measures the controllers and 
 Ratios (flowkube / Job controller) are what to read: the machine is shared.
 
 It creates and deletes hundreds of objects, so it only ever runs against a control plane it starts
-itself in a temporary directory and stops at the end: it takes no kubeconfig and reads no KUBECONFIG.
+itself in a temporary directory and stops at the end (it takes no kubeconfig and reads no KUBECONFIG),
+or, with `--kind NAME`, against a throwaway kind cluster made for it by
+`KEEP_CLUSTER=1 CLUSTER=NAME hack/kind-e2e.sh` (see kindtarget.py; step 0 is skipped there: its
+operator is already running).
 """
 
 from __future__ import annotations
@@ -37,9 +40,10 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import yaml
@@ -50,16 +54,25 @@ from flowkube_devstack.cluster import LocalCluster
 from flowkube_devstack.operator import OperatorProcess
 from tests.benchmarks import jobpeer
 from tests.benchmarks.jobpeer import cpu_seconds
+from tests.benchmarks.kindtarget import KindTarget
+
+
+def local_ssl(cluster: LocalCluster) -> ssl.SSLContext:
+    cfg = yaml.safe_load(cluster.kubeconfig.read_text())
+    user = cfg["users"][0]["user"]
+    ctx = ssl.create_default_context(cafile=cfg["clusters"][0]["cluster"]["certificate-authority"])
+    ctx.load_cert_chain(user["client-certificate"], user["client-key"])
+    return ctx
 
 
 class Client:
-    def __init__(self, cluster: LocalCluster) -> None:
-        cfg = yaml.safe_load(cluster.kubeconfig.read_text())
-        user = cfg["users"][0]["user"]
-        ctx = ssl.create_default_context(cafile=cfg["clusters"][0]["cluster"]["certificate-authority"])
-        ctx.load_cert_chain(user["client-certificate"], user["client-key"])
-        self.server = cluster.server
+    def __init__(self, server: str, ctx: ssl.SSLContext) -> None:
+        self.server = server
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx, limit=32))
+
+    @classmethod
+    def of(cls, cluster: LocalCluster) -> Client:
+        return cls(cluster.server, local_ssl(cluster))
 
     async def post(self, path: str, body: dict[str, Any]) -> None:
         async with self.session.post(self.server + path, json=body) as r:
@@ -117,7 +130,7 @@ PENDING_STATUS = {"status": {"phase": "Pending", "observedGeneration": 1, "defin
 
 async def write_costs(cluster: LocalCluster, n: int, pids: dict[str, int]) -> dict[str, float]:
     """API server CPU ms per write, one kind at a time (no operator yet: nobody acts on the Flows)."""
-    client = Client(cluster)
+    client = Client.of(cluster)
     ns = "bench-costs"
     try:
         await namespace(client, ns)
@@ -177,17 +190,45 @@ class Burst:
     end_reconciles: float = 0.0
 
 
+class Target(Protocol):
+    """Where the bursts run: the control plane this benchmark starts, or a throwaway kind cluster."""
+
+    @property
+    def server(self) -> str: ...
+
+    def restart_controller_manager(self, flags: Sequence[str]) -> int: ...  # its new pid
+
+    def operator_metrics(self) -> str: ...
+
+
+@dataclass
+class LocalTarget:
+    cluster: LocalCluster
+    op: OperatorProcess
+
+    @property
+    def server(self) -> str:
+        return self.cluster.server
+
+    def restart_controller_manager(self, flags: Sequence[str]) -> int:
+        self.cluster.restart_controller_manager(flags)
+        return self.cluster.procs["kube-controller-manager"].pid
+
+    def operator_metrics(self) -> str:
+        return self.op.metrics()
+
+
 @dataclass
 class Bench:
     client: Client
     pids: dict[str, int]
-    op: OperatorProcess
+    target: Target
     template: dict[str, Any]  # the Jobs' pod template
     n: int
 
     async def reconciles(self) -> float:
         """Reconciles the operator has done since it started (its own /metrics)."""
-        text = await asyncio.to_thread(self.op.metrics)
+        text = await asyncio.to_thread(self.target.operator_metrics)
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith("flowkube_operator_reconcile_duration_seconds_count"))
 
@@ -305,10 +346,9 @@ async def paced(client: Client, n: int, rate: float) -> list[float]:
     return sorted((seen[k] - sent[k]) * 1000 for k in sent)
 
 
-async def run(cluster: LocalCluster, op: OperatorProcess, n: int, rate: float, pids: dict[str, int],
-              concurrencies: tuple[int, ...]) -> dict[str, Any]:
-    client = Client(cluster)
-    template = jobpeer.runner_template(cluster.host_ip, op.state_port, op.ca_file().read_text())
+async def run(target: Target, ctx: ssl.SSLContext, template: dict[str, Any], n: int, rate: float,
+              pids: dict[str, int], concurrencies: tuple[int, ...]) -> dict[str, Any]:
+    client = Client(target.server, ctx)
     try:
         namespaces = ["bench-paced", "bench-probe"] + [
             f"bench-{k}-{cm}-{c}" for c in concurrencies for cm in ("defaults", "best") for k in ("flow", "job")
@@ -316,7 +356,7 @@ async def run(cluster: LocalCluster, op: OperatorProcess, n: int, rate: float, p
         for ns in namespaces:
             await namespace(client, ns)
         node = asyncio.create_task(jobpeer.node(client.session, client.server))
-        bench = Bench(client, pids, op, template, n)
+        bench = Bench(client, pids, target, template, n)
         await probe_job(client, "bench-probe", "defaults", template)
 
         lat = await paced(client, n, rate)
@@ -328,8 +368,8 @@ async def run(cluster: LocalCluster, op: OperatorProcess, n: int, rate: float, p
         # limits), then restarted at its best; Flows again beside each, so every ratio is one phase's.
         for cm, kinds in (("defaults", ("flow", "raw", "job")), ("best", ("flow", "job"))):
             if cm == "best":
-                cluster.restart_controller_manager(jobpeer.CM_BEST)
-                pids["kube-controller-manager"] = cluster.procs["kube-controller-manager"].pid
+                pids["kube-controller-manager"] = await asyncio.to_thread(target.restart_controller_manager,
+                                                                          jobpeer.CM_BEST)
                 await probe_job(client, "bench-probe", "best", template)
             for conc in concurrencies:
                 for k in kinds:
@@ -405,10 +445,15 @@ def main() -> None:
     parser.add_argument("--flows", type=int, default=300)
     parser.add_argument("--rate", type=float, default=10.0)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--kind", metavar="NAME", help="run on the throwaway kind cluster NAME (kindtarget.py)")
     args = parser.parse_args()
     if os.environ.get("KUBECONFIG"):
         print("bench_apply: KUBECONFIG is ignored: this benchmark creates and deletes hundreds of objects, "
-              "so it runs only against a throwaway control plane it starts itself", file=sys.stderr)
+              "so it runs only against a throwaway control plane it starts itself or a kind cluster made "
+              "for it (--kind)", file=sys.stderr)
+    if args.kind:
+        on_kind(args)
+        return
     with tempfile.TemporaryDirectory(prefix="flowkube-bench-") as tmp:
         # The stack's controller-manager flags, plus Kubernetes' defaults spelt out (the baseline).
         cluster = LocalCluster(Path(tmp), with_node=False, controller_manager_args=jobpeer.CM_DEFAULTS).start()
@@ -421,7 +466,9 @@ def main() -> None:
             op.start()
             assert op.proc is not None
             pids["operator"] = op.proc.pid
-            r = asyncio.run(run(cluster, op, args.flows, args.rate, pids, tuple(args.concurrency)))
+            template = jobpeer.runner_template(cluster.host_ip, op.state_port, op.ca_file().read_text())
+            r = asyncio.run(run(LocalTarget(cluster, op), local_ssl(cluster), template, args.flows, args.rate,
+                                pids, tuple(args.concurrency)))
         except BaseException:
             if op.log.exists():  # the temporary directory goes with the cluster: show why now
                 print(f"--- the operator's log, last 60 lines:\n{''.join(op.log.read_text().splitlines(True)[-60:])}",
@@ -434,6 +481,27 @@ def main() -> None:
           + ", ".join(f"{k} {v:.2f} ms" for k, v in costs.items()))
     print(f"    a Flow needs all three where a raw pod is one: ratio at most "
           f"{costs['pod create'] / sum(costs.values()):.0%} where the API server is the bottleneck")
+    summary(r)
+
+
+def on_kind(args: argparse.Namespace) -> None:
+    """The same bursts on a kind cluster: the chart's operator (a pod) against kubeadm's controller-manager."""
+    with tempfile.TemporaryDirectory(prefix="flowkube-bench-kind-") as tmp:
+        target = KindTarget.open(args.kind, Path(tmp))
+        target.cordon()
+        pids = target.pids()
+        print(f"bench_apply on kind cluster {args.kind} ({target.engine}): processes {pids}", file=sys.stderr)
+        r = asyncio.run(run(target, target.ctx, target.template(), args.flows, args.rate, pids,
+                            tuple(args.concurrency)))
+    print(f"On the kind cluster {args.kind}: the operator as the chart runs it (two replicas; 'oper' is the "
+          "leader's CPU), kube-controller-manager as kubeadm runs it, restarted with the 'best' flags.")
+    summary(r)
+    follower = [f"{b.clients} client(s), kcm {b.cm}: {b.cpu_ms.get('operator follower', 0):.2f}"
+                for b in r["bursts"] if b.kind == "Flow"]
+    print("the follower replica's own CPU per Flow, apply -> pod (ms): " + "; ".join(follower))
+
+
+def summary(r: dict[str, Any]) -> None:
     print(f"apply -> runner pod created, {r['flows']} Flows at {r['rate']:.0f}/s: "
           f"p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms, max {r['max_ms']:.1f} ms")
     for f in (b for b in r["bursts"] if b.kind == "Flow" and b.cm == "defaults"):

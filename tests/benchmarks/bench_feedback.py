@@ -28,7 +28,7 @@ REVIEW = {"id": "r1", "method": "review", "message": "ok?", "emit": ["approved",
 
 
 async def run(cluster: LocalCluster, n: int) -> list[float]:
-    client = Client(cluster)
+    client = Client.of(cluster)
     try:
         base = f"/apis/flowkube.io/v1alpha1/namespaces/{NS}/flows"
         for i in range(n):

@@ -94,7 +94,7 @@ def main() -> None:
                 t0 = time.perf_counter()
 
                 async def fill(lo: int, hi: int) -> None:
-                    c = Client(cluster)
+                    c = Client.of(cluster)
                     # Only the token: with the admin's client certificate the API server would see the admin.
                     ctx = ssl.create_default_context(cafile=str(cluster.pki_dir / "ca.crt"))
                     operator = aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"},
