@@ -1,0 +1,62 @@
+"""The API client keeps working when the kubelet renews the pod's token: a 401 makes it read the
+projected token again and try once more with it (a scripted HTTP server plays the API server's check)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import kopf
+import pytest
+from aiohttp import web
+
+from flowkube_operator import kube as kube_mod
+from flowkube_operator.kube import ApiError, Kube
+
+
+async def _served(valid: str) -> tuple[list[str | None], object]:
+    """One GET by a client holding the token "old", against a server that takes only ``valid``."""
+    seen: list[str | None] = []
+
+    async def namespace(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Authorization"))
+        if request.headers.get("Authorization") != f"Bearer {valid}":
+            return web.json_response({"kind": "Status", "code": 401, "message": "Unauthorized"}, status=401)
+        return web.json_response({"kind": "Namespace"})
+
+    app = web.Application()
+    app.router.add_get("/api/v1/namespaces/x", namespace)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    client = Kube(kopf.ConnectionInfo(server=f"http://127.0.0.1:{port}", token="old"))
+    try:
+        result: object = await client.get("/api/v1/namespaces/x")
+    except ApiError as e:
+        result = e
+    finally:
+        await client.close()
+        await runner.cleanup()
+    return seen, result
+
+
+def test_a_401_after_the_kubelet_renewed_the_token_is_tried_again_with_the_new_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    token = tmp_path / "token"
+    monkeypatch.setattr(kube_mod, "SA_TOKEN", token)
+    token.write_text("new\n")  # the kubelet renewed it in place
+    seen, result = asyncio.run(_served("new"))
+    assert result == {"kind": "Namespace"}
+    assert seen == ["Bearer old", "Bearer new"]
+
+
+def test_a_401_with_no_newer_token_is_the_callers_error_after_one_try(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    token = tmp_path / "token"
+    monkeypatch.setattr(kube_mod, "SA_TOKEN", token)
+    token.write_text("old\n")
+    seen, result = asyncio.run(_served("something-else"))
+    assert isinstance(result, ApiError) and result.status == 401
+    assert seen == ["Bearer old"]
