@@ -67,17 +67,13 @@ class Informer:
             except Relist as e:
                 log.info("%s: %s; listing again", self.path, e)
                 self._rv = ""
-            except ApiError as e:
-                failures += 1
-                log.warning("%s: %s", self.path, e)
-                if e.status == 410:
-                    self._rv = ""
-                await asyncio.sleep(min(BACKOFF_CAP, 0.2 * 2 ** failures))
             except asyncio.CancelledError:
                 raise
-            except Exception as e:  # a dropped connection, a timeout, a line that is not JSON: never stop
+            except Exception as e:  # a refusal, a dropped connection, a line that is not JSON: never stop
                 failures += 1
                 log.warning("%s: watch broke (%s: %s); resuming", self.path, type(e).__name__, e)
+                if isinstance(e, ApiError) and e.status == 410:
+                    self._rv = ""
                 await asyncio.sleep(min(BACKOFF_CAP, 0.2 * 2 ** failures))
 
     def _client(self) -> Kube:
@@ -89,9 +85,7 @@ class Informer:
     async def _list(self) -> None:
         """Each page is delivered as it comes (10,000 Flows are never all decoded at once); what was
         known and is not listed any more is DELETED once the last page is in."""
-        params = {"limit": str(PAGE)}
-        if self.label_selector:
-            params["labelSelector"] = self.label_selector
+        params = self._params(limit=str(PAGE))
         listed: set[Key] = set()
         while True:
             page = await self._client().request("GET", self.path, params=params)
@@ -112,20 +106,19 @@ class Informer:
         self._rv = str(page.get("metadata", {}).get("resourceVersion", ""))
         self.synced.set()
 
+    def _params(self, **params: str) -> dict[str, str]:
+        return {**params, "labelSelector": self.label_selector} if self.label_selector else params
+
     def _deliver_deleted(self, meta: Body) -> None:
         self._deliver("DELETED", {"apiVersion": self.api_version, "kind": self.kind, "metadata": dict(meta)})
 
     async def _watch(self) -> None:
-        params = {"watch": "1", "allowWatchBookmarks": "true", "resourceVersion": self._rv,
-                  "timeoutSeconds": str(WATCH_SECONDS)}
-        if self.label_selector:
-            params["labelSelector"] = self.label_selector
+        params = self._params(watch="1", allowWatchBookmarks="true", resourceVersion=self._rv,
+                              timeoutSeconds=str(WATCH_SECONDS))
         events: AsyncIterator[Body] = self._client().watch(self.path, params, read_timeout=WATCH_SECONDS + 30)
         async for event in events:
             etype, obj = event.get("type"), event.get("object") or {}
-            if etype == "ERROR":
-                if obj.get("code") == 410:
-                    raise Relist(f"watch too old: {obj.get('message')}")
+            if etype == "ERROR":  # 410 Gone (too old to resume) or another Status: list again
                 raise Relist(f"watch error {obj.get('code')}: {obj.get('message')}")
             rv = (obj.get("metadata") or {}).get("resourceVersion")
             if rv:

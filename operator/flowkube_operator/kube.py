@@ -116,12 +116,16 @@ class Kube:
 
     def _token_renewed(self) -> bool:
         """After a 401: the kubelet renews a pod's projected token in place; take the new one."""
+        if not self._token:
+            return False
         try:
-            token = SA_TOKEN.read_text().strip() if self._token else ""
+            token = SA_TOKEN.read_text().strip()
         except OSError:
             return False
-        renewed, self._token = bool(token) and token != self._token, token or self._token
-        return renewed
+        if not token or token == self._token:
+            return False
+        self._token = token
+        return True
 
     async def request(self, method: str, path: str, body: Any = None, *,
                       content_type: str = "application/json", params: dict[str, str] | None = None) -> Any:
