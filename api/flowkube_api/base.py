@@ -14,14 +14,18 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BaseModel, ConfigDict, PlainSerializer, WithJsonSchema
 from pydantic.alias_generators import to_camel
 
+_ZERO = dt.timedelta(0)
+
 
 def _utc_second(t: dt.datetime) -> dt.datetime:
+    if not t.microsecond and t.utcoffset() == _ZERO:
+        return t  # already UTC to the second (every time read off an object): the common case
     aware = t if t.tzinfo is not None else t.replace(tzinfo=dt.UTC)
     return aware.astimezone(dt.UTC).replace(microsecond=0)
 
 
 def _rfc3339(t: dt.datetime) -> str:
-    return t.strftime("%Y-%m-%dT%H:%M:%SZ")
+    return t.isoformat(timespec="seconds")[:19] + "Z"  # the fields as given, like strftime, faster
 
 
 Time = Annotated[dt.datetime, AfterValidator(_utc_second), PlainSerializer(_rfc3339, return_type=str, when_used="json")]

@@ -8,6 +8,7 @@ so `/metrics` stays fast with tens of thousands of Flows.
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from decimal import Decimal
 from typing import Any
@@ -60,8 +61,13 @@ def _escape(v: str) -> str:
     return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
+@functools.lru_cache(maxsize=4096)
+def _label(k: str, v: str) -> str:
+    return f'{k}="{_escape(v)}"'
+
+
 def _fmt_labels(labels: Labels) -> str:
-    return ",".join(f'{k}="{_escape(v)}"' for k, v in labels)
+    return ",".join(_label(k, v) for k, v in labels)
 
 
 def _num(v: float) -> str:
@@ -71,6 +77,10 @@ def _num(v: float) -> str:
 def _definition(body: Body) -> str:
     st = body.get("status") or {}
     return str(st.get("definition") or definition_name(body.get("spec") or {}))
+
+
+_PHASES = tuple(p.value for p in Phase)
+_TRIGGERS = tuple(t.value for t in Trigger)
 
 
 def contributions(body: Body) -> dict[tuple[str, Labels], float]:
@@ -89,7 +99,7 @@ def contributions(body: Body) -> dict[tuple[str, Labels], float]:
         out[("flowkube_flow_unpriced_tokens_total", (*base, ("model", model)))] = u.get("unpricedTokens", 0)
         out[("flowkube_namespace_cost_usd_total", (("namespace", ns), ("definition", definition),
                                                    ("model", model)))] = cost
-    counts = dict.fromkeys((t.value for t in Trigger), 0)
+    counts = dict.fromkeys(_TRIGGERS, 0)
     for r in st.get("runs") or []:
         counts[r.get("trigger", "kickoff")] = counts.get(r.get("trigger", "kickoff"), 0) + 1
     for trig, n in counts.items():
@@ -98,8 +108,8 @@ def contributions(body: Body) -> dict[tuple[str, Labels], float]:
     if conversation.get("sessionId"):
         out[("flowkube_flow_turns_total", base)] = conversation.get("turns", 0)
     phase = st.get("phase") or Phase.PENDING.value
-    for p in Phase:
-        out[("flowkube_flow_phase", (*base, ("phase", p.value)))] = 1 if p.value == phase else 0
+    for p in _PHASES:
+        out[("flowkube_flow_phase", (*base, ("phase", p)))] = 1 if p == phase else 0
     out[("flowkube_flows", (("namespace", ns), ("phase", phase)))] = 1
     hist: Labels = (("namespace", ns), ("definition", definition))
     for h in (st.get("feedback") or {}).get("history") or []:
@@ -137,7 +147,7 @@ class FlowMetrics:
     def update(self, key: Key, body: Body | None) -> None:
         new = contributions(body) if body is not None else {}
         # Only the small aggregated part is kept as numbers; per-flow series are kept as text.
-        agg = {k: v for k, v in new.items() if self._aggregated(k[0])}
+        agg = {k: v for k, v in new.items() if not self.per_flow or k[0] not in PER_FLOW}
         old = self._contrib.pop(key, {})
         if agg != old:
             for sample, v in old.items():
@@ -158,13 +168,13 @@ class FlowMetrics:
         self._contrib[key] = agg
         if self.per_flow:
             chunks: dict[str, list[str]] = defaultdict(list)
+            base = ""  # every per-flow sample's labels begin with the same three: written once
             for (name, labels), v in new.items():
                 if name in PER_FLOW:
-                    chunks[name].append(f"{name}{{{_fmt_labels(labels)}}} {_num(v)}\n")
+                    base = base or _fmt_labels(labels[:3])
+                    rest = "".join("," + _label(k, lv) for k, lv in labels[3:])
+                    chunks[name].append(f"{name}{{{base}{rest}}} {_num(v)}\n")
             self._chunks[key] = {fam: "".join(lines) for fam, lines in chunks.items()}
-
-    def _aggregated(self, sample: str) -> bool:
-        return not self.per_flow or sample not in PER_FLOW
 
     def _rollup(self, sample: tuple[str, Labels]) -> tuple[str, Labels]:
         name, labels = sample
