@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import sys
 
@@ -28,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     # uvloop: the operator's work is I/O and JSON; its loop and transports, in C, cost less CPU per
     # event than asyncio's own (docs/architecture.md, "What a Flow costs").
     loop = uvloop.new_event_loop()
+    # Everything made so far (modules, classes, settings) lives as long as the process: out of the
+    # collector's full passes, which then walk only what the Flows and events bring.
+    gc.freeze()
     with contextlib.suppress(KeyboardInterrupt):
         kopf.run(
             loop=loop,

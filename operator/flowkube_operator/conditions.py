@@ -46,6 +46,7 @@ class _Description:
     def __init__(self, st: FlowStatus, old: FlowStatus, failure: tuple[str, str] | None, refusal: str | None,
                  generation: int | None, now: dt.datetime) -> None:
         self.st, self.old = st, old
+        self._old_conditions = {x.type: x for x in old.conditions or []}
         self.generation, self.now = generation, now
         self.phase = st.phase
         self.last = st.runs[-1] if st.runs else None
@@ -166,7 +167,7 @@ class _Description:
     # -- the previous status -------------------------------------------------------------------------
 
     def _previous(self, ctype: ConditionType) -> Condition | None:
-        return next((x for x in self.old.conditions or [] if x.type == ctype), None)
+        return self._old_conditions.get(ctype)
 
     def _previous_failure(self) -> tuple[str, str]:
         prev = self._previous(ConditionType.SUCCEEDED)

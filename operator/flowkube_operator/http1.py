@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from collections.abc import Callable
 from typing import cast
 from urllib.parse import urlencode, urlsplit
 
 MAX_HEAD = 64 * 1024  # an API server's response headers are a few hundred bytes
-IDLE_SECONDS = 30.0  # connections idle longer are closed rather than reused
+# Connections idle longer are closed rather than reused: kube-apiserver closes them at 90 s, and a
+# new one costs a TLS handshake (about 1 ms of the operator's CPU and 0.5 ms of the API server's).
+IDLE_SECONDS = 85.0
 
 
 class ProtocolError(ConnectionError):
@@ -178,7 +181,7 @@ class Pool:
     """Keep-alive connections to one server; at most `limit` requests at once (more wait)."""
 
     def __init__(self, server: str, ssl_context: ssl.SSLContext | None, *, limit: int,
-                 headers: dict[str, str]) -> None:
+                 headers: dict[str, str], on_open: Callable[[], None] | None = None) -> None:
         url = urlsplit(server)
         self._host = url.hostname or ""
         self._port = url.port or (443 if url.scheme == "https" else 80)
@@ -188,6 +191,7 @@ class Pool:
         self._idle: list[_Connection] = []
         self._slots = asyncio.Semaphore(limit)
         self._closed = False
+        self._on_open = on_open
 
     async def request(self, method: str, path: str, body: bytes | None, *,
                       headers: dict[str, str], params: dict[str, str] | None = None) -> tuple[int, bytes]:
@@ -232,6 +236,8 @@ class Pool:
         _, conn = await loop.create_connection(
             _Connection, self._host, self._port, ssl=self._ssl,
             server_hostname=self._host if self._ssl is not None else None)
+        if self._on_open is not None:
+            self._on_open()
         return conn
 
     async def close(self) -> None:

@@ -103,7 +103,8 @@ class Kube:
         self._token = info.token or ""
         ssl_ctx = ssl_context(info)
         self._pool = http1.Pool(self.server, ssl_ctx, limit=limit,
-                                headers={"User-Agent": "flowkube-operator", "Accept": "application/json"})
+                                headers={"User-Agent": "flowkube-operator", "Accept": "application/json"},
+                                on_open=selfmetrics.API_CONNECTIONS.inc)
         # Watches hold their connection for minutes, two per watched namespace: their own pool, so
         # they never take the connections writes need (and never wait for one).
         self._watch_session = aiohttp.ClientSession(

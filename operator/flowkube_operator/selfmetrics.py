@@ -20,6 +20,11 @@ API_LATENCY = Histogram(
     ["verb", "resource", "code"], registry=REGISTRY,
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
 )
+API_CONNECTIONS = Counter(
+    "flowkube_operator_api_connections_opened_total",
+    "Connections (TLS handshakes) the operator opened for its API server requests; watches not counted.",
+    registry=REGISTRY,
+)
 QUEUE_DEPTH = Gauge("flowkube_operator_workqueue_depth", "Flows waiting to be reconciled.", registry=REGISTRY)
 IN_FLIGHT = Gauge("flowkube_operator_reconciles_in_flight", "Reconciles running now.", registry=REGISTRY)
 DELAYED = Gauge("flowkube_operator_workqueue_delayed", "Flows scheduled for a later reconcile.",

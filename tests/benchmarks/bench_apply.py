@@ -188,6 +188,8 @@ class Burst:
     end_cpu_ms: dict[str, float] = field(default_factory=dict)
     reconciles: float = 0.0  # the operator's, per object (its own count), in each phase
     end_reconciles: float = 0.0
+    connections: float = 0.0  # API connections the operator opened (TLS handshakes), per object
+    end_connections: float = 0.0
 
 
 class Target(Protocol):
@@ -226,11 +228,14 @@ class Bench:
     template: dict[str, Any]  # the Jobs' pod template
     n: int
 
-    async def reconciles(self) -> float:
-        """Reconciles the operator has done since it started (its own /metrics)."""
+    async def counts(self) -> tuple[float, float]:
+        """(reconciles, API connections opened) by the operator since it started (its own /metrics)."""
         text = await asyncio.to_thread(self.target.operator_metrics)
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("flowkube_operator_reconcile_duration_seconds_count"))
+
+        def total(name: str) -> float:
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+        return (total("flowkube_operator_reconcile_duration_seconds_count"),
+                total("flowkube_operator_api_connections_opened_total"))
 
 
 def per_object(writes: Counter[str], n: int) -> Counter[str]:
@@ -253,7 +258,7 @@ async def burst(b: Bench, ns: str, kind: str, cm: str, concurrency: int) -> Burs
     w = asyncio.create_task(client.watch_pods(ns, seen, ready))
     await ready.wait()
     writes0 = await jobpeer.settle(session, server, pids)
-    cpu0, rec0 = jobpeer.cpu_seconds(pids), await b.reconciles()
+    cpu0, (rec0, conn0) = jobpeer.cpu_seconds(pids), await b.counts()
     t0 = time.perf_counter()
     queue = list(range(n))
 
@@ -267,9 +272,10 @@ async def burst(b: Bench, ns: str, kind: str, cm: str, concurrency: int) -> Burs
     per_s = n / (max(seen.values()) - t0)
     await stop(w)
     writes1 = await jobpeer.settle(session, server, pids)
-    cpu1, rec1 = jobpeer.cpu_seconds(pids), await b.reconciles()
+    cpu1, (rec1, conn1) = jobpeer.cpu_seconds(pids), await b.counts()
     out = Burst(kind, cm, concurrency, per_s, per_object(jobpeer.diff(writes1, writes0), n),
-                {k: (cpu1[k] - cpu0[k]) * 1000 / n for k in pids}, reconciles=(rec1 - rec0) / n)
+                {k: (cpu1[k] - cpu0[k]) * 1000 / n for k in pids}, reconciles=(rec1 - rec0) / n,
+                connections=(conn1 - conn0) / n)
     if kind == "pod":
         # Pending pods are rescheduled every few minutes: gone before the next burst, not in it.
         await delete_all(client, path)
@@ -287,8 +293,8 @@ async def burst(b: Bench, ns: str, kind: str, cm: str, concurrency: int) -> Burs
     out.end_per_s = n / (max(done.values()) - t1)
     await stop(w)
     writes3 = await jobpeer.settle(session, server, pids)
-    cpu3, rec3 = jobpeer.cpu_seconds(pids), await b.reconciles()
-    out.end_reconciles = (rec3 - rec1) / n
+    cpu3, (rec3, conn3) = jobpeer.cpu_seconds(pids), await b.counts()
+    out.end_reconciles, out.end_connections = (rec3 - rec1) / n, (conn3 - conn1) / n
     end_writes = jobpeer.diff(writes3, writes1)
     end_writes["PATCH pods/status"] -= ended  # the stand-in kubelet's own
     out.end_writes = per_object(+end_writes, n)
@@ -437,6 +443,9 @@ def report(r: dict[str, Any]) -> None:
             print(f"  {'':<4} {'':>2}                             end:    {fmt_writes(b.end_writes)}")
     print("operator reconciles per Flow (its own count): " + "; ".join(
         f"{b.clients} client(s), kcm {b.cm}: to pod {b.reconciles:.2f}, end {b.end_reconciles:.2f}"
+        for b in bursts if b.kind == "Flow"))
+    print("operator API connections opened per Flow (TLS handshakes; its own count): " + "; ".join(
+        f"{b.clients} client(s), kcm {b.cm}: to pod {b.connections:.3f}, end {b.end_connections:.3f}"
         for b in bursts if b.kind == "Flow"))
 
 
