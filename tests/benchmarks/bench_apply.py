@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import ssl
 import statistics
@@ -80,13 +79,9 @@ class Client:
                 raise RuntimeError(f"{path}: {r.status} {await r.text()}")
 
     async def watch_pods(self, ns: str, seen: dict[str, float], ready: asyncio.Event) -> None:
-        url = f"{self.server}/api/v1/namespaces/{ns}/pods?watch=1&allowWatchBookmarks=false"
-        async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=None)) as r:
-            ready.set()
-            async for line in r.content:
-                ev = json.loads(line)
-                if ev["type"] == "ADDED":
-                    seen.setdefault(ev["object"]["metadata"]["name"], time.perf_counter())
+        """When each pod of `ns` was first seen (any event says it exists)."""
+        await jobpeer.watch(self.session, f"{self.server}/api/v1/namespaces/{ns}/pods", lambda *_: True,
+                            seen, ready)
 
 
 def flow(name: str) -> dict[str, Any]:
@@ -268,7 +263,13 @@ async def burst(b: Bench, ns: str, kind: str, cm: str, concurrency: int) -> Burs
             await client.post(path, make(f"b{i}"))
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    await until(lambda: len(seen) >= n, 600, lambda: f"{kind} burst in {ns}: {len(seen)} of {n} pods seen")
+    try:
+        await until(lambda: len(seen) >= n, 600, lambda: f"{kind} burst in {ns}: {len(seen)} of {n} pods seen")
+    except TimeoutError as e:
+        gauges = [line for line in (await asyncio.to_thread(b.target.operator_metrics)).splitlines()
+                  if line.startswith(("flowkube_operator_workqueue", "flowkube_operator_reconciles_in_flight",
+                                      "flowkube_operator_reconcile_errors_total"))]
+        raise TimeoutError(f"{e}; {await census(client, ns, path, w)}; operator: {gauges}") from None
     per_s = n / (max(seen.values()) - t0)
     await stop(w)
     writes1 = await jobpeer.settle(session, server, pids)
@@ -300,6 +301,19 @@ async def burst(b: Bench, ns: str, kind: str, cm: str, concurrency: int) -> Burs
     out.end_writes = per_object(+end_writes, n)
     out.end_cpu_ms = {k: (cpu3[k] - cpu2[k]) * 1000 / n for k in pids}
     return out
+
+
+async def census(client: Client, ns: str, path: str, watch: asyncio.Task[None]) -> str:
+    """What the API server holds when a burst times out: whether the pods are missing, or only
+    their watch events (and if the benchmark's own watch ended)."""
+    async def items(p: str) -> list[dict[str, Any]]:
+        async with client.session.get(client.server + p) as r:
+            return list((await r.json())["items"])
+    pods, objs = await items(f"/api/v1/namespaces/{ns}/pods"), await items(path)
+    unstarted = [o["metadata"]["name"] for o in objs if not (o.get("status") or {}).get("runs")]
+    return (f"the API server lists {len(pods)} pods and {len(objs)} objects, {len(unstarted)} with no run "
+            f"recorded (first: {unstarted[:5]}); the benchmark's pod watch "
+            f"{'ended' if watch.done() else 'is still open'}")
 
 
 async def stop(task: asyncio.Task[None]) -> None:
