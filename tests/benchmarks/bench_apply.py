@@ -185,6 +185,9 @@ class Burst:
     end_reconciles: float = 0.0
     connections: float = 0.0  # API connections the operator opened (TLS handshakes), per object
     end_connections: float = 0.0
+    made_s: float = 0.0  # from the first create until the client's last create was answered
+    pods_s: float = 0.0  # until the last pod existed
+    lag_ms: tuple[float, float] = (0.0, 0.0)  # create answered -> its pod's event, p50 and p99
 
 
 class Target(Protocol):
@@ -257,10 +260,13 @@ async def burst(b: Bench, ns: str, kind: str, cm: str, concurrency: int) -> Burs
     t0 = time.perf_counter()
     queue = list(range(n))
 
+    made: dict[str, float] = {}
+
     async def worker() -> None:
         while queue:
             i = queue.pop()
             await client.post(path, make(f"b{i}"))
+            made[f"b{i}"] = time.perf_counter()
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     try:
@@ -271,12 +277,17 @@ async def burst(b: Bench, ns: str, kind: str, cm: str, concurrency: int) -> Burs
                                       "flowkube_operator_reconcile_errors_total"))]
         raise TimeoutError(f"{e}; {await census(client, ns, path, w)}; operator: {gauges}") from None
     per_s = n / (max(seen.values()) - t0)
+    # Pods are named <object>-<suffix> (a Flow's -0, a Job's random one), a plain client's as the object.
+    lags = sorted(t - made[obj] for pod_name, t in seen.items()
+                  if (obj := pod_name if kind == "pod" else pod_name.rsplit("-", 1)[0]) in made)
     await stop(w)
     writes1 = await jobpeer.settle(session, server, pids)
     cpu1, (rec1, conn1) = jobpeer.cpu_seconds(pids), await b.counts()
     out = Burst(kind, cm, concurrency, per_s, per_object(jobpeer.diff(writes1, writes0), n),
                 {k: (cpu1[k] - cpu0[k]) * 1000 / n for k in pids}, reconciles=(rec1 - rec0) / n,
-                connections=(conn1 - conn0) / n)
+                connections=(conn1 - conn0) / n, made_s=max(made.values()) - t0,
+                pods_s=max(seen.values()) - t0, lag_ms=(statistics.median(lags) * 1000,
+                                                         lags[int(len(lags) * 0.99)] * 1000))
     if kind == "pod":
         # Pending pods are rescheduled every few minutes: gone before the next burst, not in it.
         await delete_all(client, path)
@@ -455,6 +466,12 @@ def report(r: dict[str, Any]) -> None:
         print(f"  {b.kind:<4} {b.clients:>2} client(s), kcm {b.cm:<8} to pod: {fmt_writes(b.writes)}")
         if b.kind != "pod":
             print(f"  {'':<4} {'':>2}                             end:    {fmt_writes(b.end_writes)}")
+    print("\nTimeline of each burst: the client's creates answered / every pod exists (s after the first "
+          "create); create answered -> its pod seen, p50 / p99 (ms):")
+    for b in bursts:
+        what = {"Flow": "Flows", "Job": "Jobs", "pod": "raw pods"}[b.kind]
+        print(f"  {b.clients:>2} client(s) {what:<8} kcm {b.cm:<8}: {b.made_s:5.2f} / {b.pods_s:5.2f} s; "
+              f"{b.lag_ms[0]:7.1f} / {b.lag_ms[1]:7.1f} ms")
     print("operator reconciles per Flow (its own count): " + "; ".join(
         f"{b.clients} client(s), kcm {b.cm}: to pod {b.reconciles:.2f}, end {b.end_reconciles:.2f}"
         for b in bursts if b.kind == "Flow"))
