@@ -38,7 +38,7 @@ SERVICE_ACCOUNT = "flowkube"  # the chart's fullname for release "flowkube"
 WEBHOOK_CONFIGURATION = f"{RELEASE}-{SYSTEM_NAMESPACE}.flowkube.io"
 _APPLIED_KINDS = {"CustomResourceDefinition", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role",
                   "RoleBinding", "Secret", "ValidatingWebhookConfiguration", "MutatingWebhookConfiguration",
-                  "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
+                  "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding", "FlowSchema"}
 STATUS_POLICY = f"{RELEASE}-{SYSTEM_NAMESPACE}.status.flowkube.io"
 
 

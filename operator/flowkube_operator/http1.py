@@ -226,7 +226,8 @@ class Pool:
         now = asyncio.get_running_loop().time()
         while self._idle:
             conn = self._idle.pop()
-            if conn.reusable and now - conn.idle_since < IDLE_SECONDS:
+            closing = conn.transport is None or conn.transport.is_closing()  # the server's FIN is in
+            if conn.reusable and not closing and now - conn.idle_since < IDLE_SECONDS:
                 return conn, True
             conn.close()
         return None, False

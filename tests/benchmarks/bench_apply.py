@@ -188,6 +188,8 @@ class Burst:
     made_s: float = 0.0  # from the first create until the client's last create was answered
     pods_s: float = 0.0  # until the last pod existed
     lag_ms: tuple[float, float] = (0.0, 0.0)  # create answered -> its pod's event, p50 and p99
+    # by "flow schema / priority level": (mean ms a request waited in API Priority and Fairness, requests per object)
+    apf_ms: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 class Target(Protocol):
@@ -257,6 +259,7 @@ async def burst(b: Bench, ns: str, kind: str, cm: str, concurrency: int) -> Burs
     await ready.wait()
     writes0 = await jobpeer.settle(session, server, pids)
     cpu0, (rec0, conn0) = jobpeer.cpu_seconds(pids), await b.counts()
+    apf0 = await jobpeer.apf_waits(session, server)
     t0 = time.perf_counter()
     queue = list(range(n))
 
@@ -283,11 +286,14 @@ async def burst(b: Bench, ns: str, kind: str, cm: str, concurrency: int) -> Burs
     await stop(w)
     writes1 = await jobpeer.settle(session, server, pids)
     cpu1, (rec1, conn1) = jobpeer.cpu_seconds(pids), await b.counts()
+    apf1 = await jobpeer.apf_waits(session, server)
     out = Burst(kind, cm, concurrency, per_s, per_object(jobpeer.diff(writes1, writes0), n),
                 {k: (cpu1[k] - cpu0[k]) * 1000 / n for k in pids}, reconciles=(rec1 - rec0) / n,
                 connections=(conn1 - conn0) / n, made_s=max(made.values()) - t0,
                 pods_s=max(seen.values()) - t0, lag_ms=(statistics.median(lags) * 1000,
-                                                         lags[int(len(lags) * 0.99)] * 1000))
+                                                         lags[int(len(lags) * 0.99)] * 1000),
+                apf_ms={k: ((v[0] - apf0.get(k, (0, 0))[0]) * 1000 / n_req, n_req / n)
+                        for k, v in apf1.items() if (n_req := v[1] - apf0.get(k, (0, 0))[1]) >= n / 10})
     if kind == "pod":
         # Pending pods are rescheduled every few minutes: gone before the next burst, not in it.
         await delete_all(client, path)
@@ -472,6 +478,12 @@ def report(r: dict[str, Any]) -> None:
         what = {"Flow": "Flows", "Job": "Jobs", "pod": "raw pods"}[b.kind]
         print(f"  {b.clients:>2} client(s) {what:<8} kcm {b.cm:<8}: {b.made_s:5.2f} / {b.pods_s:5.2f} s; "
               f"{b.lag_ms[0]:7.1f} / {b.lag_ms[1]:7.1f} ms")
+    print("\nAPI Priority and Fairness, apply -> all pods exist: mean queue wait per request (ms) and "
+          "requests per object, by flow schema / priority level (the benchmark's own client is exempt):")
+    for b in bursts:
+        what = {"Flow": "Flows", "Job": "Jobs", "pod": "raw pods"}[b.kind]
+        print(f"  {b.clients:>2} client(s) {what:<8} kcm {b.cm:<8}: " + "; ".join(
+            f"{k} {ms:.2f} ms x {per:.1f}" for k, (ms, per) in sorted(b.apf_ms.items())))
     print("operator reconciles per Flow (its own count): " + "; ".join(
         f"{b.clients} client(s), kcm {b.cm}: to pod {b.reconciles:.2f}, end {b.end_reconciles:.2f}"
         for b in bursts if b.kind == "Flow"))

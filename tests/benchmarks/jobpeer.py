@@ -85,6 +85,27 @@ async def api_writes(session: aiohttp.ClientSession, server: str) -> Counter[str
     return out
 
 
+async def apf_waits(session: aiohttp.ClientSession, server: str) -> dict[str, tuple[float, float]]:
+    """Seconds requests have waited in API Priority and Fairness queues, and how many requests, by
+    "flow schema / priority level" (the API server's own count)."""
+    async with session.get(server + "/metrics") as r:
+        r.raise_for_status()
+        text = await r.text()
+    out: dict[str, tuple[float, float]] = {}
+    for suffix, i in (("_sum{", 0), ("_count{", 1)):
+        prefix = "apiserver_flowcontrol_request_wait_duration_seconds" + suffix
+        for line in text.splitlines():
+            if line.startswith(prefix):
+                labels_text, value = line[len(prefix):].rsplit("} ", 1)
+                labels = dict(_LABEL.findall(labels_text))
+                if labels.get("execute") == "true":
+                    key = f"{labels.get('flow_schema')} / {labels.get('priority_level')}"
+                    pair = list(out.get(key, (0.0, 0.0)))
+                    pair[i] += float(value)
+                    out[key] = (pair[0], pair[1])
+    return out
+
+
 def diff(after: Counter[str], before: Counter[str]) -> Counter[str]:
     return Counter({k: v for k in after if k not in BACKGROUND and (v := after[k] - before[k]) > 0})
 

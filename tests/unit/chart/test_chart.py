@@ -589,3 +589,20 @@ def test_price_overrides_reach_the_operator_from_a_configmap_and_roll_it_on_chan
     bad = run_helm(helm, "template", "x", str(CHART), "--set", "runner.prices.m.prompt=cheap",
                    "--set", "runner.prices.m.completion=1", check=False)
     assert bad.returncode != 0 and "prompt" in bad.stderr
+
+
+def test_the_operators_requests_get_the_priority_levels_of_kube_controller_managers(helm: Path) -> None:
+    objs = render(helm, release="fk", namespace="ops")
+    schemas = {s["spec"]["priorityLevelConfiguration"]["name"]: s["spec"] for s in of_kind(objs, "FlowSchema")}
+    assert set(schemas) == {"leader-election", "workload-high"}
+    for spec in schemas.values():
+        assert spec["matchingPrecedence"] < 9000  # before the built-in `service-accounts` (workload-low)
+        for rule in spec["rules"]:
+            assert rule["subjects"] == [{"kind": "ServiceAccount",
+                                         "serviceAccount": {"name": "fk-flowkube", "namespace": "ops"}}]
+    lease = schemas["leader-election"]["rules"][0]["resourceRules"]
+    assert lease == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                      "verbs": ["get", "create", "update"], "namespaces": ["ops"]}]
+    assert schemas["leader-election"]["matchingPrecedence"] < schemas["workload-high"]["matchingPrecedence"]
+    off = render(helm, "--set", "priorityAndFairness.enabled=false")
+    assert not of_kind(off, "FlowSchema")
