@@ -606,3 +606,11 @@ def test_the_operators_requests_get_the_priority_levels_of_kube_controller_manag
     assert schemas["leader-election"]["matchingPrecedence"] < schemas["workload-high"]["matchingPrecedence"]
     off = render(helm, "--set", "priorityAndFairness.enabled=false")
     assert not of_kind(off, "FlowSchema")
+
+
+def test_a_stopping_operator_pod_keeps_serving_until_its_endpoint_is_gone(helm: Path) -> None:
+    objs = render(helm)
+    operator = next(ctr for ctr in containers(objs) if ctr["name"] == "operator")
+    assert operator["lifecycle"] == {"preStop": {"sleep": {"seconds": 5}}}
+    off = render(helm, "--set", "preStopSleepSeconds=0")
+    assert "lifecycle" not in next(ctr for ctr in containers(off) if ctr["name"] == "operator")
