@@ -1,10 +1,10 @@
 """A small HTTP/1.1 client for the operator's requests to the API server (watches stay on aiohttp).
 
-Why not aiohttp here: a request through aiohttp's ClientSession costs about 250 us of CPU on this
-path (its request and response objects, timers, cookie jar, multidicts), against about 100 us for
-the same request written and parsed here (`tests/benchmarks/bench_http.py` prints both). The
-operator makes two requests per Flow from apply to pod and three at the end, on the cores the API
-server needs, so that difference is a tenth of its CPU per Flow.
+Why not aiohttp here: a request through aiohttp's ClientSession cost 346-376 us of the process's CPU
+(its request and response objects, timers, cookie jar, multidicts), against 179-199 us through `Kube`
+on this client, TLS, syscalls and orjson included in both (`tests/benchmarks/bench_http.py` prints
+them). The operator makes two requests per Flow from apply to pod and three at the end, on the cores
+the API server needs.
 
 What it does, and all it does: keep-alive connections (TLS or plain) in a pool of at most `limit`
 in use at once; a request line, headers and a body out; the status and the body back, with the
