@@ -91,7 +91,7 @@ def _resource_of(path: str) -> str:
 
 
 REQUEST_TIMEOUT = 30.0  # seconds for one request and its whole answer
-
+USER_AGENT = "flowkube-operator"
 
 SA_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
 
@@ -103,12 +103,12 @@ class Kube:
         self._token = info.token or ""
         ssl_ctx = ssl_context(info)
         self._pool = http1.Pool(self.server, ssl_ctx, limit=limit,
-                                headers={"User-Agent": "flowkube-operator", "Accept": "application/json"},
+                                headers={"User-Agent": USER_AGENT, "Accept": "application/json"},
                                 on_open=selfmetrics.API_CONNECTIONS.inc)
         # Watches hold their connection for minutes, two per watched namespace: their own pool, so
         # they never take the connections writes need (and never wait for one).
         self._watch_session = aiohttp.ClientSession(
-            headers={"User-Agent": "flowkube-operator"},
+            headers={"User-Agent": USER_AGENT},
             connector=aiohttp.TCPConnector(ssl=ssl_ctx, limit=0),
         )
 

@@ -168,12 +168,9 @@ class FlowMetrics:
         self._contrib[key] = agg
         if self.per_flow:
             chunks: dict[str, list[str]] = defaultdict(list)
-            base = ""  # every per-flow sample's labels begin with the same three: written once
             for (name, labels), v in new.items():
                 if name in PER_FLOW:
-                    base = base or _fmt_labels(labels[:3])
-                    rest = "".join("," + _label(k, lv) for k, lv in labels[3:])
-                    chunks[name].append(f"{name}{{{base}{rest}}} {_num(v)}\n")
+                    chunks[name].append(f"{name}{{{_fmt_labels(labels)}}} {_num(v)}\n")
             self._chunks[key] = {fam: "".join(lines) for fam, lines in chunks.items()}
 
     def _rollup(self, sample: tuple[str, Labels]) -> tuple[str, Labels]:

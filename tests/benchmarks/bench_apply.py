@@ -421,6 +421,9 @@ async def run(target: Target, ctx: ssl.SSLContext, template: dict[str, Any], n: 
         await client.session.close()
 
 
+PLURAL = {"Flow": "Flows", "Job": "Jobs", "pod": "raw pods"}  # how the report names each kind of burst
+
+
 def fmt_writes(w: Counter[str]) -> str:
     return ", ".join(f"{k} {v:.2f}" for k, v in sorted(w.items(), key=lambda kv: (-kv[1], kv[0])) if v >= 0.005)
 
@@ -441,7 +444,7 @@ def report(r: dict[str, Any]) -> None:
     print(f"{'':27}| {'apply -> all pods exist, until settled':<48} | pod end -> Succeeded / Complete")
     print(head)
     for b in bursts:
-        what = {"Flow": "Flows", "Job": "Jobs", "pod": "raw pods"}[b.kind]
+        what = PLURAL[b.kind]
         line = (f"{b.clients:>7} {what:<9} {b.cm:<8} | {b.per_s:>6.1f} {sum(b.writes.values()):>6.2f} "
                 + " ".join(f"{b.cpu_ms.get(p, 0):>6.2f}" for p in procs))
         if b.kind != "pod":
@@ -475,13 +478,13 @@ def report(r: dict[str, Any]) -> None:
     print("\nTimeline of each burst: the client's creates answered / every pod exists (s after the first "
           "create); create answered -> its pod seen, p50 / p99 (ms):")
     for b in bursts:
-        what = {"Flow": "Flows", "Job": "Jobs", "pod": "raw pods"}[b.kind]
+        what = PLURAL[b.kind]
         print(f"  {b.clients:>2} client(s) {what:<8} kcm {b.cm:<8}: {b.made_s:5.2f} / {b.pods_s:5.2f} s; "
               f"{b.lag_ms[0]:7.1f} / {b.lag_ms[1]:7.1f} ms")
     print("\nAPI Priority and Fairness, apply -> all pods exist: mean queue wait per request (ms) and "
           "requests per object, by flow schema / priority level (the benchmark's own client is exempt):")
     for b in bursts:
-        what = {"Flow": "Flows", "Job": "Jobs", "pod": "raw pods"}[b.kind]
+        what = PLURAL[b.kind]
         print(f"  {b.clients:>2} client(s) {what:<8} kcm {b.cm:<8}: " + "; ".join(
             f"{k} {ms:.2f} ms x {per:.1f}" for k, (ms, per) in sorted(b.apf_ms.items())))
     print("operator reconciles per Flow (its own count): " + "; ".join(

@@ -22,8 +22,8 @@ import os
 import re
 import sys
 import time
-from collections import Counter
-from collections.abc import Callable, Iterable
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,42 +68,42 @@ def write_key(labels: dict[str, str]) -> str:
     return f"{labels.get('verb')} {res}" + ("" if code.startswith("2") else f" [{code}]")
 
 
-async def api_writes(session: aiohttp.ClientSession, server: str) -> Counter[str]:
-    """Writes the API server has served since it started, by verb and resource (its own count)."""
+async def scrape(session: aiohttp.ClientSession, server: str) -> str:
+    """The API server's /metrics text."""
     async with session.get(server + "/metrics") as r:
         r.raise_for_status()
-        text = await r.text()
-    out: Counter[str] = Counter()
-    prefix = "apiserver_request_total{"
+        return await r.text()
+
+
+def series(text: str, name: str) -> Iterator[tuple[dict[str, str], float]]:
+    """(labels, value) of each sample of the metric `name` in a /metrics text."""
+    prefix = name + "{"
     for line in text.splitlines():
-        if not line.startswith(prefix):
-            continue
-        labels_text, value = line[len(prefix):].rsplit("} ", 1)
-        labels = dict(_LABEL.findall(labels_text))
+        if line.startswith(prefix):
+            labels_text, value = line[len(prefix):].rsplit("} ", 1)
+            yield dict(_LABEL.findall(labels_text)), float(value)
+
+
+async def api_writes(session: aiohttp.ClientSession, server: str) -> Counter[str]:
+    """Writes the API server has served since it started, by verb and resource (its own count)."""
+    out: Counter[str] = Counter()
+    for labels, value in series(await scrape(session, server), "apiserver_request_total"):
         if labels.get("verb") in WRITE_VERBS:
-            out[write_key(labels)] += int(float(value))
+            out[write_key(labels)] += int(value)
     return out
 
 
 async def apf_waits(session: aiohttp.ClientSession, server: str) -> dict[str, tuple[float, float]]:
     """Seconds requests have waited in API Priority and Fairness queues, and how many requests, by
     "flow schema / priority level" (the API server's own count)."""
-    async with session.get(server + "/metrics") as r:
-        r.raise_for_status()
-        text = await r.text()
-    out: dict[str, tuple[float, float]] = {}
-    for suffix, i in (("_sum{", 0), ("_count{", 1)):
-        prefix = "apiserver_flowcontrol_request_wait_duration_seconds" + suffix
-        for line in text.splitlines():
-            if line.startswith(prefix):
-                labels_text, value = line[len(prefix):].rsplit("} ", 1)
-                labels = dict(_LABEL.findall(labels_text))
-                if labels.get("execute") == "true":
-                    key = f"{labels.get('flow_schema')} / {labels.get('priority_level')}"
-                    pair = list(out.get(key, (0.0, 0.0)))
-                    pair[i] += float(value)
-                    out[key] = (pair[0], pair[1])
-    return out
+    text = await scrape(session, server)
+    totals: list[defaultdict[str, float]] = [defaultdict(float), defaultdict(float)]
+    for total, suffix in zip(totals, ("_sum", "_count"), strict=True):
+        for labels, value in series(text, "apiserver_flowcontrol_request_wait_duration_seconds" + suffix):
+            if labels.get("execute") == "true":
+                total[f"{labels.get('flow_schema')} / {labels.get('priority_level')}"] += value
+    waited, requests = totals
+    return {k: (waited[k], requests[k]) for k in requests}
 
 
 def diff(after: Counter[str], before: Counter[str]) -> Counter[str]:
