@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from flowkube_operator.http1 import Pool
+from flowkube_operator.http1 import Pool, ProtocolError
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -169,3 +169,21 @@ def test_a_cancelled_request_leaves_no_half_read_connection_behind() -> None:
         return out
 
     assert asyncio.run(main()) == [(200, b"fast")]
+
+
+def test_an_answer_that_is_not_http_is_an_error_and_its_connection_is_dropped() -> None:
+    served = 0
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal served
+        while True:
+            await _head(reader)
+            served += 1
+            writer.write(b"SSH-2.0-nonsense\r\n\r\n" if served == 1 else
+                         b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+
+    out, connections = run(script, [("GET", "/a", None), ("GET", "/b", None)])
+    assert isinstance(out[0], ProtocolError) and "unreadable answer" in str(out[0])
+    assert out[1] == (200, b"ok")
+    assert connections == 2  # the garbled connection was not used again
