@@ -26,7 +26,15 @@ export KUBECONFIG
 
 started=$SECONDS
 figures=()
-step() { echo; echo "=== $* ($((SECONDS - started)) s)"; }
+current_step="start"
+failed_command=""
+step() { current_step=$*; echo; echo "=== $* ($((SECONDS - started)) s)"; }
+# The command that made the script fail (set -e), for the first line of the failure report. A
+# command that says why itself (a `kind-e2e: ...` line on stderr) sets `why` before it exits.
+why=""
+trap 'failed_command=$BASH_COMMAND failed_line=$LINENO' ERR
+set -o errtrace
+fail() { why=$*; echo "kind-e2e: $*" >&2; exit 1; }
 note() { echo "kind-e2e: $*"; }
 timed() {  # timed LABEL CMD...: run CMD, keep its wall time for the summary
   local label=$1 t0=$SECONDS
@@ -58,8 +66,14 @@ stop_port_forward() {
 cleanup() {
   local rc=$?
   stop_port_forward
-  if [[ $rc -ne 0 && $created == 1 ]]; then
+  if [[ $rc -ne 0 ]]; then
+    # What failed comes first (the test's assertion message starts from these lines); the
+    # diagnostics of the cluster follow.
     echo "=== failed (exit $rc) after $((SECONDS - started)) s" >&2
+    echo "kind-e2e: FAILED in step \"$current_step\": ${why:-\`$failed_command\` (line ${failed_line:-?}) exited $rc}" >&2
+  fi
+  if [[ $rc -ne 0 && $created == 1 ]]; then
+    echo "=== diagnostics" >&2
     echo "--- Flows" >&2
     kubectl get flows -A -o wide >&2 || true
     kubectl get flows -A -o jsonpath='{range .items[*]}{.metadata.name}: {.status}{"\n"}{end}' >&2 || true
@@ -69,8 +83,6 @@ cleanup() {
     kubectl get pods -A -o wide >&2 || true
     echo "--- operator log" >&2
     kubectl -n "$NAMESPACE" logs deployment/flowkube --all-containers --tail=200 >&2 || true
-  elif [[ $rc -ne 0 ]]; then
-    echo "=== failed (exit $rc) after $((SECONDS - started)) s" >&2
   fi
   if [[ $created == 1 ]]; then
     if [[ ${KEEP_CLUSTER:-0} == 1 ]]; then
@@ -86,14 +98,13 @@ cleanup() {
   fi
 }
 trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
+trap 'why="interrupted (SIGINT)"; exit 130' INT
+trap 'why="stopped (SIGTERM: the test'"'"'s deadline?)"; exit 143' TERM
 
-[[ -f $FLOW_FILE ]] || { echo "kind-e2e: FLOW_FILE=$FLOW_FILE does not exist" >&2; exit 1; }
+[[ -f $FLOW_FILE ]] || fail "FLOW_FILE=$FLOW_FILE does not exist"
 if "$KIND" get clusters 2>/dev/null | grep -qx "$CLUSTER"; then
-  echo "kind-e2e: a kind cluster named $CLUSTER exists already (a KEEP_CLUSTER=1 run?); delete it with" \
-    "\`$KIND delete cluster --name $CLUSTER\` or choose another name with CLUSTER=" >&2
-  exit 1
+  fail "a kind cluster named $CLUSTER exists already (a KEEP_CLUSTER=1 run?); delete it with" \
+    "\`$KIND delete cluster --name $CLUSTER\` or choose another name with CLUSTER="
 fi
 
 # --- the node image and the cluster ---------------------------------------------------------------
@@ -166,14 +177,15 @@ kubectl create secret generic openai-api --from-literal=OPENAI_API_KEY="$api_key
 flow=$(kubectl create -f "$FLOW_FILE" -o name)
 
 wait_phase() {  # wait_phase PHASE: until the Flow is in PHASE; fails at once if it Failed
-  local want=$1 deadline=$((SECONDS + TIMEOUT)) phase=""
+  local want=$1 t0=$SECONDS deadline=$((SECONDS + TIMEOUT)) phase=""
   while ((SECONDS < deadline)); do
     phase=$(kubectl get "$flow" -o jsonpath='{.status.phase}')
     [[ $phase == "$want" ]] && { note "$flow is $want"; return 0; }
     [[ $phase == Failed ]] && break
     sleep 1
   done
-  echo "kind-e2e: $flow is ${phase:-without a phase}, expected $want" >&2
+  why="$flow is ${phase:-without a phase}, expected $want after $((SECONDS - t0)) s: $(kubectl get "$flow" -o jsonpath='{.status.message}' 2>&1)"
+  echo "kind-e2e: $why" >&2
   return 1
 }
 wait_phase AwaitingFeedback
@@ -197,13 +209,13 @@ leader=$(kubectl -n "$NAMESPACE" get lease flowkube-operator -o jsonpath='{.spec
 port_forward=$!
 deadline=$((SECONDS + 30))
 until metrics=$(curl -sf "localhost:$METRICS_PORT/metrics"); do
-  ((SECONDS < deadline)) || { echo "kind-e2e: /metrics of $leader did not answer on port $METRICS_PORT" >&2; exit 1; }
+  ((SECONDS < deadline)) || fail "/metrics of $leader did not answer on port $METRICS_PORT"
   sleep 0.5
 done
 stop_port_forward
 series=$(grep -E '^flowkube_(flow_tokens_total|flow_llm_requests_total|flow_runs_total|flow_phase|flows)\b' \
   <<<"$metrics" | grep -v ' 0$' || true)
-grep -q "flow=\"${flow##*/}\"" <<<"$series" || { echo "kind-e2e: /metrics has no series of ${flow##*/}" >&2; exit 1; }
+grep -q "flow=\"${flow##*/}\"" <<<"$series" || fail "/metrics has no series of ${flow##*/}"
 echo "$series"
 
 # --- figures --------------------------------------------------------------------------------------

@@ -138,7 +138,7 @@ class OperatorProcess(_Operator):
         env |= self.extra_env
         self.proc = procs.spawn(self.name, [sys.executable, "-m", "flowkube_operator"],
                                 root=self.cluster.root, env=env)
-        wait_for(self._healthy, timeout, f"operator /healthz (log: {self.log})")
+        wait_for(self._healthy, timeout, f"operator /readyz (log: {self.log})")
         if self.managed:
             wait_for(self._ca_installed, timeout, "the operator's CA in the webhook configurations")
         return self
@@ -147,7 +147,7 @@ class OperatorProcess(_Operator):
         assert self.proc is not None
         if self.proc.poll() is not None:
             raise RuntimeError(f"operator exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
-        return http_ok(f"http://{self.cluster.host_ip}:{self.health_port}/healthz")
+        return http_ok(f"http://{self.cluster.host_ip}:{self.health_port}/readyz")
 
     def _ca_installed(self) -> bool:
         ca = (self.cert_dir / "ca.crt").read_bytes() if (self.cert_dir / "ca.crt").exists() else b""
@@ -257,7 +257,7 @@ class ChartOperator(_Operator):
             f"image.repository={operator_repo}", f"image.tag={operator_tag}", "image.pullPolicy=Never",
             f"runner.image.repository={runner_repo}", f"runner.image.tag={runner_tag}",
             "runner.image.pullPolicy=Never",
-            # Ready as soon as /healthz answers: the tests and the demo wait for it.
+            # Ready as soon as /readyz answers: the tests and the demo wait for it.
             "readinessProbe.initialDelaySeconds=0", "readinessProbe.periodSeconds=1",
             "replicaCount=1", *self.values, *more,
         ]
@@ -302,6 +302,9 @@ class ChartOperator(_Operator):
         if self.installed:
             self.helm("uninstall", self.release, "--namespace", self.namespace, "--wait", "--timeout=120s")
             self.installed = False
+            # helm waits for the Deployment to go, not for its pods: they stop gracefully (the preStop
+            # sleep) while the next install starts. Nothing of this one may be left for the next test.
+            wait_for(lambda: not self.pods(), 120, f"the operator pods of {self.release} gone")
 
     def kill(self) -> None:
         """SIGKILL every replica's operator process, as a crash or an OOM kill, and keep them down
@@ -334,7 +337,11 @@ class ChartOperator(_Operator):
         return items
 
     def _ready(self) -> bool:
-        pods = [p for p in self.pods() if not p["metadata"].get("deletionTimestamp")]
+        pods = self.pods()
+        if len(pods) > self.replicas or any(p["metadata"].get("deletionTimestamp") for p in pods):
+            # A rollout (an upgrade's new values, a restart) is still finishing: a pod of the old
+            # revision is going (preStop sleep, graceful stop). The next test must not meet it.
+            return False
         ready = {p["metadata"]["name"] for p in pods
                  if any(c.get("type") == "Ready" and c.get("status") == "True"
                         for c in p.get("status", {}).get("conditions", []))}

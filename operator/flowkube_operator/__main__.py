@@ -25,7 +25,6 @@ def main(argv: list[str] | None = None) -> int:
     # Before kopf: its servers start with their files in place. The startup handler finds them in the memo.
     memo = kopf.Memo(tls=asyncio.run(handlers.prepare_tls()))
     namespaces = settings.watch_namespaces
-    liveness = f"http://{settings.bind_address}:{settings.health_port}/healthz" if settings.health_port else None
     # uvloop: the operator's work is I/O and JSON; its loop and transports, in C, cost less CPU per
     # event than asyncio's own (docs/architecture.md, "What a Flow costs").
     loop = uvloop.new_event_loop()
@@ -40,7 +39,6 @@ def main(argv: list[str] | None = None) -> int:
             standalone=True,
             clusterwide=not namespaces,
             namespaces=namespaces,
-            liveness_endpoint=liveness,
             memo=memo,
         )
     loop.close()

@@ -45,11 +45,26 @@ class Runtime:
     kube: Kube | None = None  # the client of the latest login
     username: str = ""  # who the operator is to the API server (its own status writes pass the webhook)
     ca_bundle: bytes | None = None  # installed into the webhook configurations at each login
+    ca_installed: bool = False  # the first login put the CA into the webhook configurations
+    webhook_server: webhook.FlowkubeWebhookServer | None = None
     state_runner: web.AppRunner | None = None
     metrics_runner: web.AppRunner | None = None
+    health_runner: web.AppRunner | None = None
     elector: LeaderElector | None = None  # with leader election: who holds the Lease
     leadership: asyncio.Task[None] | None = None  # acquires, then holds the Lease
     watches: list[asyncio.Task[None]] = field(default_factory=list)  # the informers feeding the caches
+
+    def not_ready(self) -> str:
+        """Why this replica must not get traffic yet ("" once it may): the API server calls its
+        webhooks and runner pods its state API as soon as its pod is Ready, so Ready waits for the
+        CA in the webhook configurations and the webhook server listening, not just for the process."""
+        if self.kube is None or not self.ca_installed:
+            return "not logged in to the API server yet (the CA is not in the webhook configurations)"
+        if self.webhook_server is not None and not self.webhook_server.listening:
+            return "the admission webhook server is not listening yet"
+        if self.state_runner is None:
+            return "the state API is not serving"
+        return ""
 
 
 # Set when the process stops because it lost the Lease: `main` then exits non-zero.
@@ -89,8 +104,8 @@ async def prepare_tls() -> tls.ServingTLS:
 
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-    # kopf watches nothing (informer.py does): it serves the admission webhooks, logs in and answers
-    # /healthz. Only the Events we post on purpose; operator logs stay logs.
+    # kopf watches nothing (informer.py does): it serves the admission webhooks and logs in. Only
+    # the Events we post on purpose; operator logs stay logs.
     settings.posting.level = logging.CRITICAL + 1
     settings.networking.request_timeout = 30
     serving: tls.ServingTLS = memo.get("tls") or await prepare_tls()
@@ -101,15 +116,37 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     CONTROLLER.on_flow_seen = state_api.flow_changed
     CONTROLLER.on_flow_deleted = state_api.forget_flow
     if SETTINGS.webhook_enabled:
-        settings.admission.server = webhook.FlowkubeWebhookServer(
+        settings.admission.server = runtime.webhook_server = webhook.FlowkubeWebhookServer(
             addr=SETTINGS.bind_address, port=SETTINGS.webhook_port, host=SETTINGS.webhook_host,
             service=SETTINGS.webhook_service, cafile=serving.cafile, certfile=serving.certfile,
             pkeyfile=serving.keyfile)
         runtime.ca_bundle = serving.ca_pem
+    else:
+        runtime.ca_installed = True  # nothing to install
     runtime.state_runner = await state_api.serve(SETTINGS.bind_address, SETTINGS.state_port,
                                                  serving.certfile, serving.keyfile)
     if SETTINGS.metrics_port:
         runtime.metrics_runner = await _serve_metrics()
+    if SETTINGS.health_port:
+        runtime.health_runner = await _serve_health(runtime)
+
+
+async def _serve_health(runtime: Runtime) -> web.AppRunner:
+    """/healthz (liveness: the event loop answers) and /readyz (readiness: `Runtime.not_ready`)."""
+    async def healthz(_: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    async def readyz(_: web.Request) -> web.Response:
+        why = runtime.not_ready()
+        return web.Response(status=503 if why else 200, text=(why or "ok") + "\n")
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, SETTINGS.bind_address, SETTINGS.health_port).start()
+    return runner
 
 
 async def _serve_metrics() -> web.AppRunner:
@@ -144,6 +181,7 @@ async def login(memo: kopf.Memo, **kwargs: Any) -> kopf.ConnectionInfo | None:
     runtime.username = review.get("status", {}).get("userInfo", {}).get("username", "")
     if runtime.ca_bundle is not None:
         await webhook.install_ca_bundle(kube, SETTINGS.webhook_configuration, runtime.ca_bundle)
+        runtime.ca_installed = True
     CONTROLLER.attach(kube)
     if old is not None:
         await old.close()
@@ -258,7 +296,7 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
     kube, runtime.kube = runtime.kube, None
     if kube is not None:
         await kube.close()
-    for runner in (runtime.metrics_runner, runtime.state_runner):
+    for runner in (runtime.metrics_runner, runtime.state_runner, runtime.health_runner):
         if runner is not None:
             await runner.cleanup()
-    runtime.metrics_runner = runtime.state_runner = None
+    runtime.metrics_runner = runtime.state_runner = runtime.health_runner = None

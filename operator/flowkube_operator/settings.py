@@ -75,7 +75,9 @@ class Settings(BaseSettings):
         "sees the leader's last renewal at most this late, so it takes over at most the lease duration "
         "plus this after the leader's last renewal.")
 
-    health_port: int = Field(default=8080, description="Port of /healthz (0 disables it).")
+    health_port: int = Field(default=8080, description=(
+        "Port of /healthz (liveness) and /readyz (readiness: logged in, the CA in the webhook "
+        "configurations, the webhook server listening); 0 disables both."))
     metrics_port: int = Field(default=9090, description="Port of /metrics (0 disables it).")
     metrics_per_flow: bool = Field(
         default=True,

@@ -152,9 +152,11 @@ class FlowkubeWebhookServer(kopf.WebhookServer):
     def __init__(self, *, service: str = "", **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.service = service
+        self.listening = False  # kopf's server yields its first config once its socket is bound
 
     async def __call__(self, fn: kopf.WebhookFn) -> AsyncIterator[kopf.WebhookClientConfig]:
         async for config in super().__call__(fn):
+            self.listening = True
             if self.service:
                 ns, name = self.service.split("/", 1)
                 svc = kopf.WebhookClientConfigService(namespace=ns, name=name, port=443)

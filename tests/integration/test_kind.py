@@ -31,6 +31,19 @@ def _clusters(env: dict[str, str]) -> list[str]:
     return out.stdout.split()
 
 
+def failure_report(text: str, budget: int = 6000) -> str:
+    """What a failed run says, in the order a reader needs it: the script's FAILED line (its step,
+    and the command or the reason), the failing step's own output, then the diagnostics, cut to fit."""
+    lines = text.splitlines()
+    failed = [line for line in lines if line.startswith("kind-e2e: FAILED")]
+    end = next((i for i, line in enumerate(lines) if line.startswith("=== failed")), len(lines))
+    start = max((i for i, line in enumerate(lines[:end]) if line.startswith("=== ")), default=0)
+    step = "\n".join(lines[start:end])[-budget // 2:]
+    rest = "\n".join(line for line in lines[end:] if not line.startswith("kind-e2e: FAILED"))
+    head = "\n".join([*(failed or ["kind-e2e: the script did not say what failed"]), "--- the failing step", step])
+    return f"{head}\n--- after it\n{rest[:max(0, budget - len(head))]}"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(SCRIPT_BUDGET + 120)
 @pytest.mark.skipif(PROVIDER is None, reason="neither a Docker daemon nor podman answers")
@@ -58,5 +71,5 @@ def test_kind_e2e_script_passes_and_leaves_no_cluster(tmp_path: Path) -> None:
         subprocess.run([str(kind.kind_binary()), "delete", "cluster", "--name", name], env=env, capture_output=True)
     print(f"hack/kind-e2e.sh ({PROVIDER}): exit {rc} in {elapsed:.0f} s")
     print("\n".join(line for line in text.splitlines() if line.startswith("kind-e2e: ")))
-    assert rc == 0 and "kind-e2e: passed" in text, text[-6000:]
+    assert rc == 0 and "kind-e2e: passed" in text, failure_report(text)
     assert name not in left, f"the script left cluster {name} behind"

@@ -391,8 +391,9 @@ def test_operator_settings_and_ports(helm: Path) -> None:
     assert "command" not in operator  # the image's entrypoint, flowkube-operator
     assert {p["name"]: p["containerPort"] for p in operator["ports"]} == {
         "health": 8080, "metrics": 9090, "state": 8443, "webhook": 9443}
-    for probe in ("livenessProbe", "readinessProbe"):
-        assert operator[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert operator["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    # Ready only once its webhooks can answer: a Flow applied right after `helm install --wait` is admitted.
+    assert operator["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
     assert validator["image"] == "ghcr.io/flowkube/flowkube-runner:0.1.0"
     assert validator["args"] == ["validate-server", "--host", "127.0.0.1", "--port", "8081"]
     metrics = named(objs, "Service", "flowkube-metrics")
