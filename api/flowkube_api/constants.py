@@ -66,6 +66,7 @@ class Reason(StrEnum):
     INVALID_DEFINITION = "InvalidDefinition"
     INVALID_FLOW_REF = "InvalidFlowRef"
     INVALID_INPUTS = "InvalidInputs"
+    INVALID_SPEC = "InvalidSpec"  # over a bound of flowkube_api.limits (a Flow the webhook did not see)
     STATE_CORRUPT = "StateCorrupt"
     STATE_TOO_LARGE = "StateTooLarge"
     RUN_PENDING = "RunPending"
@@ -110,6 +111,8 @@ EXIT_RETRYABLE = 3  # lost model connection, API errors: a retry may succeed
 # Anything else (137 = SIGKILL, 143 = SIGTERM, ...) is treated as retryable: the pod was lost.
 
 # Environment the operator gives a runner pod.
+ENV_PREFIX = "FLOWKUBE_"  # every name with it is the operator's: refused in spec.env, set in every runner pod
+ENV_LIMIT = 256  # entries of spec.env and of spec.envFrom
 ENV_FLOW_NAME = "FLOWKUBE_FLOW"
 ENV_NAMESPACE = "FLOWKUBE_NAMESPACE"
 ENV_POD_NAME = "FLOWKUBE_POD"
@@ -130,6 +133,17 @@ ENV_PRIOR_COST = "FLOWKUBE_PRIOR_COST"  # USD spent by earlier runs, a decimal s
 ENV_PRICES = "FLOWKUBE_PRICES"  # JSON: price overrides by model (flowkube_api.prices), set by the operator
 ENV_TERMINATION_LOG = "FLOWKUBE_TERMINATION_LOG"  # default /dev/termination-log
 ENV_STATE_DIR = "FLOWKUBE_STATE_DIR"  # development only: a directory instead of the ConfigMap
+# Every FLOWKUBE_ variable a runner reads. The operator sets each in every runner pod (empty when it
+# has nothing to say: the runner reads empty as unset), so neither spec.env nor envFrom (a container's
+# env wins over its envFrom) can give one another value; only the chart's runner.defaultEnv may set
+# the two a runner reads for itself (RUNNER_TUNABLE_ENV).
+RUNNER_ENV = (
+    ENV_FLOW_NAME, ENV_NAMESPACE, ENV_POD_NAME, ENV_TRIGGER, ENV_SPEC, ENV_STATE_URL, ENV_STATE_CA,
+    ENV_STATE_TOKEN_FILE, ENV_STATE_RETRY_SECONDS, ENV_FEEDBACK, ENV_MESSAGE, ENV_KEEP_WARM_SECONDS,
+    ENV_FEEDBACK_KEEP_WARM_SECONDS, ENV_PRIOR_TOTAL_TOKENS, ENV_PRIOR_COST, ENV_PRICES, ENV_TERMINATION_LOG,
+    ENV_STATE_DIR,
+)
+RUNNER_TUNABLE_ENV = (ENV_STATE_RETRY_SECONDS, ENV_STATE_TOKEN_FILE)
 
 # Keys inside the per-Flow state ConfigMap (binaryData, gzip-compressed JSON).
 STATE_KEY = "state.json.gz"

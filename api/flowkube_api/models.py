@@ -14,6 +14,8 @@ from flowkube_api.base import Model, Money, Time
 from flowkube_api.constants import (
     DEFAULT_DISRUPTION_LIMIT,
     DEFAULT_KEEP_WARM_SECONDS,
+    ENV_LIMIT,
+    ENV_PREFIX,
     MESSAGE_LIMIT,
     ConditionType,
     Phase,
@@ -55,6 +57,35 @@ class PodTemplateMetadata(Model):
 
 class LocalObjectReference(Model):
     name: str
+
+
+_RESERVED = f"{ENV_PREFIX} is reserved for the variables the operator sets in runner pods"
+
+
+class EnvVar(Model):
+    """One variable of the runner container, as in a Pod; FLOWKUBE_ names are the operator's."""
+
+    # FLOWKUBE_ names carry the run's identity, state endpoint and budget: refused here, and the
+    # operator sets every one the runner reads, so `envFrom` cannot supply them either.
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        cel(f"!self.name.startsWith('{ENV_PREFIX}')", f"env name prefix {_RESERVED}", ".name")]})
+
+    name: str = Field(min_length=1, max_length=253)
+    value: str | None = None
+    value_from: FreeObject | None = None
+
+
+class EnvFromSource(Model):
+    """As in a Pod; a prefix may not make names in the operator's FLOWKUBE_ namespace."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        cel(f"!has(self.prefix) || !self.prefix.startsWith('{ENV_PREFIX}')", f"envFrom prefix {_RESERVED}",
+            ".prefix")]})
+
+    prefix: str | None = Field(default=None, max_length=253)
+    config_map_ref: FreeObject | None = None
+    secret_ref: FreeObject | None = None
 
 
 class PodTemplate(Model):
@@ -160,8 +191,11 @@ class FlowSpec(Model):
     inputs: FreeObject | None = Field(default=None, description="Passed to kickoff(inputs=...).")
     image: str | None = Field(default=None, max_length=1024,
                               description="Runner image; defaults to the operator's runner image.")
-    env: FreeObjectList | None = Field(default=None, description="As in a Pod container.")
-    env_from: FreeObjectList | None = Field(default=None, description="As in a Pod container.")
+    env: list[EnvVar] | None = Field(
+        default=None, max_length=ENV_LIMIT,
+        description=f"As in a Pod container; names starting with {ENV_PREFIX} are the operator's.")
+    env_from: list[EnvFromSource] | None = Field(default=None, max_length=ENV_LIMIT,
+                                                 description="As in a Pod container.")
     resources: ResourceRequirements | None = None
     pod_template: PodTemplate | None = None
     retries: Retries | None = None

@@ -15,16 +15,40 @@ from __future__ import annotations
 
 import gzip
 import json
+import zlib
 from decimal import Decimal
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
 from flowkube_api.base import Model, Money, Time
 from flowkube_api.constants import EXCERPT_LIMIT, Reason, RunResult, Trigger
 
+Count = Annotated[int, Field(ge=0)]
 TERMINATION_MESSAGE_LIMIT = 4096  # kubelet truncates the termination message beyond this
 _SUMMARY_MESSAGE_LIMIT = 1024
+# A report's JSON, decompressed. A real one is a few kB (outputs and messages are excerpts); the
+# bound is what a run report can never need, and what an operator replica can decode at once.
+REPORT_LIMIT = 1 << 20
+
+
+class ReportTooLarge(ValueError):
+    """A report that decompresses past ``REPORT_LIMIT`` (a gzip bomb, or not a report at all)."""
+
+
+def gunzip(data: bytes, limit: int = REPORT_LIMIT) -> bytes:
+    """``gzip.decompress`` that stops at ``limit`` bytes of output: 900 KiB of gzip can expand to
+    about 900 MiB, and every report is bytes a runner pod (or a ConfigMap editor) chose."""
+    d = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)  # gzip framing, one member (what encode writes)
+    try:
+        out = d.decompress(data, limit + 1)
+    except zlib.error as e:
+        raise ValueError(f"the report is not gzip: {e}") from None
+    if len(out) > limit:
+        raise ReportTooLarge(f"the report decompresses to more than {limit} bytes")
+    if not d.eof or d.unused_data:
+        raise ValueError("the report is not one whole gzip member")
+    return out
 
 
 def excerpt(text: str, limit: int = EXCERPT_LIMIT) -> str:
@@ -42,15 +66,17 @@ class TokenUsage(Model):
     ``unpriced_tokens`` are the tokens of calls whose model has no price (never silently zero).
     """
 
-    total_tokens: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    reasoning_tokens: int = 0
-    cache_creation_tokens: int = 0
-    successful_requests: int = 0
+    # Counts are never negative: a report is bytes a runner pod chose, and a negative count would
+    # take spend off the Flow's usage, its budget and its metrics.
+    total_tokens: Count = 0
+    prompt_tokens: Count = 0
+    completion_tokens: Count = 0
+    cached_prompt_tokens: Count = 0
+    reasoning_tokens: Count = 0
+    cache_creation_tokens: Count = 0
+    successful_requests: Count = 0
     cost: Money = Decimal(0)
-    unpriced_tokens: int = 0
+    unpriced_tokens: Count = 0
 
     def _summed(self, other: TokenUsage) -> dict[str, Any]:
         return {name: getattr(self, name) + getattr(other, name) for name in TokenUsage.model_fields}
@@ -77,6 +103,17 @@ class Usage(TokenUsage):
 
     def totals(self) -> TokenUsage:
         return TokenUsage(**{name: getattr(self, name) for name in TokenUsage.model_fields})
+
+    def at_least(self, totals: TokenUsage) -> Usage:
+        """These counts, raised field by field to ``totals`` where those are higher; what is added
+        goes to the one model (or ``unknown`` when there are several), so ``byModel`` still sums up.
+        For a run whose last reports reached only its termination message, which carries totals."""
+        extra = {name: max(getattr(totals, name) - getattr(self, name), 0) for name in TokenUsage.model_fields}
+        if not any(extra.values()):
+            return self
+        added = TokenUsage(**extra)
+        model = next(iter(self.by_model)) if len(self.by_model) == 1 else "unknown"
+        return self.plus(Usage(**added.model_dump(), by_model={model: added}))
 
 
 class FeedbackRequest(Model):
@@ -141,7 +178,19 @@ class RunReport(Model):
 
     @classmethod
     def decode(cls, data: bytes) -> RunReport:
-        return cls.model_validate_json(gzip.decompress(data))
+        return cls.model_validate_json(gunzip(data))
+
+    def further_than(self, other: RunReport) -> bool:
+        """Whether this report says more happened than ``other`` (more calls or tokens counted, a
+        later turn, or an outcome where ``other`` is an interim report)."""
+        mine, theirs = self.usage, other.usage
+        if (mine.successful_requests, mine.total_tokens) != (theirs.successful_requests, theirs.total_tokens):
+            return (mine.successful_requests, mine.total_tokens) > (theirs.successful_requests, theirs.total_tokens)
+        turn, other_turn = (self.conversation.turn if self.conversation else 0,
+                            other.conversation.turn if other.conversation else 0)
+        if turn != other_turn:
+            return turn > other_turn
+        return other.reason == Reason.RUN_INTERRUPTED and self.reason != Reason.RUN_INTERRUPTED
 
     def termination_summary(self) -> str:
         """A copy small enough for the termination message (``RunReport``-parseable).

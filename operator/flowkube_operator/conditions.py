@@ -24,7 +24,7 @@ from flowkube_api.report import excerpt
 # (type, status, reason, message) of one condition, before it gets its times
 _Entry = tuple[ConditionType, str, str, str]
 
-_INVALID = (Reason.INVALID_DEFINITION, Reason.INVALID_FLOW_REF, Reason.INVALID_INPUTS)
+_INVALID = (Reason.INVALID_DEFINITION, Reason.INVALID_FLOW_REF, Reason.INVALID_INPUTS, Reason.INVALID_SPEC)
 
 
 def describe(st: FlowStatus, old: FlowStatus, failure: tuple[str, str] | None, refusal: str | None, *,

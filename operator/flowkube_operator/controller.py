@@ -17,7 +17,6 @@ import binascii
 import contextlib
 import dataclasses
 import datetime as dt
-import gzip
 import heapq
 import logging
 import socket
@@ -509,16 +508,21 @@ class Controller:
             cm = None  # an earlier Flow's state, about to be garbage-collected: not this run's report
         raw = ((cm or {}).get("binaryData") or {}).get(c.report_key(pod_name))
         stored = summary = None
+        # Each on its own: an unreadable (or oversized) stored report must not hide the summary.
         try:
             if raw:
-                stored = RunReport.model_validate_json(gzip.decompress(base64.b64decode(raw)))
+                stored = RunReport.decode(base64.b64decode(raw))
+        except (ValidationError, OSError, ValueError, binascii.Error) as e:
+            log.warning("unreadable report of %s/%s in its state ConfigMap: %s", ns, pod_name, e)
+        try:
             if pod is not None and pod.message and pod.message.lstrip().startswith("{"):
                 summary = RunReport.model_validate_json(pod.message)
-        except (ValidationError, OSError, ValueError, binascii.Error) as e:
-            log.warning("unreadable report of %s/%s: %s", ns, pod_name, e)
-        if stored is not None and summary is not None and stored.reason == c.Reason.RUN_INTERRUPTED \
-                and summary.reason != c.Reason.RUN_INTERRUPTED and summary.pod == pod_name:
-            return summary.model_copy(update={"usage": stored.usage})
+        except (ValidationError, ValueError) as e:
+            log.warning("unreadable termination message of %s/%s: %s", ns, pod_name, e)
+        if stored is not None and summary is not None and summary.pod == pod_name and summary.further_than(stored):
+            # The stored report stopped (state writes failed for a while; a warm runner's later
+            # turns): the summary has the outcome and the totals, the stored one the per-model split.
+            return summary.model_copy(update={"usage": stored.usage.at_least(summary.usage.totals())})
         return stored or summary
 
     def _may_write(self) -> None:

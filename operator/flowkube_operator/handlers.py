@@ -18,6 +18,7 @@ from aiohttp import web
 from prometheus_client import generate_latest
 
 from flowkube_api import constants as c
+from flowkube_api import limits
 from flowkube_operator import selfmetrics, tls, webhook
 from flowkube_operator.controller import Controller
 from flowkube_operator.kube import Kube
@@ -244,7 +245,7 @@ if SETTINGS.webhook_enabled:
     @kopf.on.validate(c.GROUP, c.VERSION, c.PLURAL, id="validate-flows", operations=["CREATE", "UPDATE"],
                       side_effects=False)
     def validate_flow(*, spec: kopf.Spec, **_: Any) -> None:
-        problem = webhook.definition_problem(spec, SETTINGS.validator_url)
+        problem = limits.spec_problem(spec) or webhook.definition_problem(spec, SETTINGS.validator_url)
         if problem:
             raise kopf.AdmissionError(problem, code=422)
 

@@ -31,6 +31,7 @@ from flowkube_api import constants as c
 from flowkube_api.base import money_text, parse_time
 from flowkube_api.base import now as now_utc
 from flowkube_api.constants import Phase, Reason, RunResult, Trigger
+from flowkube_api.limits import spec_problem
 from flowkube_api.models import (
     ConversationMessage,
     ConversationStatus,
@@ -53,7 +54,8 @@ Body = dict[str, Any]
 
 # A run that failed for one of these reasons is not retried: running it again cannot help.
 PERMANENT_REASONS = frozenset({
-    Reason.INVALID_DEFINITION, Reason.INVALID_FLOW_REF, Reason.INVALID_INPUTS, Reason.STATE_CORRUPT,
+    Reason.INVALID_DEFINITION, Reason.INVALID_FLOW_REF, Reason.INVALID_INPUTS, Reason.INVALID_SPEC,
+    Reason.STATE_CORRUPT,
     Reason.STATE_TOO_LARGE, Reason.BUDGET_EXCEEDED, Reason.DEADLINE_EXCEEDED,
 })
 
@@ -686,6 +688,10 @@ class _Reconciler:
         spent = budget_spent(self.spec, total_usage(self.runs))
         if spent is not None:
             self._terminal(Phase.FAILED, Reason.BUDGET_EXCEEDED, spent)
+            return
+        too_big = spec_problem(self.spec.model_dump(mode="json", by_alias=True, exclude_none=True))
+        if too_big is not None:  # admitted while the webhook was off: no pod that could not start
+            self._terminal(Phase.FAILED, Reason.INVALID_SPEC, too_big)
             return
         index = len(self.runs)
         self.runs.append(Run(pod=c.run_pod_name(str(self.meta.get("name")), index), trigger=trigger))

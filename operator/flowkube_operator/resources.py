@@ -7,6 +7,7 @@ from typing import Any
 
 from flowkube_api import constants as c
 from flowkube_api.base import money_text
+from flowkube_api.limits import runner_spec_env
 from flowkube_api.prices import prices_json
 from flowkube_api.report import TokenUsage
 from flowkube_operator.settings import Settings
@@ -70,12 +71,6 @@ def definition_name(spec: Body) -> str:
     return ref.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
 
 
-def runner_spec_env(spec: Body) -> str:
-    """The part of the Flow spec the runner needs, as it needs it (JSON in FLOWKUBE_SPEC)."""
-    keep = {k: spec[k] for k in ("definition", "flowRef", "inputs", "budget") if spec.get(k) is not None}
-    return json.dumps(keep, separators=(",", ":"), sort_keys=True)
-
-
 def runner_pod(  # noqa: PLR0913 - keyword-only: every input of the pod spec, each named
     flow: Body,
     *,
@@ -132,10 +127,17 @@ def runner_pod(  # noqa: PLR0913 - keyword-only: every input of the pod spec, ea
     if message is not None:
         env.append({"name": c.ENV_MESSAGE, "value": json.dumps(message, separators=(",", ":"), ensure_ascii=False)})
     own = {e["name"] for e in env}
-    user_env: list[Body] = [e for e in spec.get("env") or [] if isinstance(e, dict)]
+    # FLOWKUBE_ names are the operator's: a Flow's own are dropped (the CRD refuses them; a Flow
+    # stored before that rule may still hold one), the chart's defaults may tune two, and every
+    # other one the runner reads is set here, empty, so that envFrom cannot supply it.
+    user_env: list[Body] = [e for e in spec.get("env") or []
+                            if isinstance(e, dict) and not str(e.get("name", "")).startswith(c.ENV_PREFIX)]
     user_names = {e.get("name") for e in user_env}
-    env += [{"name": k, "value": v} for k, v in sorted(settings.runner_default_env.items())
-            if k not in own and k not in user_names]
+    defaults = {k: v for k, v in settings.runner_default_env.items()
+                if k not in own and k not in user_names
+                and (not k.startswith(c.ENV_PREFIX) or k in c.RUNNER_TUNABLE_ENV)}
+    env += [{"name": k, "value": v} for k, v in sorted(defaults.items())]
+    env += [{"name": k, "value": ""} for k in c.RUNNER_ENV if k not in own and k not in defaults]
     env += [e for e in user_env if e.get("name") not in own]
 
     container: Body = {

@@ -36,7 +36,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from flowkube_api import constants as c
-from flowkube_api.report import RunReport
+from flowkube_api.report import ReportTooLarge, RunReport
 from flowkube_operator import resources, selfmetrics
 from flowkube_operator.kube import ApiError, Kube, delete_namesake_garbage, flow_path, ns_path
 from flowkube_operator.meta import owner_uid
@@ -416,6 +416,8 @@ class StateApi:
         if key != c.STATE_KEY:
             try:
                 report = RunReport.decode(value)
+            except ReportTooLarge as e:
+                return _error(413, f"{key}: {e} (a run report is a few kB)")
             except (ValidationError, OSError, ValueError, EOFError):
                 return _error(400, f"{key} must hold a run report (gzip JSON)")
             if report.pod != t.pod:

@@ -7,6 +7,7 @@ The decisions themselves are pure functions, tested without a cluster.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
@@ -16,6 +17,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import kopf
+from aiohttp import web
 
 from flowkube_api.models import ConversationStatus, FeedbackRequest
 from flowkube_operator.kube import Kube
@@ -146,8 +148,26 @@ async def install_ca_bundle(kube: Kube, name: str, ca: bytes) -> None:
                                       "webhooks": hooks})
 
 
+# An AdmissionReview carries the object and, on UPDATE, the old one: up to twice the API server's
+# 3 MiB request limit. aiohttp's default (1 MiB) answered a big Flow with a bare 413 that named no
+# field; with this bound the handler sees it and says which field is over its limit.
+REVIEW_BODY_LIMIT = 8 * 1024 * 1024
+LARGE_REVIEW = 256 * 1024  # reviews over this are decoded one at a time (memory, not time, is the bound)
+
+
 class FlowkubeWebhookServer(kopf.WebhookServer):
     """kopf's HTTPS server; in a cluster the API server is pointed at our Service instead of a URL."""
+
+    _large = asyncio.Semaphore(1)
+
+    @staticmethod
+    async def _serve(fn: kopf.WebhookFn, request: web.Request) -> web.Response:
+        request = request.clone(client_max_size=REVIEW_BODY_LIMIT)
+        length = request.content_length
+        if length is not None and length <= LARGE_REVIEW:
+            return await kopf.WebhookServer._serve(fn, request)
+        async with FlowkubeWebhookServer._large:
+            return await kopf.WebhookServer._serve(fn, request)
 
     def __init__(self, *, service: str = "", **kwargs: Any) -> None:
         super().__init__(**kwargs)

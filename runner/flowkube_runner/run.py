@@ -395,7 +395,7 @@ def _attempt(template: RunReport, run: _Run | None, step: Callable[[], Ending] |
         log.error("run failed: %s: %s", failure.reason, failure, exc_info=not expected)
         report.result = c.RunResult.FAILED
         report.reason = failure.reason
-        report.message = str(failure)
+        report.message = excerpt(str(failure))
         report.exit_code = c.EXIT_PERMANENT if failure.permanent else c.EXIT_RETRYABLE
     finally:
         if interim is not None:

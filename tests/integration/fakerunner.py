@@ -16,12 +16,13 @@ import os
 import signal
 import sys
 import time
+import zlib
 from decimal import Decimal
 from pathlib import Path
 
 from flowkube_api import constants as c
 from flowkube_api.report import FeedbackRequest, RunReport, TokenUsage, Usage
-from flowkube_runner.store import StateApiStore
+from flowkube_runner.store import StateApiStore, StateTooLarge, StoreError
 
 
 def main() -> int:
@@ -34,6 +35,17 @@ def main() -> int:
         Path(step["touch"]).write_text(pod)
     store = StateApiStore.from_environment()
     tokens = int(step.get("tokens", 0))
+    if step.get("bomb"):
+        # An abusive runner (its own image, or a script step): a gzip bomb under the value limit as
+        # its report, `bomb` MiB of zeros. The state API's answer goes to the log for the test.
+        out = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+        zeros = bytes(1 << 20)
+        bomb = b"".join([*(out.compress(zeros) for _ in range(int(step["bomb"]))), out.flush()])
+        try:
+            store.put(c.report_key(pod), bomb)
+            print("bomb: stored", flush=True)
+        except (StoreError, StateTooLarge) as e:
+            print(f"bomb: refused: {type(e).__name__}: {e}", flush=True)
     if step.get("interim"):
         # As the real runner after each LLM call: the usage so far, as an interrupted run's report.
         deadline = time.monotonic() + float(step.get("sleep", 0))

@@ -53,6 +53,7 @@ def test_valid_flow_is_accepted_and_listed_with_printer_columns(cluster: LocalCl
         ({"flowRef": "a:B", "budget": {}}, "budget sets maxTotalTokens, maxCost or both"),
         ({"flowRef": "a:B", "retries": {"disruptionLimit": -1}}, "spec.retries.disruptionLimit"),
         ({"flowRef": "a:B", "suspend": "yes"}, "spec.suspend"),
+        ({"flowRef": "a:B", "env": [{"value": "no name"}]}, "spec.env[0].name: Required value"),
     ],
 )
 def test_invalid_flow_is_refused_naming_the_field(
@@ -68,3 +69,17 @@ def test_overlong_name_is_refused(cluster: LocalCluster, namespace: str) -> None
     rc, err = _apply(cluster, namespace, "x" * 64, {"flowRef": "a:B"})
     assert rc != 0
     assert "metadata.name must be at most 63 characters" in err
+
+
+@pytest.mark.usefixtures("flow_crd")
+@pytest.mark.parametrize(("spec", "field", "message"), [
+    ({"env": [{"name": "A", "value": "b"}, {"name": "FLOWKUBE_STATE_DIR", "value": "/tmp"}]},
+     "spec.env[1].name", "env name prefix FLOWKUBE_ is reserved"),
+    ({"envFrom": [{"prefix": "FLOWKUBE_", "configMapRef": {"name": "c"}}]},
+     "spec.envFrom[0].prefix", "envFrom prefix FLOWKUBE_ is reserved"),
+])
+def test_the_operators_runner_variables_are_refused_naming_the_field(
+        cluster: LocalCluster, namespace: str, spec: dict[str, Any], field: str, message: str) -> None:
+    """A Flow that set FLOWKUBE_STATE_DIR and FLOWKUBE_TERMINATION_LOG ran with its usage unreported."""
+    rc, err = _apply(cluster, namespace, "reserved", {"flowRef": "a:B", **spec})
+    assert rc != 0 and field in err and message in err, err

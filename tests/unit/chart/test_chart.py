@@ -478,10 +478,13 @@ def test_webhooks(helm: Path) -> None:
         assert "namespaceSelector" not in hook
     flows = validating[0]
     assert flows["name"] == "flows.validate.flowkube.io"
-    # Only inline definitions are validated; flowRef Flows are admitted without a round trip.
+    # Inline definitions and the schemaless fields' bounds are checked; a flowRef Flow with none of
+    # them is admitted without a round trip.
     assert flows["matchConditions"] == [
         {"name": "spec-written", "expression": "request.operation == 'CREATE' || object.spec != oldObject.spec"},
-        {"name": "inline-definition", "expression": "has(object.spec.definition)"},
+        {"name": "free-form-fields", "expression": (
+            "has(object.spec.definition) || has(object.spec.inputs) || has(object.spec.envFrom)\n"
+            "|| has(object.spec.podTemplate) || has(object.spec.env)")},
     ]
     for hook in validating[1:] + mutating:
         assert hook["matchConditions"] == [{

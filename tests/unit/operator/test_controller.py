@@ -261,3 +261,70 @@ def test_a_pod_change_the_reconcile_does_not_read_queues_nothing() -> None:
     assert queued == [("ns", "f")] and ctl.pods[("ns", "f")]["f-0"].resource_version == 12
     ctl.pod_event("MODIFIED", pod("Running", 13))
     assert queued == [("ns", "f")] * 2, "a phase change is planned for"
+
+
+class _StateKube:
+    """GET of the Flow's state ConfigMap, as the API server returns it."""
+
+    def __init__(self, reports: dict[str, bytes]) -> None:
+        import base64
+
+        self.cm = {"metadata": {"name": "f-state", "ownerReferences": [{"uid": "u", "controller": True}]},
+                   "binaryData": {k: base64.b64encode(v).decode() for k, v in reports.items()}}
+
+    async def get(self, path: str) -> dict[str, Any]:
+        return self.cm
+
+
+def _load(reports: dict[str, bytes], message: str | None) -> Any:
+    import datetime as dt
+
+    from flowkube_operator.meta import PodView
+
+    ctl = Controller(Settings(), on_flow_change=lambda k, b: None)
+    ctl.kube = _StateKube(reports)  # type: ignore[assignment]
+    view = PodView(name="f-0", phase="Succeeded", created_at=dt.datetime.now(dt.UTC), exit_code=0, message=message)
+    return asyncio.run(ctl._load_report("ns", "f", "u", "f-0", view))
+
+
+def _report(result: str, reason: str, calls: int, **kw: Any) -> Any:
+    from flowkube_api.report import RunReport, TokenUsage, Usage
+
+    t = TokenUsage(total_tokens=10 * calls, prompt_tokens=10 * calls, successful_requests=calls)
+    return RunReport(pod="f-0", trigger="kickoff", result=result, reason=reason, exit_code=0,
+                     usage=Usage(**t.model_dump(), by_model={"gpt-4o-mini": t}), **kw)
+
+
+def test_a_gzip_bomb_in_the_state_configmap_is_an_unreadable_report_not_an_oom() -> None:
+    from flowkube_api.constants import STATE_LIMIT
+    from flowkube_api.report import REPORT_LIMIT
+    from tests.unit.operator.test_stateapi import gzip_bomb
+
+    bomb = gzip_bomb(900 << 20)  # what someone who may edit ConfigMaps can write: re-read by every leader
+    assert len(bomb) <= STATE_LIMIT
+    import tracemalloc
+
+    tracemalloc.start()
+    summary = _report("Succeeded", "RunSucceeded", 2).termination_summary()
+    got = _load({"report.f-0.json.gz": bomb}, summary)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 8 * REPORT_LIMIT  # gzip.decompress made 900 MiB here
+    assert got is not None and got.usage.total_tokens == 20  # the termination summary still counts
+
+
+def test_the_summary_wins_when_it_is_further_along_than_the_stored_report() -> None:
+    """The state API was unreachable for the run's last calls: the stored report is an interim one
+    with 2 calls, the termination summary has the outcome and all 5."""
+    stored = _report("Failed", "RunInterrupted", 2)
+    summary = _report("Succeeded", "RunSucceeded", 5).termination_summary()
+    got = _load({"report.f-0.json.gz": stored.encode()}, summary)
+    assert got.result == "Succeeded" and got.usage.successful_requests == 5 and got.usage.total_tokens == 50
+    assert got.usage.by_model["gpt-4o-mini"].total_tokens == 50  # the split still sums to the totals
+    # The stored report at the same count, interim: the outcome from the summary, the split as stored.
+    got = _load({"report.f-0.json.gz": stored.encode()}, _report("Succeeded", "RunSucceeded", 2).termination_summary())
+    assert got.result == "Succeeded" and got.usage == stored.usage
+    # A final stored report is not replaced by a summary that says no more.
+    final = _report("Succeeded", "RunSucceeded", 5, output="the whole output")
+    got = _load({"report.f-0.json.gz": final.encode()}, summary)
+    assert got.output == "the whole output"

@@ -522,3 +522,43 @@ def test_a_retry_carries_what_earlier_runs_spent_into_its_pod() -> None:
     pod_body = resources.runner_pod(body, index=1, trigger=Trigger.RETRY, settings=Settings(), prior=p.create_pod.prior)
     env = {e["name"]: e.get("value") for e in pod_body["spec"]["containers"][0]["env"]}
     assert env["FLOWKUBE_PRIOR_TOTAL_TOKENS"] == "120" and env["FLOWKUBE_PRIOR_COST"] == "0.012"
+
+
+def test_a_flow_cannot_reach_the_operators_runner_variables_through_env_or_envfrom() -> None:
+    """The reproduced hole: FLOWKUBE_STATE_DIR and FLOWKUBE_TERMINATION_LOG in spec.env switched the
+    runner to a file store and an unread summary; its usage was never reported and each retry started
+    with FLOWKUBE_PRIOR_TOTAL_TOKENS=0."""
+    from flowkube_api import constants as k
+    from flowkube_operator.resources import runner_pod
+    from flowkube_operator.settings import Settings
+
+    body = flow(env=[{"name": "FLOWKUBE_STATE_DIR", "value": "/tmp/mine"},
+                     {"name": "FLOWKUBE_TERMINATION_LOG", "value": "/tmp/summary"},
+                     {"name": "FLOWKUBE_PRIOR_TOTAL_TOKENS", "value": "0"},
+                     {"name": "FLOWKUBE_ANYTHING", "value": "x"},
+                     {"name": "TEAM_SETTING", "value": "kept"}],
+                envFrom=[{"configMapRef": {"name": "holds-FLOWKUBE_-keys"}}])
+    settings = Settings(runner_default_env={"FLOWKUBE_STATE_RETRY_SECONDS": "60", "FLOWKUBE_STATE_DIR": "/x"})
+    pod_body = runner_pod(body, index=0, trigger=Trigger.KICKOFF, settings=settings,
+                          prior=usage(100, 20).totals())
+    (container,) = pod_body["spec"]["containers"]
+    names = [e["name"] for e in container["env"]]
+    assert len(names) == len(set(names))  # one value per name: nothing left for the API server to pick
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    # Every variable the runner reads is set by the operator (empty = unset), so envFrom cannot set it.
+    assert set(k.RUNNER_ENV) <= set(env)
+    assert env["FLOWKUBE_STATE_DIR"] == "" and env["FLOWKUBE_TERMINATION_LOG"] == ""
+    assert env["FLOWKUBE_PRIOR_TOTAL_TOKENS"] == "120"
+    assert "FLOWKUBE_ANYTHING" not in env and env["TEAM_SETTING"] == "kept"
+    assert env["FLOWKUBE_STATE_RETRY_SECONDS"] == "60"  # the chart's defaults may tune what is tunable
+    assert container["envFrom"] == [{"configMapRef": {"name": "holds-FLOWKUBE_-keys"}}]
+
+
+def test_a_flow_over_the_spec_bounds_fails_invalid_spec_without_a_pod() -> None:
+    from flowkube_api.limits import SPEC_ENV_LIMIT
+
+    body = flow(inputs={"topic": "x" * (SPEC_ENV_LIMIT + 1)})
+    p = step(body)
+    assert p.create_pod is None and body["status"]["phase"] == Phase.FAILED
+    assert cond(body, "Accepted")["status"] == "False" and cond(body, "Accepted")["reason"] == Reason.INVALID_SPEC
+    assert "spec.inputs" in cond(body, "Succeeded")["message"]

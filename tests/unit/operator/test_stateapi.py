@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +130,13 @@ class FakeKube:
         return cm
 
 
+def gzip_bomb(size: int) -> bytes:
+    """``size`` bytes of zeros, gzip-compressed (about 1000:1), written piecewise."""
+    out = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    chunk = bytes(1 << 20)
+    return b"".join([*(out.compress(chunk) for _ in range(size >> 20)), out.flush()])
+
+
 def api(kube: FakeKube, active: dict[tuple[str, str], tuple[str, str, str]] | None = None) -> StateApi:
     return StateApi(lambda: kube, lambda ns, pod: (active or {}).get((ns, pod)))  # type: ignore[arg-type,return-value]
 
@@ -198,6 +206,10 @@ def test_a_closed_runs_pod_may_write_only_its_own_report_and_the_controller_hear
             assert refused.status == 403 and "only its own run" in (await refused.json())["message"]
             junk = await client.put(url + c.report_key("demo-0"), data=b"junk", headers=auth)
             assert junk.status == 400
+            # A gzip bomb under the value limit (here 128 MiB of zeros in 128 kB) is refused at the
+            # report bound, not decompressed into the operator's memory.
+            bomb = await client.put(url + c.report_key("demo-0"), data=gzip_bomb(128 << 20), headers=auth)
+            assert bomb.status == 413 and "more than 1048576 bytes" in (await bomb.json())["message"]
 
     asyncio.run(scenario())
     assert [(t.pod, t.late, r.usage.total_tokens) for t, r in heard] == [("demo-0", True, 42)]

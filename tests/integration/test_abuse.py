@@ -1,0 +1,112 @@
+"""Tenants who do not cooperate, against the real operator (the chart's pod on the real node).
+
+Each test is one way a Flow author, a runner pod or a ConfigMap editor could take the operator down
+or hide spend, tried as they would try it; each failed on the main branch before its fix:
+- a runner pod PUTs a gzip bomb (about 900 MiB of zeros in under the 900 KiB value limit) as its
+  report: the state API decompressed it whole and the operator container was OOMKilled;
+- a bomb written straight into a Flow's state ConfigMap: every leader re-read it;
+- a Flow with megabytes of `spec.inputs`: refused by the webhook's HTTP server with a bare 413 that
+  named no field (and forty of them crash-looped the operator).
+The operator must stay up (no container restart), keep its memory, and still count the tokens.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import zlib
+from typing import Any
+
+import pytest
+
+from flowkube_api import constants as c
+from flowkube_devstack.cluster import LocalCluster
+from flowkube_devstack.operator import ChartOperator
+from tests.integration.conftest import Flows
+from tests.integration.test_ha import container_rss_mb
+
+pytestmark = pytest.mark.slow
+
+BOMB_MIB = 900  # compresses to about 874 KiB: under the state API's and a ConfigMap's value limits
+
+
+def gzip_bomb(mib: int) -> bytes:
+    out = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    zeros = bytes(1 << 20)
+    return b"".join([*(out.compress(zeros) for _ in range(mib)), out.flush()])
+
+
+def restarts(op: ChartOperator) -> dict[str, int]:
+    return {p["metadata"]["name"]: s.get("restartCount", 0) for p in op.pods()
+            for s in p.get("status", {}).get("containerStatuses", []) if s["name"] == "operator"}
+
+
+def operator_rss(op: ChartOperator, cluster: LocalCluster) -> float:
+    (pod,) = op.pods()
+    (status,) = [s for s in pod["status"]["containerStatuses"] if s["name"] == "operator"]
+    return container_rss_mb(cluster, status["containerID"].removeprefix("containerd://"))
+
+
+def test_a_runner_pods_gzip_bomb_is_refused_and_its_real_report_still_counts(
+        flows: Flows, operator: ChartOperator, cluster: LocalCluster) -> None:
+    before = restarts(operator)
+    flows.apply("bomber", {"flowRef": "a:B", "inputs": {"plan": [{"bomb": BOMB_MIB, "tokens": 3}]}})
+    st = flows.wait_phase("bomber", "Succeeded", timeout=120)
+    assert st["usage"]["totalTokens"] == 3 and len(st["runs"]) == 1
+    log = cluster.kubectl("logs", "bomber-0", "-n", flows.ns).stdout
+    assert "bomb: refused: StateTooLarge" in log, log
+    assert restarts(operator) == before, operator.diagnose()
+    rss = operator_rss(operator, cluster)
+    print(f"\noperator RSS after a {BOMB_MIB} MiB gzip bomb was PUT: {rss:.0f} MB")
+    assert rss < 400
+
+
+def test_a_gzip_bomb_in_a_flows_state_configmap_is_an_unreadable_report(
+        flows: Flows, operator: ChartOperator, cluster: LocalCluster) -> None:
+    """Someone who may edit ConfigMaps in the namespace writes a bomb where the run's report goes;
+    the pod then ends without a report of its own, so the operator reads the bomb."""
+    before = restarts(operator)
+    flows.apply("victim", {"flowRef": "a:B", "retries": {"limit": 0},
+                           "inputs": {"plan": [{"sleep": 10, "no_report": True}]}})
+    st = flows.wait_phase("victim", "Running")
+    uid = (flows.get("victim") or {})["metadata"]["uid"]
+    cm = {"apiVersion": "v1", "kind": "ConfigMap",
+          "metadata": {"name": c.state_configmap_name("victim"), "namespace": flows.ns,
+                       "ownerReferences": [{"apiVersion": c.API_VERSION, "kind": c.KIND, "name": "victim",
+                                            "uid": uid, "controller": True}]},
+          "binaryData": {c.report_key("victim-0"): base64.b64encode(gzip_bomb(BOMB_MIB)).decode()}}
+    cluster.kubectl("create", "-f", "-", input=json.dumps(cm))
+    st = flows.wait_phase("victim", "Failed", timeout=90)
+    assert [r["pod"] for r in st["runs"]] == ["victim-0"]
+    assert restarts(operator) == before, operator.diagnose()
+    assert "decompresses to more than" in operator.logs()
+    rss = operator_rss(operator, cluster)
+    print(f"\noperator RSS after reading a {BOMB_MIB} MiB gzip bomb from a state ConfigMap: {rss:.0f} MB")
+    assert rss < 400
+
+
+def nested_lists(count: int) -> list[Any]:
+    """`count` empty lists in one list: 3 bytes of JSON each, about 60 bytes of Python each."""
+    return [[] for _ in range(count)]
+
+
+@pytest.mark.parametrize(("inputs", "expected"), [
+    ({"items": nested_lists(400_000)}, "spec.inputs and spec.definition are "),  # 1.2 MB: once a bare 413
+    ({"items": nested_lists(30_000)}, "a runner pod receives them in one environment variable"),
+    ({"deep": json.loads("[" * 40 + "]" * 40)}, "spec.inputs nests objects and lists more than 32 levels"),
+])
+def test_oversized_or_deep_inputs_are_refused_at_apply_naming_the_field(
+        flows: Flows, operator: ChartOperator, inputs: dict[str, Any], expected: str) -> None:
+    obj = {"apiVersion": "flowkube.io/v1alpha1", "kind": "Flow", "metadata": {"name": "big"},
+           "spec": {"flowRef": "a:B", "suspend": True, "inputs": inputs}}
+    out = flows.cluster.kubectl("create", "-n", flows.ns, "-f", "-", input=json.dumps(obj), check=False)
+    assert out.returncode != 0 and expected in out.stderr, out.stderr[:2000]
+    assert "413" not in out.stderr
+    assert flows.get("big") is None
+
+
+def test_a_flow_still_runs_with_inputs_up_to_the_bound(flows: Flows, operator: ChartOperator) -> None:
+    plan = [{"tokens": 2}]
+    flows.apply("roomy", {"flowRef": "a:B", "inputs": {"plan": plan, "notes": "x" * 100_000}})
+    st = flows.wait_phase("roomy", "Succeeded", timeout=90)
+    assert st["usage"]["totalTokens"] == 2

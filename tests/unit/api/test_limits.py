@@ -1,0 +1,51 @@
+"""The bounds of a Flow spec's free-form fields: the message names the field, and the checks
+themselves are bounded (no recursion, no whole copy) whatever they are given."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from flowkube_api import constants as c
+from flowkube_api.limits import DEPTH_LIMIT, POD_FIELD_LIMIT, SPEC_ENV_LIMIT, depth_over, runner_spec_env, spec_problem
+
+
+def nested(levels: int) -> Any:
+    value: Any = []
+    for _ in range(levels - 1):
+        value = [value]
+    return value
+
+
+def test_depth_counts_objects_and_lists_and_stops_without_recursion() -> None:
+    assert not depth_over(nested(DEPTH_LIMIT)) and depth_over(nested(DEPTH_LIMIT + 1))
+    assert not depth_over({"a": [{"b": "text"}]}, limit=3) and depth_over({"a": [{"b": []}]}, limit=3)
+    assert depth_over(nested(200_000))  # far past Python's recursion limit
+
+
+def test_a_reasonable_spec_passes() -> None:
+    spec = {"flowRef": "a:B", "inputs": {"topic": "AI", "items": list(range(100))},
+            "env": [{"name": "A", "value": "b"}], "podTemplate": {"tolerations": [{"key": "gpu"}]}}
+    assert spec_problem(spec) is None
+
+
+def test_each_problem_names_its_field() -> None:
+    deep = spec_problem({"flowRef": "a:B", "inputs": {"x": nested(40)}})
+    assert deep is not None and deep.startswith("spec.inputs nests") and str(DEPTH_LIMIT) in deep
+    wide = spec_problem({"flowRef": "a:B", "podTemplate": {"affinity": {"k": "v" * POD_FIELD_LIMIT}}})
+    assert wide is not None and wide.startswith("spec.podTemplate.affinity is ")
+    big = spec_problem({"definition": {"name": "d"}, "inputs": {"blob": "x" * SPEC_ENV_LIMIT}})
+    assert big is not None and big.startswith("spec.inputs and spec.definition are ")
+    assert "spec.inputs " in big and f"limit is {SPEC_ENV_LIMIT}" in big
+
+
+def test_the_bound_is_what_one_environment_string_may_hold() -> None:
+    # Linux: "NAME=value" with its NUL at most 128 KiB (MAX_ARG_STRLEN); one byte more and no runner starts.
+    inputs = {"t": ""}
+    spec: dict[str, Any] = {"flowRef": "a:B", "inputs": inputs}
+    inputs["t"] = "x" * (SPEC_ENV_LIMIT - len(runner_spec_env(spec)))
+    assert len(runner_spec_env(spec)) == SPEC_ENV_LIMIT and spec_problem(spec) is None
+    assert len(f"{c.ENV_SPEC}={runner_spec_env(spec)}".encode()) + 1 <= 128 * 1024
+    inputs["t"] += "x"
+    assert spec_problem(spec) is not None
+    assert json.loads(runner_spec_env(spec))["inputs"] == inputs
