@@ -203,12 +203,18 @@ step "usage"
 kubectl get "$flow" -o jsonpath='{.status.usage}{"\n"}'
 
 step "metrics"
-# The per-flow series come from the replica holding the Lease (the other exports none).
+# The per-flow series come from the replica holding the Lease (the other exports none). /metrics
+# answers a user allowed `get /metrics`: a ServiceAccount bound to the chart's metrics-reader
+# ClusterRole, as you would bind your Prometheus's.
+kubectl -n "$NAMESPACE" create serviceaccount metrics-scraper
+kubectl create clusterrolebinding flowkube-metrics-scraper --clusterrole=flowkube-metrics-reader \
+  --serviceaccount="$NAMESPACE:metrics-scraper"
+token=$(kubectl -n "$NAMESPACE" create token metrics-scraper)
 leader=$(kubectl -n "$NAMESPACE" get lease flowkube-operator -o jsonpath='{.spec.holderIdentity}')
 "$KUBECTL" -n "$NAMESPACE" port-forward "pod/$leader" "$METRICS_PORT:9090" >/dev/null &
 port_forward=$!
 deadline=$((SECONDS + 30))
-until metrics=$(curl -sf "localhost:$METRICS_PORT/metrics"); do
+until metrics=$(curl -sf -H "Authorization: Bearer $token" "localhost:$METRICS_PORT/metrics"); do
   ((SECONDS < deadline)) || fail "/metrics of $leader did not answer on port $METRICS_PORT"
   sleep 0.5
 done

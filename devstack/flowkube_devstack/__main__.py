@@ -104,7 +104,8 @@ def _print_usage(root: Path) -> None:
     info = json.loads((root / "ready.json").read_text())
     print(f"The local stack is up: kube-apiserver {info['server']} (Kubernetes built from source),\n"
           f"a real node (kubelet, containerd, kube-proxy, CoreDNS), the operator installed by its Helm chart\n"
-          f"(metrics: {info['metrics']}), the stub model {info['stub']}.\n"
+          f"(metrics: {info['metrics']}, with the bearer token in {info['metrics_token_file']}),\n"
+          f"the stub model {info['stub']}.\n"
           f"Point kubectl at it:\n\n"
           f"  export KUBECONFIG={info['kubeconfig']}\n"
           f"  export PATH={Path(info['bins']['kubectl']).parent}:$PATH\n\n"

@@ -27,6 +27,7 @@ class Demo:
         self.kubectl_bin = info["bins"]["kubectl"]
         self.kubeconfig = info["kubeconfig"]
         self.metrics_url = info["metrics"]
+        self.metrics_token = Path(info["metrics_token_file"]).read_text().strip()
 
     def kubectl(self, *args: str, show: bool = True, check: bool = True, stdin: str | None = None) -> str:
         if show:
@@ -92,7 +93,8 @@ class Demo:
         print(json.dumps({k: st.get(k) for k in ("runs", "usage")} | {"feedback": st.get("feedback")}, indent=2))
 
         print(f"\n== The same numbers on the operator's /metrics ({self.metrics_url})")
-        with urllib.request.urlopen(self.metrics_url, timeout=10) as r:
+        request = urllib.request.Request(self.metrics_url, headers={"Authorization": f"Bearer {self.metrics_token}"})
+        with urllib.request.urlopen(request, timeout=10) as r:
             lines = [ln for ln in r.read().decode().splitlines() if f'flow="{FLOW}"' in ln
                      and (ln.startswith("flowkube_flow_tokens_total") or ln.startswith("flowkube_flow_runs_total")
                           or ln.startswith("flowkube_flow_llm_requests_total"))]

@@ -89,10 +89,19 @@ class _Operator:
     def metrics_target(self) -> str:
         raise NotImplementedError
 
-    def metrics(self) -> str:
-        with urllib.request.urlopen(f"http://{self.metrics_target}/metrics", timeout=10) as r:
+    def metrics_token(self) -> str:
+        """A bearer token /metrics accepts ("" when it asks for none)."""
+        return ""
+
+    def read_metrics(self, url: str) -> str:
+        token = self.metrics_token()
+        request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+        with urllib.request.urlopen(request, timeout=10) as r:
             text: str = r.read().decode()
             return text
+
+    def metrics(self) -> str:
+        return self.read_metrics(f"http://{self.metrics_target}/metrics")
 
 
 class OperatorProcess(_Operator):
@@ -238,6 +247,7 @@ class ChartOperator(_Operator):
         self.replicas = next((int(v.split("=", 1)[1]) for v in reversed(self.values)
                               if v.startswith("replicaCount=")), 1)
         self.installed = False
+        self._metrics_token = ""
 
     # -- install / uninstall ----------------------------------------------------------------------
 
@@ -377,9 +387,24 @@ class ChartOperator(_Operator):
     def pod_metrics(self, name: str) -> str:
         """/metrics of one replica, from its pod IP (this host routes to the pod network), as a
         Prometheus scraping every endpoint reads it."""
-        with urllib.request.urlopen(f"http://{self.pod_ip(name)}:9090/metrics", timeout=10) as r:
-            text: str = r.read().decode()
-            return text
+        return self.read_metrics(f"http://{self.pod_ip(name)}:9090/metrics")
+
+    def metrics_token(self) -> str:
+        """A token of the ServiceAccount `metrics-scraper` (release namespace), bound to the chart's
+        metrics-reader ClusterRole as a user binds their Prometheus's; "" with metrics.auth off."""
+        if "metrics.auth.enabled=false" in self.values:
+            return ""
+        if not self._metrics_token:
+            ns, sa = self.namespace, "metrics-scraper"
+            if self.cluster.kubectl("get", "serviceaccount", sa, "-n", ns, check=False).returncode != 0:
+                self.cluster.kubectl("create", "serviceaccount", sa, "-n", ns)
+            binding = f"{self.fullname}-metrics-scraper"
+            if self.cluster.kubectl("get", "clusterrolebinding", binding, check=False).returncode != 0:
+                self.cluster.kubectl("create", "clusterrolebinding", binding,
+                                     f"--clusterrole={self.fullname}-metrics-reader", f"--serviceaccount={ns}:{sa}")
+            self._metrics_token = self.cluster.kubectl("create", "token", sa, "-n", ns,
+                                                       "--duration=48h").stdout.strip()
+        return self._metrics_token
 
     @property
     def webhook_configuration(self) -> str:

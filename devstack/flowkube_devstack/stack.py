@@ -78,4 +78,8 @@ def dev_stack(root: Path, rules: dict[str, Any] | None = None) -> Iterator[dict[
         # The key comes from each Flow's own Secret (see examples/flows); the stub is the endpoint.
         operator = ChartOperator(cluster, runner_env={"OPENAI_BASE_URL": f"{stub}/v1",
                                                       "CREWAI_TRACING_ENABLED": "false"}).start()
-        yield {**cluster.describe(), "stub": stub, "metrics": f"http://{operator.metrics_target}/metrics"}
+        token = root / "metrics.token"  # /metrics asks for a token of a user allowed `get /metrics`
+        token.write_text(operator.metrics_token())
+        token.chmod(0o600)
+        yield {**cluster.describe(), "stub": stub, "metrics": f"http://{operator.metrics_target}/metrics",
+               "metrics_token_file": str(token)}

@@ -33,7 +33,15 @@ from flowkube_api.base import parse_time
 from flowkube_api.report import RunReport
 from flowkube_operator import resources, selfmetrics
 from flowkube_operator.informer import Informer
-from flowkube_operator.kube import ApiError, Kube, collection_path, delete_namesake_garbage, flow_path, ns_path
+from flowkube_operator.kube import (
+    ApiError,
+    Kube,
+    collection_path,
+    delete_if_same,
+    delete_namesake_garbage,
+    flow_path,
+    ns_path,
+)
 from flowkube_operator.meta import PodView, owner_uid
 from flowkube_operator.reconcile import Plan, RunIntent, late_pods, plan
 from flowkube_operator.settings import Settings
@@ -559,13 +567,16 @@ class Controller:
             await self._prune_reports(ns, name, p.prune_reports)
         for pod_name in p.delete_pods:
             self._may_write()
-            await self.kube.delete(ns_path(ns, "pods", pod_name))
+            # Only the pod the plan saw: a Flow re-created under the same name may have a new pod
+            # of that name by now, which a reconcile still holding the old body must not delete.
+            view = self.pods.get(key, {}).get(pod_name)
+            await self.kube.delete(ns_path(ns, "pods", pod_name),
+                                   delete_if_same(view.uid) if view and view.uid else None)
         for etype, reason, message in p.events:
             self._post_event(body, etype, reason, message)
         if p.delete_flow:
             self._may_write()
-            await self.kube.delete(flow_path(ns, name),
-                                   {"propagationPolicy": "Background"})
+            await self.kube.delete(flow_path(ns, name), delete_if_same(body["metadata"]["uid"]))
         elif p.requeue_after is not None:
             self.queue.add_after(key, p.requeue_after)
 

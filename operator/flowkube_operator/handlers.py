@@ -19,11 +19,12 @@ from prometheus_client import generate_latest
 
 from flowkube_api import constants as c
 from flowkube_api import limits
-from flowkube_operator import selfmetrics, tls, webhook
+from flowkube_operator import resources, selfmetrics, tls, webhook
 from flowkube_operator.controller import Controller
 from flowkube_operator.kube import Kube
 from flowkube_operator.leader import LeaderElector, LeaseConfig
 from flowkube_operator.metrics import FlowMetrics
+from flowkube_operator.reviews import MetricsAuth
 from flowkube_operator.settings import Settings
 from flowkube_operator.stateapi import StateApi
 
@@ -127,7 +128,8 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     runtime.state_runner = await state_api.serve(SETTINGS.bind_address, SETTINGS.state_port,
                                                  serving.certfile, serving.keyfile)
     if SETTINGS.metrics_port:
-        runtime.metrics_runner = await _serve_metrics()
+        auth = MetricsAuth(lambda: runtime.kube) if SETTINGS.metrics_auth else None
+        runtime.metrics_runner = await _serve_metrics(auth)
     if SETTINGS.health_port:
         runtime.health_runner = await _serve_health(runtime)
 
@@ -150,8 +152,15 @@ async def _serve_health(runtime: Runtime) -> web.AppRunner:
     return runner
 
 
-async def _serve_metrics() -> web.AppRunner:
-    async def metrics(_: web.Request) -> web.Response:
+async def _serve_metrics(auth: MetricsAuth | None) -> web.AppRunner:
+    async def metrics(request: web.Request) -> web.Response:
+        if auth is not None:
+            code = await auth.check(request.headers.get("Authorization", ""))
+            if code != 200:
+                return web.Response(status=code, text={401: "a bearer token is required\n", 403: (
+                    "this user may not get /metrics (bind the metrics-reader ClusterRole)\n")}.get(code, "retry\n"))
+        # The render runs on the event loop (95 ms at 10,000 Flows, bench_scale): with auth on, only
+        # a user allowed /metrics can make the operator spend it; refusals are cached verdicts.
         # Per-flow series from the leader only: Prometheus scrapes every replica, and a flow seen by
         # two of them would be counted twice by any sum. Followers keep theirs current, unexported.
         flows = FLOW_METRICS.render() if CONTROLLER.leading else ""
@@ -245,7 +254,8 @@ if SETTINGS.webhook_enabled:
     @kopf.on.validate(c.GROUP, c.VERSION, c.PLURAL, id="validate-flows", operations=["CREATE", "UPDATE"],
                       side_effects=False)
     def validate_flow(*, spec: kopf.Spec, **_: Any) -> None:
-        problem = limits.spec_problem(spec) or webhook.definition_problem(spec, SETTINGS.validator_url)
+        problem = (limits.spec_problem(spec) or "; ".join(resources.pod_policy_problems(dict(spec), SETTINGS))
+                   or webhook.definition_problem(spec, SETTINGS.validator_url))
         if problem:
             raise kopf.AdmissionError(problem, code=422)
 

@@ -93,6 +93,7 @@ def _resource_of(path: str) -> str:
 REQUEST_TIMEOUT = 30.0  # seconds for one request and its whole answer
 USER_AGENT = "flowkube-operator"
 
+LEASES_PREFIX = "/apis/coordination.k8s.io/"
 SA_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
 
 
@@ -102,9 +103,13 @@ class Kube:
         self._scheme = info.scheme or "Bearer"
         self._token = info.token or ""
         ssl_ctx = ssl_context(info)
-        self._pool = http1.Pool(self.server, ssl_ctx, limit=limit,
-                                headers={"User-Agent": USER_AGENT, "Accept": "application/json"},
+        headers = {"User-Agent": USER_AGENT, "Accept": "application/json"}
+        self._pool = http1.Pool(self.server, ssl_ctx, limit=limit, headers=headers,
                                 on_open=selfmetrics.API_CONNECTIONS.inc)
+        # The Lease has connections and slots of its own: its renewals never queue behind the
+        # requests tenants can cause (state API reads, TokenReviews, a burst's reconciles).
+        self._lease_pool = http1.Pool(self.server, ssl_ctx, limit=2, headers=headers,
+                                      on_open=selfmetrics.API_CONNECTIONS.inc)
         # Watches hold their connection for minutes, two per watched namespace: their own pool, so
         # they never take the connections writes need (and never wait for one).
         self._watch_session = aiohttp.ClientSession(
@@ -114,6 +119,7 @@ class Kube:
 
     async def close(self) -> None:
         await self._pool.close()
+        await self._lease_pool.close()
         await self._watch_session.close()
 
     def _headers(self, content_type: str | None = None) -> dict[str, str]:
@@ -141,9 +147,10 @@ class Kube:
         code = "error"
         try:
             data = orjson.dumps(body) if body is not None else None
+            pool = self._lease_pool if path.startswith(LEASES_PREFIX) else self._pool
             for attempt in (1, 2):
                 async with asyncio.timeout(REQUEST_TIMEOUT):
-                    status, raw = await self._pool.request(
+                    status, raw = await pool.request(
                         method, path, data, params=params,
                         headers=self._headers(content_type if data is not None else None))
                 code = str(status)
@@ -203,10 +210,12 @@ class Kube:
         return result
 
     async def delete(self, path: str, body: Body | None = None) -> None:
+        """Gone already is done; so is a precondition (``delete_if_same``) that no longer holds (409):
+        the object of that name is another one now."""
         try:
             await self.request("DELETE", path, body)
         except ApiError as e:
-            if e.status != 404:
+            if e.status != 404 and not (e.status == 409 and body and "preconditions" in body):
                 raise
 
 

@@ -71,6 +71,70 @@ def definition_name(spec: Body) -> str:
     return ref.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
 
 
+def _allowed(name: str, allowed: list[str]) -> bool:
+    return "*" in allowed or name in allowed
+
+
+def _secret_refs(spec: Body) -> list[tuple[str, str]]:
+    """(field path, Secret name) of every Secret a Flow spec names for its pod."""
+    refs = [(f"spec.env[{i}].valueFrom.secretKeyRef.name", str(((e.get("valueFrom") or {}).get("secretKeyRef")
+                                                                 or {}).get("name", "")))
+            for i, e in enumerate(spec.get("env") or []) if isinstance(e, dict)
+            and isinstance(e.get("valueFrom"), dict) and "secretKeyRef" in e["valueFrom"]]
+    refs += [(f"spec.envFrom[{i}].secretRef.name", str((e.get("secretRef") or {}).get("name", "")))
+             for i, e in enumerate(spec.get("envFrom") or []) if isinstance(e, dict) and "secretRef" in e]
+    refs += [(f"spec.podTemplate.imagePullSecrets[{i}].name", str(s.get("name", "")))
+             for i, s in enumerate((spec.get("podTemplate") or {}).get("imagePullSecrets") or [])
+             if isinstance(s, dict)]
+    return refs
+
+
+def pod_policy_problems(spec: Body, settings: Settings) -> list[str]:
+    """What a Flow asks of its pod that the runner pod policy does not allow, each naming its field.
+    Creating a Flow is not creating a pod: without this, whoever may create Flows could name any
+    Secret of the namespace, take any PriorityClass or tolerate the control plane's taints."""
+    if not settings.runner_policy:
+        return []
+    template: Body = spec.get("podTemplate") or {}
+    problems = []
+    priority = template.get("priorityClassName")
+    if priority and not _allowed(str(priority), settings.runner_priority_class_names):
+        problems.append(f"spec.podTemplate.priorityClassName: {priority!r} is not allowed by the operator's "
+                        f"runner policy (runnerPolicy.priorityClassNames: {settings.runner_priority_class_names})")
+    for i, tol in enumerate(template.get("tolerations") or []):
+        key = str((tol or {}).get("key") or "") if isinstance(tol, dict) else ""
+        if not _allowed(key or "*", settings.runner_toleration_keys):
+            problems.append(f"spec.podTemplate.tolerations[{i}]: tolerating {key or 'every taint'!r} is not allowed "
+                            f"by the operator's runner policy (runnerPolicy.tolerationKeys: "
+                            f"{settings.runner_toleration_keys})")
+    for path, name in _secret_refs(spec):
+        if not _allowed(name, settings.runner_secret_names):
+            problems.append(f"{path}: Secret {name!r} is not one Flows may use (runnerPolicy.secretNames: "
+                            f"{settings.runner_secret_names})")
+    return problems
+
+
+def _within_policy(spec: Body, settings: Settings) -> Body:
+    """The spec with what the policy does not allow left out (for a Flow the webhook did not see)."""
+    if not pod_policy_problems(spec, settings):
+        return spec
+    allowed = settings.runner_secret_names
+    template: Body = dict(spec.get("podTemplate") or {})
+    if template.get("priorityClassName") and not _allowed(str(template["priorityClassName"]),
+                                                           settings.runner_priority_class_names):
+        del template["priorityClassName"]
+    template["tolerations"] = [t for t in template.get("tolerations") or [] if isinstance(t, dict)
+                               and _allowed(str(t.get("key") or "*"), settings.runner_toleration_keys)]
+    template["imagePullSecrets"] = [s for s in template.get("imagePullSecrets") or []
+                                    if isinstance(s, dict) and _allowed(str(s.get("name", "")), allowed)]
+    env = [e for e in spec.get("env") or [] if not (isinstance(e, dict) and isinstance(e.get("valueFrom"), dict)
+                                                    and "secretKeyRef" in e["valueFrom"] and not _allowed(
+                                                        str(e["valueFrom"]["secretKeyRef"].get("name", "")), allowed))]
+    env_from = [e for e in spec.get("envFrom") or [] if not (isinstance(e, dict) and "secretRef" in e and not _allowed(
+        str((e.get("secretRef") or {}).get("name", "")), allowed))]
+    return {**spec, "podTemplate": template, "env": env, "envFrom": env_from}
+
+
 def runner_pod(  # noqa: PLR0913 - keyword-only: every input of the pod spec, each named
     flow: Body,
     *,
@@ -95,7 +159,7 @@ def runner_pod(  # noqa: PLR0913 - keyword-only: every input of the pod spec, ea
     so a Flow cannot price its own calls (and so dodge its ``budget.maxCost``) by setting them.
     """
     meta = flow["metadata"]
-    spec: Body = flow.get("spec") or {}
+    spec: Body = _within_policy(flow.get("spec") or {}, settings)
     name = meta["name"]
     template: Body = spec.get("podTemplate") or {}
     tmeta: Body = template.get("metadata") or {}

@@ -45,6 +45,21 @@ class Settings(BaseSettings):
         description="JSON object: resources (requests/limits) of runner containers whose Flow sets no spec.resources.",
     )
     runner_run_as_user: int = Field(default=65532, ge=1, description="UID of runner pods (non-root).")
+    runner_policy: bool = Field(
+        default=True, description="Enforce the runner pod policy (the three settings below) on what a Flow puts "
+        "in its pod: refused at apply by the webhook, and left out of the pod by the operator. false: a "
+        "Flow's podTemplate, env and envFrom are copied into its pod as they are.")
+    runner_priority_class_names: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="PriorityClasses a Flow may give its pods "
+        "(spec.podTemplate.priorityClassName; comma-separated, `*` any); empty: none.")
+    runner_toleration_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Taint keys a Flow's pods may tolerate (spec.podTemplate.tolerations; "
+        "comma-separated, `*` any); empty: none. A toleration without a key (tolerating every taint) needs `*`.")
+    runner_secret_names: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["*"], description="Secrets a Flow may reference (env valueFrom.secretKeyRef, "
+        "envFrom secretRef, podTemplate.imagePullSecrets; comma-separated names, `*` any): a Flow's pod runs "
+        "with the operator's rights to create it, so a Secret it names is read into a process whose output "
+        "lands in status.")
     retry_backoff_cap_seconds: int = Field(
         default=3600, ge=1, description="Longest delay between retries: the doubling backoff stops here.")
     workers: int = Field(
@@ -79,6 +94,10 @@ class Settings(BaseSettings):
         "Port of /healthz (liveness) and /readyz (readiness: logged in, the CA in the webhook "
         "configurations, the webhook server listening); 0 disables both."))
     metrics_port: int = Field(default=9090, description="Port of /metrics (0 disables it).")
+    metrics_auth: bool = Field(
+        default=False, description="/metrics only for a bearer token whose user may `get` the non-resource "
+        "URL /metrics (a TokenReview and a SubjectAccessReview, cached for a minute, as kube-rbac-proxy does); "
+        "the chart turns it on and makes the metrics-reader ClusterRole to bind to Prometheus.")
     metrics_per_flow: bool = Field(
         default=True,
         description="Export per-flow series; false keeps only namespace/definition/model rollups.",
@@ -125,7 +144,8 @@ class Settings(BaseSettings):
         host = f"[{self.webhook_host}]" if ":" in self.webhook_host else self.webhook_host
         return f"https://{host}:{self.state_port}"
 
-    @field_validator("watch_namespaces", mode="before")
+    @field_validator("watch_namespaces", "runner_priority_class_names", "runner_toleration_keys",
+                     "runner_secret_names", mode="before")
     @classmethod
     def _split_commas(cls, v: Any) -> Any:
         return [p.strip() for p in v.split(",") if p.strip()] if isinstance(v, str) else v

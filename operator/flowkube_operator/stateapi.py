@@ -22,13 +22,12 @@ import asyncio
 import base64
 import contextlib
 import dataclasses
-import hashlib
 import json
 import logging
 import re
 import ssl
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -37,9 +36,10 @@ from pydantic import ValidationError
 
 from flowkube_api import constants as c
 from flowkube_api.report import ReportTooLarge, RunReport
-from flowkube_operator import resources, selfmetrics
+from flowkube_operator import resources, reviews, selfmetrics
 from flowkube_operator.kube import ApiError, Kube, delete_namesake_garbage, flow_path, ns_path
 from flowkube_operator.meta import owner_uid
+from flowkube_operator.reviews import VerdictCache
 
 Body = dict[str, Any]
 log = logging.getLogger("flowkube.state")
@@ -47,10 +47,9 @@ log = logging.getLogger("flowkube.state")
 POD_NAME_EXTRA = "authentication.kubernetes.io/pod-name"
 POD_UID_EXTRA = "authentication.kubernetes.io/pod-uid"
 SA_PREFIX = "system:serviceaccount:"
-CACHE_SECONDS = 60.0
-REFUSED_CACHE_SECONDS = 5.0
 REVIEW_CONCURRENCY = 16
-CACHE_LIMIT = 20_000
+POD_IN_FLIGHT = 4  # requests of one runner pod at once (a runner makes one, plus a long poll)
+IDLE_SECONDS = 15.0  # an idle keep-alive connection is closed after this (aiohttp keeps them an hour)
 BODY_LIMIT = 2 * 1024 * 1024
 KEY_PATTERN = re.compile(c.STATE_KEY_PATTERN)
 
@@ -154,7 +153,11 @@ class StateApi:
         self._on_late_report = on_late_report
         self._warm = warm
         self._changed: dict[tuple[str, str], asyncio.Event] = {}  # (namespace, flow) -> set when it changes
-        self._tokens: dict[str, tuple[float, Target | StateError]] = {}  # sha256(token) -> (until, outcome)
+        # Verdicts by sha256(token): accepted for 60 s (checked against the running attempt on every
+        # request), refusals for 5 s, in two caches: refusals never evict a runner's token.
+        self._tokens: VerdictCache[Target] = VerdictCache(reviews.ACCEPTED_SECONDS)
+        self._refused: VerdictCache[StateError] = VerdictCache(reviews.REFUSED_SECONDS)
+        self._in_flight: dict[tuple[str, str], int] = {}  # (namespace, pod) -> requests being served
         self._cm_uids: dict[str, str] = {}  # Flow uid -> uid of its state ConfigMap
         self._reviews = asyncio.Semaphore(REVIEW_CONCURRENCY)
 
@@ -178,29 +181,21 @@ class StateApi:
             raise StateError(401, "a bearer token (the pod's flowkube.io/state token) is required")
         if not plausible(token):
             raise StateError(401, f"not a pod-bound token for audience {c.STATE_AUDIENCE}")
-        digest = hashlib.sha256(token.encode()).hexdigest()
-        now = time.monotonic()
-        hit = self._tokens.get(digest)
-        if hit is not None and hit[0] > now:
-            if isinstance(hit[1], StateError):
-                raise hit[1]  # refused a moment ago: no second TokenReview for it yet
-            if hit[1].late or self._running(hit[1]):
-                return hit[1]
+        digest, now = reviews.token_key(token), time.monotonic()
+        refused = self._refused.get(digest, now)
+        if refused is not None:
+            raise refused  # refused a moment ago: no second TokenReview for it yet
+        hit = self._tokens.get(digest, now)
+        if hit is not None and (hit.late or self._running(hit)):
+            return hit
         try:
-            outcome: Target | StateError = await self._authorize(token)
-            until = now + CACHE_SECONDS
+            target = await self._authorize(token)
         except StateError as e:
-            if e.status not in (401, 403):
-                raise
-            outcome, until = e, now + REFUSED_CACHE_SECONDS
-        if len(self._tokens) >= CACHE_LIMIT:
-            self._tokens = {k: v for k, v in self._tokens.items() if v[0] > now}
-            if len(self._tokens) >= CACHE_LIMIT:
-                self._tokens.clear()
-        self._tokens[digest] = (until, outcome)
-        if isinstance(outcome, StateError):
-            raise outcome
-        return outcome
+            if e.status in (401, 403):
+                self._refused.put(digest, e, now)
+            raise
+        self._tokens.put(digest, target, now)
+        return target
 
     async def _authorize(self, token: str) -> Target:
         kube = self._client()
@@ -362,6 +357,21 @@ class StateApi:
         app.router.add_get(c.ANSWER_API_PREFIX + "{key}", self._handle(self._answer, state_key=False))
         return app
 
+    @contextlib.contextmanager
+    def _pod_slot(self, t: Target) -> Iterator[None]:
+        """At most POD_IN_FLIGHT requests of one pod at once (a flood is told 429, which runners retry)."""
+        pod = (t.namespace, t.pod)
+        held = self._in_flight.get(pod, 0)
+        if held >= POD_IN_FLIGHT:
+            raise StateError(429, f"pod {t.pod} has {POD_IN_FLIGHT} requests in flight already; retry")
+        self._in_flight[pod] = held + 1
+        try:
+            yield
+        finally:
+            left = self._in_flight.pop(pod, 1) - 1
+            if left > 0:
+                self._in_flight[pod] = left
+
     def _handle(self, fn: Callable[[web.Request, Target, str], Awaitable[web.Response]], state_key: bool = True,
                 ) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def handler(request: web.Request) -> web.Response:
@@ -379,7 +389,8 @@ class StateApi:
                 elif target.late and (key != c.report_key(target.pod) or request.method != "PUT"):
                     raise StateError(403, f"the run of pod {target.pod} was closed: only its own report "
                                           "may still be written")
-                response = await fn(request, target, key)
+                with self._pod_slot(target):
+                    response = await fn(request, target, key)
             except StateError as e:
                 response = _error(e.status, str(e))
             except web.HTTPException as e:  # e.g. a body over the size limit
@@ -437,7 +448,7 @@ class StateApi:
     async def serve(self, host: str, port: int, cert: str, key: str) -> web.AppRunner:
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         ctx.load_cert_chain(cert, key)
-        runner = web.AppRunner(self.app(), access_log=None)
+        runner = web.AppRunner(self.app(), access_log=None, keepalive_timeout=IDLE_SECONDS)
         await runner.setup()
         await web.TCPSite(runner, host, port, ssl_context=ctx).start()
         log.info("serving the state API on https://%s:%s", host, port)

@@ -92,7 +92,7 @@ def nested_lists(count: int) -> list[Any]:
 
 @pytest.mark.parametrize(("inputs", "expected"), [
     ({"items": nested_lists(400_000)}, "spec.inputs and spec.definition are "),  # 1.2 MB: once a bare 413
-    ({"items": nested_lists(30_000)}, "a runner pod receives them in one environment variable"),
+    ({"items": nested_lists(50_000)}, "a runner pod receives them in one environment variable"),
     ({"deep": json.loads("[" * 40 + "]" * 40)}, "spec.inputs nests objects and lists more than 32 levels"),
 ])
 def test_oversized_or_deep_inputs_are_refused_at_apply_naming_the_field(

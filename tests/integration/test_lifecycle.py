@@ -306,12 +306,13 @@ def test_garbage_the_collector_missed_does_not_hold_up_a_flow_of_the_same_name(
 
 
 def test_a_refused_runner_pod_is_reported_as_an_event(flows: Flows) -> None:
-    flows.apply("unplaceable", {"flowRef": "a:B", "podTemplate": {"priorityClassName": "no-such-class"}})
+    # A label key the Pod API refuses (a Flow's CRD schema takes any string as a key).
+    flows.apply("unplaceable", {"flowRef": "a:B", "podTemplate": {"metadata": {"labels": {"no such/key/x": "v"}}}})
 
     def failed_create() -> bool:
         out = flows.cluster.kubectl("get", "events", "-n", flows.ns, "--field-selector",
                                     "involvedObject.name=unplaceable,reason=FailedCreate", "-o", "json").stdout
-        return any("no-such-class" in (e.get("message") or e.get("note") or "") for e in json.loads(out)["items"])
+        return any("no such/key/x" in (e.get("message") or e.get("note") or "") for e in json.loads(out)["items"])
 
-    wait_for(failed_create, 30, "a FailedCreate Event naming the refused priority class")
+    wait_for(failed_create, 30, "a FailedCreate Event naming the refused label")
     assert flows.status("unplaceable")["phase"] == "Pending" and flows.pods("unplaceable") == []

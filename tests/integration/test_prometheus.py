@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -28,13 +29,17 @@ REVIEW = {"id": "r1", "method": "review", "message": "ok?", "emit": ["approved",
 
 
 class Prometheus:
-    def __init__(self, root: Path, target: str) -> None:
+    def __init__(self, root: Path, target: str, token: str = "") -> None:
         self.port = free_port()
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
+        auth = ""
+        if token:  # as a Prometheus in the cluster presents its ServiceAccount token
+            (root / "token").write_text(token)
+            auth = f"    authorization: {{credentials_file: '{root / 'token'}'}}\n"
         (root / "prometheus.yml").write_text(
             "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
-            f"scrape_configs:\n  - job_name: flowkube\n    static_configs: [{{targets: ['{target}']}}]\n")
+            f"scrape_configs:\n  - job_name: flowkube\n    static_configs: [{{targets: ['{target}']}}]\n{auth}")
         binary = shutil.which("prometheus")
         assert binary, "Debian's prometheus package is required (./dev installs it)"
         self.proc = procs.spawn("prometheus", [
@@ -63,7 +68,7 @@ class Prometheus:
 
 @pytest.fixture(scope="module")
 def prom(operator: ChartOperator, cluster: LocalCluster) -> Iterator[Prometheus]:
-    p = Prometheus(cluster.root / "prometheus", operator.metrics_target)
+    p = Prometheus(cluster.root / "prometheus", operator.metrics_target, operator.metrics_token())
     yield p
     p.stop()
 
@@ -141,3 +146,29 @@ def test_dashboard_queries_on_a_real_prometheus(flows: Flows, prom: Prometheus, 
     # A deleted Flow's series disappear.
     flows.cluster.kubectl("delete", "flow", "simple", "-n", ns)
     wait_for(lambda: 'flow="simple"' not in operator.metrics(), 30, "the deleted flow's series to go")
+
+
+def test_metrics_answer_only_a_user_allowed_to_get_them(operator: ChartOperator, cluster: LocalCluster,
+                                                        prom: Prometheus) -> None:
+    """The series name every namespace, Flow, model and their spend: a TokenReview and a
+    SubjectAccessReview (the chart's metrics-reader ClusterRole) stand before them."""
+    url = f"http://{operator.metrics_target}/metrics"
+
+    def status(token: str | None) -> int:
+        request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+        try:
+            with urllib.request.urlopen(request, timeout=10) as r:
+                return int(r.status)
+        except urllib.error.HTTPError as e:
+            return int(e.code)
+
+    ns = operator.namespace
+    if cluster.kubectl("get", "serviceaccount", "nosy", "-n", ns, check=False).returncode != 0:
+        cluster.kubectl("create", "serviceaccount", "nosy", "-n", ns)
+    nosy = cluster.kubectl("create", "token", "nosy", "-n", ns, "--duration=10m").stdout.strip()
+    assert status(None) == 401
+    assert status("not-a-token") == 401
+    assert status(nosy) == 403  # a real user, without `get /metrics`
+    assert status(operator.metrics_token()) == 200
+    # Prometheus, with the scraper's token, sees the target up.
+    wait_for(lambda: prom.value('up{job="flowkube"}') == 1.0, 30, "Prometheus scraping with the token")

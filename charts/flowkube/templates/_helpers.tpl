@@ -90,6 +90,13 @@ system:serviceaccount:{{ .Release.Namespace }}:{{ include "flowkube.serviceAccou
 {{- printf "%s-%s.flowkube.io" (include "flowkube.fullname" .) .Release.Namespace | trunc 253 }}
 {{- end }}
 
+{{/* The scope of the operator's namespaced rights: with watchNamespaces set, always Roles in those
+namespaces (a ClusterRole would let it create pods in every namespace, kube-system included, while it
+watches only these); otherwise rbac.scope. */}}
+{{- define "flowkube.rbacScope" -}}
+{{- if .Values.watchNamespaces }}namespaced{{ else }}{{ .Values.rbac.scope }}{{ end }}
+{{- end }}
+
 {{/* Validates combinations the schema cannot express; included by the Deployment. */}}
 {{- define "flowkube.validate" -}}
 {{- if and (eq .Values.rbac.scope "namespaced") (empty .Values.watchNamespaces) }}

@@ -151,7 +151,9 @@ def test_render_is_restricted_and_least_privilege(helm: Path, values: Path) -> N
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     for ctr in containers(objs):
         sc = ctr["securityContext"]
-        assert sc["runAsNonRoot"] is True and sc["runAsUser"] == 65532, ctr["name"]
+        # The validator sidecar runs as another user than the operator (none of its files).
+        uid = {"operator": 65532}.get(ctr["name"], 65533)
+        assert sc["runAsNonRoot"] is True and sc["runAsUser"] == uid, ctr["name"]
         assert sc["readOnlyRootFilesystem"] is True, ctr["name"]
         assert sc["allowPrivilegeEscalation"] is False, ctr["name"]
         assert sc["capabilities"] == {"drop": ["ALL"]}, ctr["name"]
@@ -238,6 +240,7 @@ EXPECTED_OPERATOR_GRANTS = {
 CLUSTER_GRANTS = {
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
     ("authentication.k8s.io", "tokenreviews"): {"create"},  # runner pods' tokens, at the state API
+    ("authorization.k8s.io", "subjectaccessreviews"): {"create"},  # may this scraper get /metrics
     ("admissionregistration.k8s.io", "validatingwebhookconfigurations"): {"get", "patch", "update"},
     ("admissionregistration.k8s.io", "mutatingwebhookconfigurations"): {"get", "patch", "update"},
 }
@@ -483,7 +486,7 @@ def test_webhooks(helm: Path) -> None:
     assert flows["matchConditions"] == [
         {"name": "spec-written", "expression": "request.operation == 'CREATE' || object.spec != oldObject.spec"},
         {"name": "free-form-fields", "expression": (
-            "has(object.spec.definition) || has(object.spec.inputs) || has(object.spec.envFrom)\n"
+            "has(object.spec.definition) || has(object.spec.inputs) || has(object.spec.envFrom) "
             "|| has(object.spec.podTemplate) || has(object.spec.env)")},
     ]
     for hook in validating[1:] + mutating:
@@ -545,7 +548,7 @@ def test_names_follow_the_release(helm: Path) -> None:
     objs = render(helm, release="team", namespace="ops")
     names = {o["metadata"]["name"] for o in of_kind(objs, "ClusterRole")}
     assert names == {"team-flowkube-operator", "team-flowkube-flow-viewer", "team-flowkube-flow-editor",
-                     "team-flowkube-feedback-responder"}
+                     "team-flowkube-feedback-responder", "team-flowkube-metrics-reader"}
     assert of_kind(objs, "ValidatingWebhookConfiguration")[0]["metadata"]["name"] == "team-flowkube-ops.flowkube.io"
 
 
@@ -618,3 +621,55 @@ def test_a_stopping_operator_pod_keeps_serving_until_its_endpoint_is_gone(helm: 
     assert operator["lifecycle"] == {"preStop": {"sleep": {"seconds": 5}}}
     off = render(helm, "--set", "preStopSleepSeconds=0")
     assert "lifecycle" not in next(ctr for ctr in containers(off) if ctr["name"] == "operator")
+
+
+def test_the_validator_sidecar_holds_no_credentials_and_none_of_the_operators_files(helm: Path) -> None:
+    """It loads tenants' definitions with crewAI: no API token, another UID, a /tmp of its own."""
+    objs = render(helm)
+    (deployment,) = of_kind(objs, "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    operator, validator = containers(objs)
+    assert pod["automountServiceAccountToken"] is False
+    mounts = {c["name"]: {m["name"]: m["mountPath"] for m in c["volumeMounts"]} for c in (operator, validator)}
+    assert mounts["operator"]["kube-api-access"] == "/var/run/secrets/kubernetes.io/serviceaccount"
+    assert mounts["validator"] == {"validator-tmp": "/tmp"}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    sources = volumes["kube-api-access"]["projected"]["sources"]
+    assert [next(iter(s)) for s in sources] == ["serviceAccountToken", "configMap", "downwardAPI"]
+    assert validator["securityContext"]["runAsUser"] != pod["securityContext"]["runAsUser"]
+    assert "runAsUser" not in operator["securityContext"] or operator["securityContext"]["runAsUser"] == 65532
+
+
+def test_watching_some_namespaces_grants_rights_in_those_alone(helm: Path) -> None:
+    """rbac.scope=cluster with watchNamespaces used to grant pod create in every namespace."""
+    objs = render(helm, "--set", "watchNamespaces={team-a}", "--set", "rbac.scope=cluster")
+    assert _grants(named(objs, "ClusterRole", "flowkube-operator")["rules"]) == CLUSTER_GRANTS
+    roles = [r for r in of_kind(objs, "Role") if r["metadata"]["namespace"] == "team-a"]
+    assert [_grants(r["rules"]) for r in roles] == [EXPECTED_OPERATOR_GRANTS]
+
+
+def test_network_policies_keep_the_state_api_for_runner_pods_and_runners_closed(helm: Path) -> None:
+    from flowkube_api import constants as c
+
+    objs = render(helm, "--set", "watchNamespaces={team-a}")
+    operator, runners = of_kind(objs, "NetworkPolicy")
+    runner_labels = {c.LABEL_MANAGED_BY: c.MANAGED_BY, c.LABEL_COMPONENT: c.COMPONENT_RUNNER}
+    state_rule, open_rule = operator["spec"]["ingress"]
+    assert state_rule["from"] == [{"namespaceSelector": {}, "podSelector": {"matchLabels": runner_labels}}]
+    assert state_rule["ports"] == [{"port": 8443, "protocol": "TCP"}]
+    assert "from" not in open_rule and {p["port"] for p in open_rule["ports"]} == {8080, 9090, 9443}
+    assert runners["metadata"]["namespace"] == "team-a"
+    assert runners["spec"] == {"podSelector": {"matchLabels": runner_labels}, "policyTypes": ["Ingress"]}
+    assert of_kind(render(helm, "--set", "networkPolicy.enabled=false"), "NetworkPolicy") == []
+
+
+def test_metrics_ask_for_a_token_and_the_reader_role_grants_it(helm: Path) -> None:
+    objs = render(helm, "--set", "metrics.serviceMonitor.enabled=true", "--api-versions", "monitoring.coreos.com/v1")
+    assert env_of(next(containers(objs)))["FLOWKUBE_METRICS_AUTH"] == "true"
+    reader = named(objs, "ClusterRole", "flowkube-metrics-reader")
+    assert reader["rules"] == [{"nonResourceURLs": ["/metrics"], "verbs": ["get"]}]
+    (sm,) = of_kind(objs, "ServiceMonitor")
+    assert sm["spec"]["endpoints"][0]["bearerTokenFile"] == "/var/run/secrets/kubernetes.io/serviceaccount/token"
+    off = render(helm, "--set", "metrics.auth.enabled=false")
+    assert env_of(next(containers(off)))["FLOWKUBE_METRICS_AUTH"] == "false"
+    assert [r["metadata"]["name"] for r in of_kind(off, "ClusterRole") if "metrics" in r["metadata"]["name"]] == []

@@ -328,3 +328,43 @@ def test_the_summary_wins_when_it_is_further_along_than_the_stored_report() -> N
     final = _report("Succeeded", "RunSucceeded", 5, output="the whole output")
     got = _load({"report.f-0.json.gz": final.encode()}, summary)
     assert got.output == "the whole output"
+
+
+def test_deletes_carry_the_uid_the_plan_saw_and_a_namesake_is_left_alone() -> None:
+    """A Flow re-created under the same name (GitOps) must not lose its new pod, or itself, to a
+    reconcile that still holds the old body: every delete has a uid precondition, and the API
+    server's 409 for a namesake is not an error."""
+    from flowkube_api.models import FlowStatus
+    from flowkube_operator.kube import ApiError
+    from flowkube_operator.reconcile import Plan
+
+    class DeleteKube:
+        def __init__(self) -> None:
+            self.deleted: list[tuple[str, Any]] = []
+
+        async def delete(self, path: str, body: Any = None) -> None:
+            self.deleted.append((path, body))
+
+        async def request(self, method: str, path: str, body: Any = None, **_: Any) -> Any:
+            raise ApiError(409, {"message": "Precondition failed: UID in precondition: old, UID in object meta: new"},
+                           method, path)
+
+    ctl = Controller(Settings(), on_flow_change=lambda k, b: None)
+    kube = DeleteKube()
+    ctl.kube = kube  # type: ignore[assignment]
+    running = pod("Running", 3)
+    running["metadata"]["uid"] = "pod-uid-old"
+    ctl.pod_event("ADDED", running)
+    body = flow(4, "Succeeded")
+    status = FlowStatus.model_validate(body["status"])
+    body["status"] = status.dump()
+    asyncio.run(ctl._apply(("ns", "f"), body, Plan(status=status, delete_pods=["f-0"], delete_flow=True)))
+    assert [(p.rsplit("/", 2)[-2:], b["preconditions"]) for p, b in kube.deleted] == [
+        (["pods", "f-0"], {"uid": "pod-uid-old"}), (["flows", "f"], {"uid": "u"})]
+
+    from flowkube_operator.kube import Kube
+
+    async def namesake() -> None:
+        await Kube.delete(kube, "/api/v1/namespaces/ns/pods/f-0", {"preconditions": {"uid": "old"}})  # type: ignore[arg-type]
+
+    asyncio.run(namesake())  # the 409 of a failed precondition: the object is another one; done

@@ -60,3 +60,38 @@ def test_a_401_with_no_newer_token_is_the_callers_error_after_one_try(
     seen, result = asyncio.run(_served("something-else"))
     assert isinstance(result, ApiError) and result.status == 401
     assert seen == ["Bearer old"]
+
+
+def test_lease_requests_never_wait_behind_the_other_requests() -> None:
+    """Every slot of the main pool is held by slow requests (what a flood of state API reads or
+    TokenReviews makes); a Lease renewal still goes out at once, on connections of its own."""
+    release = asyncio.Event()
+
+    async def slow(_: web.Request) -> web.Response:
+        await release.wait()
+        return web.json_response({"kind": "ConfigMap"})
+
+    async def lease(_: web.Request) -> web.Response:
+        return web.json_response({"kind": "Lease"})
+
+    async def scenario() -> None:
+        app = web.Application()
+        app.router.add_get("/api/v1/namespaces/x/configmaps/c", slow)
+        app.router.add_put("/apis/coordination.k8s.io/v1/namespaces/x/leases/l", lease)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        port = runner.addresses[0][1]
+        client = Kube(kopf.ConnectionInfo(server=f"http://127.0.0.1:{port}", token="t"), limit=4)
+        held = [asyncio.create_task(client.get("/api/v1/namespaces/x/configmaps/c")) for _ in range(8)]
+        try:
+            async with asyncio.timeout(5):  # would wait for `release` if it shared the slots
+                renewed = await client.request("PUT", "/apis/coordination.k8s.io/v1/namespaces/x/leases/l", {})
+            assert renewed == {"kind": "Lease"}
+        finally:
+            release.set()
+            await asyncio.gather(*held)
+            await client.close()
+            await runner.cleanup()
+
+    asyncio.run(scenario())

@@ -562,3 +562,36 @@ def test_a_flow_over_the_spec_bounds_fails_invalid_spec_without_a_pod() -> None:
     assert p.create_pod is None and body["status"]["phase"] == Phase.FAILED
     assert cond(body, "Accepted")["status"] == "False" and cond(body, "Accepted")["reason"] == Reason.INVALID_SPEC
     assert "spec.inputs" in cond(body, "Succeeded")["message"]
+
+
+def test_the_runner_pod_policy_names_each_field_and_keeps_it_out_of_the_pod() -> None:
+    """Creating a Flow is not creating a pod: the operator makes it with its own rights."""
+    from flowkube_operator.resources import pod_policy_problems, runner_pod
+    from flowkube_operator.settings import Settings
+
+    spec = {"flowRef": "a:B",
+            "env": [{"name": "KEY", "valueFrom": {"secretKeyRef": {"name": "db-admin", "key": "password"}}},
+                    {"name": "OPENAI_API_KEY", "valueFrom": {"secretKeyRef": {"name": "openai", "key": "k"}}}],
+            "envFrom": [{"secretRef": {"name": "db-admin"}}, {"configMapRef": {"name": "settings"}}],
+            "podTemplate": {"priorityClassName": "system-cluster-critical",
+                            "tolerations": [{"key": "node-role.kubernetes.io/control-plane", "effect": "NoSchedule"},
+                                            {"operator": "Exists"}, {"key": "gpu", "operator": "Exists"}],
+                            "imagePullSecrets": [{"name": "registry"}]}}
+    settings = Settings(runner_secret_names="openai,registry", runner_toleration_keys="gpu")
+    problems = pod_policy_problems(spec, settings)
+    assert [p.split(":")[0] for p in problems] == [
+        "spec.podTemplate.priorityClassName", "spec.podTemplate.tolerations[0]", "spec.podTemplate.tolerations[1]",
+        "spec.env[0].valueFrom.secretKeyRef.name", "spec.envFrom[0].secretRef.name"]
+    assert "'db-admin' is not one Flows may use" in problems[3]
+    pod_spec = runner_pod(flow(**spec), index=0, trigger=Trigger.KICKOFF, settings=settings)["spec"]
+    (container,) = pod_spec["containers"]
+    assert "priorityClassName" not in pod_spec and pod_spec["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
+    assert pod_spec["imagePullSecrets"] == [{"name": "registry"}]
+    env = {e["name"]: e for e in container["env"]}
+    assert "KEY" not in env and env["OPENAI_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "openai"
+    assert container["envFrom"] == [{"configMapRef": {"name": "settings"}}]
+    # Off, or allowing everything: copied as it is.
+    for loose in (Settings(runner_policy=False),
+                  Settings(runner_secret_names="*", runner_toleration_keys="*", runner_priority_class_names="*")):
+        assert pod_policy_problems(spec, loose) == []
+        assert runner_pod(flow(**spec), index=0, trigger=Trigger.KICKOFF, settings=loose)["spec"]["priorityClassName"]

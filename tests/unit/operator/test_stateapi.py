@@ -404,3 +404,61 @@ def test_a_warm_pod_long_polls_for_its_next_message_and_answer() -> None:
             assert closed.status == 410
 
     asyncio.run(scenario())
+
+
+def test_a_flood_of_refused_tokens_never_evicts_a_running_pods_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each fake token costs a TokenReview and a cache entry; a full cache of refusals used to be
+    cleared with the good entries in it, sending every runner back to a TokenReview."""
+    kube = FakeKube()
+    state = api(kube, {("ns", "demo-0"): ("demo", FLOW_UID, "pod-uid")})
+    state._tokens.limit = state._refused.limit = 50
+
+    async def scenario() -> None:
+        assert await state.authenticate(f"Bearer {jwt('good')}") == POD
+        for i in range(200):
+            with pytest.raises(StateError):
+                await state.authenticate(f"Bearer {jwt(f'forged-{i}')}")
+        reviews = len(kube.calls)
+        assert await state.authenticate(f"Bearer {jwt('good')}") == POD
+        assert len(kube.calls) == reviews  # still cached: no TokenReview for the runner
+        assert len(state._refused) <= 50
+
+    asyncio.run(scenario())
+
+
+def test_one_pod_has_at_most_a_few_requests_in_flight() -> None:
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from flowkube_operator import stateapi
+
+    kube = FakeKube()
+    state = api(kube, {("ns", "demo-0"): ("demo", FLOW_UID, "pod-uid")})
+    auth = {"Authorization": f"Bearer {jwt('good')}"}
+    gate, arrived = asyncio.Event(), asyncio.Event()
+    reading: list[str] = []
+    real_get = kube.get
+
+    async def slow_get(path: str) -> dict[str, Any] | None:
+        if "/configmaps/" in path:
+            reading.append(path)
+            if len(reading) == stateapi.POD_IN_FLIGHT:
+                arrived.set()
+            await gate.wait()
+        return await real_get(path)
+
+    kube.get = slow_get  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        async with TestClient(TestServer(state.app())) as client:
+            url = c.STATE_API_PREFIX + c.STATE_KEY
+            held = [asyncio.create_task(client.get(url, headers=auth)) for _ in range(stateapi.POD_IN_FLIGHT)]
+            async with asyncio.timeout(10):
+                await arrived.wait()  # every held request is in its ConfigMap read
+            flood = await client.get(url, headers=auth)
+            assert flood.status == 429 and "in flight" in (await flood.json())["message"]
+            gate.set()
+            assert [(await t).status for t in held] == [404] * stateapi.POD_IN_FLIGHT
+            assert state._in_flight == {}
+            assert (await client.get(url, headers=auth)).status == 404  # served again
+
+    asyncio.run(scenario())
