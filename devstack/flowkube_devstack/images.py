@@ -83,6 +83,7 @@ DEVSTACK_FILES = {"stubmodel.py": "devstack/flowkube_devstack/stubmodel.py",
 _PAUSE_CFLAGS = ("-Os", "-Wall", "-Werror", "-static", "-s")
 _PAUSE_CONTAINERFILE = 'FROM scratch\nCOPY pause /pause\nUSER 65535:65535\nENTRYPOINT ["/pause"]\n'
 
+STALE_STAGE = "on host to bind mount into container"  # podman's warning for a cached stage gone missing
 KEEP_PER_IMAGE = 3  # layouts (and podman tags) kept per image name, most recently used first
 _KEEP_RECENT_SECONDS = 600.0  # never prune a layout used this recently (another checkout may be loading it)
 
@@ -389,7 +390,15 @@ def _dockerfile_build(ref: str, dockerfile: Path, context: Path, build_args: Map
         cmd += ["-v", f"{HOST_CA_BUNDLE}:{HOST_CA_BUNDLE}:ro"]
     for k, v in build_args.items():
         cmd += ["--build-arg", f"{k}={v}"]
-    run([*cmd, "-f", str(dockerfile), "-t", ref, str(context)], log=log_path(ref))
+    try:
+        run([*cmd, "-f", str(dockerfile), "-t", ref, str(context)], log=log_path(ref))
+    except build.BuildError:
+        # podman's layer cache can name a builder stage whose layers are gone (another checkout's
+        # build pruned the images that held them: _prune's `podman rmi`); its `RUN --mount=from=`
+        # then mounts nothing and pip finds no wheels. That stage is rebuilt without the cache.
+        if STALE_STAGE not in log_path(ref).read_text(errors="replace"):
+            raise
+        run([*cmd, "--no-cache", "-f", str(dockerfile), "-t", ref, str(context)], log=log_path(ref))
 
 
 # -- the images -------------------------------------------------------------------------------------

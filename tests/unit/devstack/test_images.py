@@ -294,3 +294,38 @@ def test_a_failed_import_says_so_with_ctrs_output(ctr: dict[str, Any]) -> None:
     with pytest.raises(BuildError, match="not in the image store"):  # before ctr starts
         images.load_into_containerd("/run/containerd.sock", ["localhost/flowkube-runner:0000000000ff"])
     assert ctr["calls"] == 1
+
+
+def test_a_build_whose_cached_stage_is_gone_is_built_again_without_the_cache(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another checkout's prune had removed the layers of a cached builder stage: podman warned that it
+    could not bind-mount it, and pip found no wheels (both kind and launcher tests failed on it once)."""
+    from flowkube_devstack import build, images
+
+    calls: list[list[str]] = []
+    log = tmp_path / "build.log"
+    monkeypatch.setattr(images, "log_path", lambda ref: log)
+
+    def fake_run(cmd: list[str], *, log: Path | None = None, cwd: Path | None = None) -> str:
+        calls.append(list(cmd))
+        if len(calls) == 1:
+            assert log is not None
+            log.write_text(f'level=warning msg="couldn\'t find \\"/x/merged/dist\\" {images.STALE_STAGE}"\n')
+            raise build.BuildError("pip found no wheels")
+        return ""
+
+    monkeypatch.setattr(images, "run", fake_run)
+    images._dockerfile_build("localhost/x:1", tmp_path / "Dockerfile", tmp_path, {})
+    assert "--no-cache" not in calls[0] and "--no-cache" in calls[1]
+
+    calls.clear()
+    log.write_text("a real failure\n")
+
+    def failing(cmd: list[str], *, log: Path | None = None, cwd: Path | None = None) -> str:
+        calls.append(list(cmd))
+        raise build.BuildError("compile error")
+
+    monkeypatch.setattr(images, "run", failing)
+    with pytest.raises(build.BuildError):
+        images._dockerfile_build("localhost/x:1", tmp_path / "Dockerfile", tmp_path, {})
+    assert len(calls) == 1  # any other failure is the build's own: not tried again
