@@ -71,8 +71,11 @@ def definition_name(spec: Body) -> str:
     return ref.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
 
 
+SCRIPTS_ENV = "CREWAI_ALLOW_FLOW_SCRIPT_EXECUTION"  # crewAI's switch for `script` steps
+
+
 def _allowed(name: str, allowed: list[str]) -> bool:
-    return "*" in allowed or name in allowed
+    return "*" in allowed or name in allowed or any(p.endswith("*") and name.startswith(p[:-1]) for p in allowed)
 
 
 def _secret_refs(spec: Body) -> list[tuple[str, str]]:
@@ -97,6 +100,14 @@ def pod_policy_problems(spec: Body, settings: Settings) -> list[str]:
         return []
     template: Body = spec.get("podTemplate") or {}
     problems = []
+    image = spec.get("image")
+    if image and not _allowed(str(image), settings.runner_images):
+        problems.append(f"spec.image: {image!r} is not an image Flows may run (runnerPolicy.images: "
+                        f"{settings.runner_images}); only the operator's runner image reports usage you can trust")
+    if not settings.runner_allow_scripts:
+        problems += [f"spec.env[{i}]: {SCRIPTS_ENV} is not allowed (runnerPolicy.allowScripts: false): a script "
+                     "step runs the Flow author's own code" for i, e in enumerate(spec.get("env") or [])
+                     if isinstance(e, dict) and e.get("name") == SCRIPTS_ENV]
     priority = template.get("priorityClassName")
     if priority and not _allowed(str(priority), settings.runner_priority_class_names):
         problems.append(f"spec.podTemplate.priorityClassName: {priority!r} is not allowed by the operator's "
@@ -130,6 +141,10 @@ def _within_policy(spec: Body, settings: Settings) -> Body:
     env = [e for e in spec.get("env") or [] if not (isinstance(e, dict) and isinstance(e.get("valueFrom"), dict)
                                                     and "secretKeyRef" in e["valueFrom"] and not _allowed(
                                                         str(e["valueFrom"]["secretKeyRef"].get("name", "")), allowed))]
+    if not settings.runner_allow_scripts:
+        env = [e for e in env if not (isinstance(e, dict) and e.get("name") == SCRIPTS_ENV)]
+    if spec.get("image") and not _allowed(str(spec["image"]), settings.runner_images):
+        spec = {k: v for k, v in spec.items() if k != "image"}
     env_from = [e for e in spec.get("envFrom") or [] if not (isinstance(e, dict) and "secretRef" in e and not _allowed(
         str((e.get("secretRef") or {}).get("name", "")), allowed))]
     return {**spec, "podTemplate": template, "env": env, "envFrom": env_from}
@@ -182,6 +197,8 @@ def runner_pod(  # noqa: PLR0913 - keyword-only: every input of the pod spec, ea
         {"name": "CREWAI_DISABLE_TELEMETRY", "value": "true"},
         {"name": "OTEL_SDK_DISABLED", "value": "true"},
     ]
+    if settings.runner_policy and not settings.runner_allow_scripts:
+        env.append({"name": SCRIPTS_ENV, "value": "false"})  # set here: envFrom cannot turn it on
     if feedback is not None:
         env.append({"name": c.ENV_FEEDBACK, "value": json.dumps(feedback, separators=(",", ":"))})
     if keep_warm_seconds > 0:

@@ -55,6 +55,14 @@ class Settings(BaseSettings):
     runner_toleration_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Taint keys a Flow's pods may tolerate (spec.podTemplate.tolerations; "
         "comma-separated, `*` any); empty: none. A toleration without a key (tolerating every taint) needs `*`.")
+    runner_images: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["*"], description="Images a Flow may run in spec.image (comma-separated; `*` any, "
+        "`registry/team/*` a prefix); empty: only the operator's runner image. A Flow running its own image "
+        "reports its own usage.")
+    runner_allow_scripts: bool = Field(
+        default=False, description="Let a Flow turn on crewAI's script steps (CREWAI_ALLOW_FLOW_SCRIPT_EXECUTION "
+        "in spec.env). Off: refused at apply, and runner pods get it set to false (envFrom cannot turn it on): "
+        "a script runs the Flow author's code, which could report less usage than it spent.")
     runner_secret_names: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: ["*"], description="Secrets a Flow may reference (env valueFrom.secretKeyRef, "
         "envFrom secretRef, podTemplate.imagePullSecrets; comma-separated names, `*` any): a Flow's pod runs "
@@ -145,7 +153,7 @@ class Settings(BaseSettings):
         return f"https://{host}:{self.state_port}"
 
     @field_validator("watch_namespaces", "runner_priority_class_names", "runner_toleration_keys",
-                     "runner_secret_names", mode="before")
+                     "runner_secret_names", "runner_images", mode="before")
     @classmethod
     def _split_commas(cls, v: Any) -> Any:
         return [p.strip() for p in v.split(",") if p.strip()] if isinstance(v, str) else v

@@ -595,3 +595,23 @@ def test_the_runner_pod_policy_names_each_field_and_keeps_it_out_of_the_pod() ->
                   Settings(runner_secret_names="*", runner_toleration_keys="*", runner_priority_class_names="*")):
         assert pod_policy_problems(spec, loose) == []
         assert runner_pod(flow(**spec), index=0, trigger=Trigger.KICKOFF, settings=loose)["spec"]["priorityClassName"]
+
+
+def test_images_and_script_steps_are_the_policys_to_allow() -> None:
+    """A Flow running its own code reports its own usage: the platform team decides who may."""
+    from flowkube_operator.resources import SCRIPTS_ENV, pod_policy_problems, runner_pod
+    from flowkube_operator.settings import Settings
+
+    spec = {"flowRef": "a:B", "image": "evil.example.com/miner:1", "env": [{"name": SCRIPTS_ENV, "value": "true"}],
+            "envFrom": [{"configMapRef": {"name": "turns-scripts-on"}}]}
+    settings = Settings(runner_images="registry.example.com/team/*", runner_image="ghcr.io/flowkube/runner:1")
+    problems = pod_policy_problems(spec, settings)
+    assert [p.split(":")[0] for p in problems] == ["spec.image", "spec.env[0]"]
+    assert pod_policy_problems({**spec, "image": "registry.example.com/team/flows:2", "env": []}, settings) == []
+    (container,) = runner_pod(flow(**spec), index=0, trigger=Trigger.KICKOFF, settings=settings)["spec"]["containers"]
+    assert container["image"] == "ghcr.io/flowkube/runner:1"
+    assert [e for e in container["env"] if e["name"] == SCRIPTS_ENV] == [{"name": SCRIPTS_ENV, "value": "false"}]
+    allowed = Settings(runner_allow_scripts=True)
+    (container,) = runner_pod(flow(**spec), index=0, trigger=Trigger.KICKOFF, settings=allowed)["spec"]["containers"]
+    assert container["image"] == "evil.example.com/miner:1"
+    assert [e for e in container["env"] if e["name"] == SCRIPTS_ENV] == [{"name": SCRIPTS_ENV, "value": "true"}]
