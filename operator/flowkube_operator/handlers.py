@@ -109,6 +109,9 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     # kopf watches nothing (informer.py does): it serves the admission webhooks and logs in. Only
     # the Events we post on purpose; operator logs stay logs.
     settings.posting.level = logging.CRITICAL + 1
+    # Serving named namespaces, kopf need not look for namespaces and CRDs coming and going (it serves
+    # only the webhooks): without this it lists namespaces, which a namespaced install may not.
+    settings.scanning.disabled = bool(SETTINGS.watch_namespaces)
     settings.networking.request_timeout = 30
     serving: tls.ServingTLS = memo.get("tls") or await prepare_tls()
     memo.tls = serving

@@ -125,12 +125,11 @@ def test_rendered_manifests_apply_and_grant_what_the_operator_needs(
         wait_for(lambda: crd_established(cluster), 60, "the Flow CRD Established")
         sa = f"{release}-flowkube"
         operator_grants_are_sufficient(cluster, ns, sa, release)
-        if "namespaced" in values:
-            other = "default"
-            assert not can_i(cluster, f"system:serviceaccount:{ns}:{sa}", "list", "pods", "-n", other)
-            assert not can_i(cluster, f"system:serviceaccount:{ns}:{sa}", "list", "namespaces")
-        else:
-            assert can_i(cluster, f"system:serviceaccount:{ns}:{sa}", "watch", "namespaces")
+        # With watchNamespaces set (template() sets it), whatever rbac.scope says, the operator holds
+        # rights in that namespace only: no pods elsewhere (kube-system included), no namespace list.
+        for other in ("default", "kube-system"):
+            assert not can_i(cluster, f"system:serviceaccount:{ns}:{sa}", "create", "pods", "-n", other)
+        assert not can_i(cluster, f"system:serviceaccount:{ns}:{sa}", "list", "namespaces")
 
         def operator_pod_admitted() -> bool:
             pods = cluster.kubectl("get", "pods", "-n", ns, "-l", "app.kubernetes.io/component=operator",
