@@ -25,7 +25,14 @@ from flowkube_api.report import FeedbackRequest, RunReport, TokenUsage, Usage
 from flowkube_runner.store import StateApiStore, StateTooLarge, StoreError
 
 
+def _stop(*_: object) -> None:
+    sys.exit(143)
+
+
 def main() -> int:
+    # As the real runner, it stops on SIGTERM. It is its container's PID 1, which ignores a signal it
+    # has no handler for: a deleted pod would have waited out its whole 30 s grace period.
+    signal.signal(signal.SIGTERM, _stop)
     pod = os.environ[c.ENV_POD_NAME]
     index = int(pod.rsplit("-", 1)[1])
     spec = json.loads(os.environ[c.ENV_SPEC])
