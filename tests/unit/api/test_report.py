@@ -39,3 +39,19 @@ def test_exactly_the_bound_is_accepted_and_truncated_or_trailing_bytes_are_not()
         gunzip(whole[:-5])
     with pytest.raises(ValueError, match="not one whole gzip member"):
         gunzip(whole + b"trailing")
+
+
+def test_a_report_with_negative_counts_is_not_a_report() -> None:
+    """A negative count would take spend off the Flow's usage, its budget and its metrics."""
+    import json
+
+    from pydantic import ValidationError
+
+    raw = json.loads(REPORT.to_json())
+    raw["usage"]["totalTokens"] = -1_000_000
+    with pytest.raises(ValidationError, match="greater than or equal to 0"):
+        RunReport.decode(gzip.compress(json.dumps(raw).encode()))
+    raw = json.loads(REPORT.to_json())
+    raw["usage"]["byModel"] = {"gpt-4o-mini": {"promptTokens": -5}}
+    with pytest.raises(ValidationError):
+        RunReport.model_validate(raw)
