@@ -59,16 +59,16 @@ def _json_size(value: Any) -> int:
 
 def spec_problem(spec: Mapping[str, Any]) -> str | None:
     """Why this Flow spec is over a bound, naming the field, or None."""
-    fields: list[tuple[str, Any]] = [(f"spec.{k}", spec.get(k)) for k in ("inputs", "definition")]
+    pod_fields: list[tuple[str, Any]] = []
     for path in _POD_FIELDS:
         value: Any = spec
         for part in path:
             value = value.get(part) if isinstance(value, Mapping) else None
-        fields.append(("spec." + ".".join(path), value))
-    for name, value in fields:
+        pod_fields.append(("spec." + ".".join(path), value))
+    for name, value in [(f"spec.{k}", spec.get(k)) for k in ("inputs", "definition")] + pod_fields:
         if value is not None and depth_over(value):
             return f"{name} nests objects and lists more than {DEPTH_LIMIT} levels deep; the limit is {DEPTH_LIMIT}"
-    for name, value in fields[2:]:
+    for name, value in pod_fields:
         if value is not None and (size := _json_size(value)) > POD_FIELD_LIMIT:
             return f"{name} is {size} bytes as JSON; the limit is {POD_FIELD_LIMIT}"
     size = len(runner_spec_env(spec).encode("utf-8"))

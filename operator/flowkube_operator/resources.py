@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from flowkube_api import constants as c
@@ -78,76 +79,77 @@ def _allowed(name: str, allowed: list[str]) -> bool:
     return "*" in allowed or name in allowed or any(p.endswith("*") and name.startswith(p[:-1]) for p in allowed)
 
 
-def _secret_refs(spec: Body) -> list[tuple[str, str]]:
-    """(field path, Secret name) of every Secret a Flow spec names for its pod."""
-    refs = [(f"spec.env[{i}].valueFrom.secretKeyRef.name", str(((e.get("valueFrom") or {}).get("secretKeyRef")
-                                                                 or {}).get("name", "")))
-            for i, e in enumerate(spec.get("env") or []) if isinstance(e, dict)
-            and isinstance(e.get("valueFrom"), dict) and "secretKeyRef" in e["valueFrom"]]
-    refs += [(f"spec.envFrom[{i}].secretRef.name", str((e.get("secretRef") or {}).get("name", "")))
-             for i, e in enumerate(spec.get("envFrom") or []) if isinstance(e, dict) and "secretRef" in e]
-    refs += [(f"spec.podTemplate.imagePullSecrets[{i}].name", str(s.get("name", "")))
-             for i, s in enumerate((spec.get("podTemplate") or {}).get("imagePullSecrets") or [])
-             if isinstance(s, dict)]
-    return refs
+def _kept(items: Any, path: str, refusal: Callable[[Body], str | None], problems: list[str]) -> list[Any]:
+    """The entries of a list field the policy allows; each other one adds its refusal to ``problems``."""
+    kept = []
+    for i, item in enumerate(items or []):
+        why = refusal(item) if isinstance(item, dict) else None
+        if why is None:
+            kept.append(item)
+        else:
+            problems.append(f"{path}[{i}]{why}")
+    return kept
 
 
-def pod_policy_problems(spec: Body, settings: Settings) -> list[str]:
-    """What a Flow asks of its pod that the runner pod policy does not allow, each naming its field.
-    Creating a Flow is not creating a pod: without this, whoever may create Flows could name any
-    Secret of the namespace, take any PriorityClass or tolerate the control plane's taints."""
+def _apply_policy(spec: Body, settings: Settings) -> tuple[list[str], Body]:
+    """What the runner pod policy refuses in a Flow spec (each naming its field), and the spec with
+    it left out. Creating a Flow is not creating a pod: without this, whoever may create Flows could
+    name any Secret of the namespace, take any PriorityClass or tolerate the control plane's taints.
+    One pass serves both the webhook (the refusals) and the pod builder (what is left)."""
     if not settings.runner_policy:
-        return []
-    template: Body = spec.get("podTemplate") or {}
-    problems = []
+        return [], spec
+    problems: list[str] = []
+    kept = dict(spec)
     image = spec.get("image")
     if image and not _allowed(str(image), settings.runner_images):
         problems.append(f"spec.image: {image!r} is not an image Flows may run (runnerPolicy.images: "
                         f"{settings.runner_images}); only the operator's runner image reports usage you can trust")
-    if not settings.runner_allow_scripts:
-        problems += [f"spec.env[{i}]: {SCRIPTS_ENV} is not allowed (runnerPolicy.allowScripts: false): a script "
-                     "step runs the Flow author's own code" for i, e in enumerate(spec.get("env") or [])
-                     if isinstance(e, dict) and e.get("name") == SCRIPTS_ENV]
+        del kept["image"]
+    template: Body = dict(spec.get("podTemplate") or {})
     priority = template.get("priorityClassName")
     if priority and not _allowed(str(priority), settings.runner_priority_class_names):
         problems.append(f"spec.podTemplate.priorityClassName: {priority!r} is not allowed by the operator's "
                         f"runner policy (runnerPolicy.priorityClassNames: {settings.runner_priority_class_names})")
-    for i, tol in enumerate(template.get("tolerations") or []):
-        key = str((tol or {}).get("key") or "") if isinstance(tol, dict) else ""
-        if not _allowed(key or "*", settings.runner_toleration_keys):
-            problems.append(f"spec.podTemplate.tolerations[{i}]: tolerating {key or 'every taint'!r} is not allowed "
-                            f"by the operator's runner policy (runnerPolicy.tolerationKeys: "
-                            f"{settings.runner_toleration_keys})")
-    for path, name in _secret_refs(spec):
-        if not _allowed(name, settings.runner_secret_names):
-            problems.append(f"{path}: Secret {name!r} is not one Flows may use (runnerPolicy.secretNames: "
-                            f"{settings.runner_secret_names})")
-    return problems
-
-
-def _within_policy(spec: Body, settings: Settings) -> Body:
-    """The spec with what the policy does not allow left out (for a Flow the webhook did not see)."""
-    if not pod_policy_problems(spec, settings):
-        return spec
-    allowed = settings.runner_secret_names
-    template: Body = dict(spec.get("podTemplate") or {})
-    if template.get("priorityClassName") and not _allowed(str(template["priorityClassName"]),
-                                                           settings.runner_priority_class_names):
         del template["priorityClassName"]
-    template["tolerations"] = [t for t in template.get("tolerations") or [] if isinstance(t, dict)
-                               and _allowed(str(t.get("key") or "*"), settings.runner_toleration_keys)]
-    template["imagePullSecrets"] = [s for s in template.get("imagePullSecrets") or []
-                                    if isinstance(s, dict) and _allowed(str(s.get("name", "")), allowed)]
-    env = [e for e in spec.get("env") or [] if not (isinstance(e, dict) and isinstance(e.get("valueFrom"), dict)
-                                                    and "secretKeyRef" in e["valueFrom"] and not _allowed(
-                                                        str(e["valueFrom"]["secretKeyRef"].get("name", "")), allowed))]
-    if not settings.runner_allow_scripts:
-        env = [e for e in env if not (isinstance(e, dict) and e.get("name") == SCRIPTS_ENV)]
-    if spec.get("image") and not _allowed(str(spec["image"]), settings.runner_images):
-        spec = {k: v for k, v in spec.items() if k != "image"}
-    env_from = [e for e in spec.get("envFrom") or [] if not (isinstance(e, dict) and "secretRef" in e and not _allowed(
-        str((e.get("secretRef") or {}).get("name", "")), allowed))]
-    return {**spec, "podTemplate": template, "env": env, "envFrom": env_from}
+
+    def toleration(t: Body) -> str | None:
+        key = str(t.get("key") or "")
+        return None if _allowed(key or "*", settings.runner_toleration_keys) else (
+            f": tolerating {key or 'every taint'!r} is not allowed by the operator's runner policy "
+            f"(runnerPolicy.tolerationKeys: {settings.runner_toleration_keys})")
+
+    def secret(ref: Any) -> str | None:
+        name = str((ref or {}).get("name", "")) if isinstance(ref, dict) else ""
+        return None if _allowed(name, settings.runner_secret_names) else (
+            f": Secret {name!r} is not one Flows may use (runnerPolicy.secretNames: {settings.runner_secret_names})")
+
+    def env(e: Body) -> str | None:
+        value_from = e.get("valueFrom")
+        why = secret(value_from["secretKeyRef"]) if isinstance(value_from, dict) and "secretKeyRef" in value_from \
+            else None
+        if why:
+            return f".valueFrom.secretKeyRef.name{why}"
+        if not settings.runner_allow_scripts and e.get("name") == SCRIPTS_ENV:
+            return (f": {SCRIPTS_ENV} is not allowed (runnerPolicy.allowScripts: false): a script step runs the "
+                    "Flow author's own code")
+        return None
+
+    def env_from(e: Body) -> str | None:
+        why = secret(e["secretRef"]) if "secretRef" in e else None
+        return f".secretRef.name{why}" if why else None
+
+    template["tolerations"] = _kept(template.get("tolerations"), "spec.podTemplate.tolerations", toleration,
+                                    problems)
+    kept["env"] = _kept(spec.get("env"), "spec.env", env, problems)
+    kept["envFrom"] = _kept(spec.get("envFrom"), "spec.envFrom", env_from, problems)
+    template["imagePullSecrets"] = _kept(template.get("imagePullSecrets"), "spec.podTemplate.imagePullSecrets",
+                                         lambda s: f".name{why}" if (why := secret(s)) else None, problems)
+    return (problems, {**kept, "podTemplate": template}) if problems else ([], spec)
+
+
+def pod_policy_problems(spec: Body, settings: Settings) -> list[str]:
+    """What a Flow asks of its pod that the runner pod policy does not allow, each naming its field."""
+    return _apply_policy(spec, settings)[0]
 
 
 def runner_pod(  # noqa: PLR0913 - keyword-only: every input of the pod spec, each named
@@ -174,7 +176,7 @@ def runner_pod(  # noqa: PLR0913 - keyword-only: every input of the pod spec, ea
     so a Flow cannot price its own calls (and so dodge its ``budget.maxCost``) by setting them.
     """
     meta = flow["metadata"]
-    spec: Body = _within_policy(flow.get("spec") or {}, settings)
+    spec: Body = _apply_policy(flow.get("spec") or {}, settings)[1]
     name = meta["name"]
     template: Body = spec.get("podTemplate") or {}
     tmeta: Body = template.get("metadata") or {}
