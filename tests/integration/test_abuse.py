@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import base64
 import json
-import zlib
 from typing import Any
 
 import pytest
@@ -22,18 +21,13 @@ import pytest
 from flowkube_api import constants as c
 from flowkube_devstack.cluster import LocalCluster
 from flowkube_devstack.operator import ChartOperator
+from tests.abuse import gzip_bomb
 from tests.integration.conftest import Flows
 from tests.integration.test_ha import container_rss_mb
 
 pytestmark = pytest.mark.slow
 
 BOMB_MIB = 900  # compresses to about 874 KiB: under the state API's and a ConfigMap's value limits
-
-
-def gzip_bomb(mib: int) -> bytes:
-    out = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
-    zeros = bytes(1 << 20)
-    return b"".join([*(out.compress(zeros) for _ in range(mib)), out.flush()])
 
 
 def restarts(op: ChartOperator) -> dict[str, int]:
@@ -74,7 +68,7 @@ def test_a_gzip_bomb_in_a_flows_state_configmap_is_an_unreadable_report(
           "metadata": {"name": c.state_configmap_name("victim"), "namespace": flows.ns,
                        "ownerReferences": [{"apiVersion": c.API_VERSION, "kind": c.KIND, "name": "victim",
                                             "uid": uid, "controller": True}]},
-          "binaryData": {c.report_key("victim-0"): base64.b64encode(gzip_bomb(BOMB_MIB)).decode()}}
+          "binaryData": {c.report_key("victim-0"): base64.b64encode(gzip_bomb(BOMB_MIB << 20)).decode()}}
     cluster.kubectl("create", "-f", "-", input=json.dumps(cm))
     st = flows.wait_phase("victim", "Failed", timeout=90)
     assert [r["pod"] for r in st["runs"]] == ["victim-0"]

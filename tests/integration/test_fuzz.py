@@ -22,7 +22,6 @@ import json
 import os
 import ssl
 import threading
-import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,6 +33,7 @@ from hypothesis import strategies as st
 from flowkube_api import constants as c
 from flowkube_devstack.cluster import LocalCluster
 from flowkube_devstack.operator import ChartOperator
+from tests.abuse import gzip_bomb
 from tests.integration.conftest import Flows
 from tests.integration.realrunner import RealRunnerStack, real_runner_stack
 from tests.integration.test_abuse import operator_rss, restarts
@@ -89,15 +89,10 @@ def gzip_of(data: bytes) -> bytes:
     return gzip.compress(data, mtime=0)
 
 
-def bomb(mib: int) -> bytes:
-    out = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
-    return b"".join([*(out.compress(bytes(1 << 20)) for _ in range(mib)), out.flush()])
-
-
 bodies = st.one_of(
     st.binary(max_size=2048),
     json_values.map(lambda v: gzip_of(json.dumps(v).encode())),  # gzip, but not a report
-    st.integers(2, 400).map(bomb),
+    st.integers(2, 400).map(lambda mib: gzip_bomb(mib << 20)),
     st.integers(900 * 1024, 2_200_000).map(lambda n: os.urandom(n)),  # over the value and body limits
 )
 
@@ -108,10 +103,6 @@ bodies = st.one_of(
 def stack(cluster: LocalCluster) -> Iterator[RealRunnerStack]:
     with real_runner_stack(cluster, RULES, "fuzz") as s:
         yield s
-
-
-def lease_holder(op: ChartOperator) -> str:
-    return op.leader()
 
 
 class LeaseWatch:
@@ -163,7 +154,7 @@ def test_abuse_beside_a_well_behaved_flow(stack: RealRunnerStack, flows: Flows) 
     paused = flows.wait_phase("steady", "AwaitingFeedback", timeout=RUN_TIMEOUT)
     request = paused["feedback"]["request"]
     (pod,) = [p["metadata"]["name"] for p in flows.pods("steady")]
-    before, holder = restarts(op), lease_holder(op)
+    before, holder = restarts(op), op.leader()
     counts: dict[str, int] = {}
     lease = LeaseWatch(op)
 
@@ -245,7 +236,7 @@ def test_abuse_beside_a_well_behaved_flow(stack: RealRunnerStack, flows: Flows) 
     longest_gap = lease.stop()
     assert longest_gap < 7.0, f"the Lease went {longest_gap:.1f}s without a renewal (renew deadline 7 s)"
     assert restarts(op) == before, op.diagnose()
-    assert lease_holder(op) == holder and "leadership lost" not in op.logs()
+    assert op.leader() == holder and "leadership lost" not in op.logs()
     rss = operator_rss(op, cluster) if len(op.pods()) == 1 else 0.0
     assert rss < 400
     print(f"\nabuse ({EXAMPLES} examples of each kind): {dict(sorted(counts.items()))}; operator RSS {rss:.0f} MB; "

@@ -9,7 +9,7 @@ import pytest
 
 from flowkube_api.constants import Reason, RunResult, Trigger
 from flowkube_api.report import REPORT_LIMIT, ReportTooLarge, RunReport, Usage, gunzip
-from tests.unit.operator.test_stateapi import gzip_bomb
+from tests.abuse import gzip_bomb
 
 REPORT = RunReport(pod="demo-0", trigger=Trigger.KICKOFF, result=RunResult.SUCCEEDED, reason=Reason.RUN_SUCCEEDED,
                    exit_code=0, usage=Usage(total_tokens=7, prompt_tokens=7, successful_requests=1))

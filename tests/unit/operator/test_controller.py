@@ -298,7 +298,7 @@ def _report(result: str, reason: str, calls: int, **kw: Any) -> Any:
 def test_a_gzip_bomb_in_the_state_configmap_is_an_unreadable_report_not_an_oom() -> None:
     from flowkube_api.constants import STATE_LIMIT
     from flowkube_api.report import REPORT_LIMIT
-    from tests.unit.operator.test_stateapi import gzip_bomb
+    from tests.abuse import gzip_bomb
 
     bomb = gzip_bomb(900 << 20)  # what someone who may edit ConfigMaps can write: re-read by every leader
     assert len(bomb) <= STATE_LIMIT

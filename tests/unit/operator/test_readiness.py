@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from flowkube_operator import webhook
 from flowkube_operator.handlers import Runtime
 
@@ -23,6 +21,6 @@ def test_ready_waits_for_the_ca_in_the_webhook_configurations_and_the_webhook_se
     assert runtime.not_ready() == ""
 
 
-def test_without_webhooks_only_the_login_and_the_state_api_count(monkeypatch: Any) -> None:
+def test_without_webhooks_only_the_login_and_the_state_api_count() -> None:
     runtime = Runtime(kube=object(), ca_installed=True, state_runner=object())  # type: ignore[arg-type]
     assert runtime.not_ready() == ""

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ from flowkube_operator.stateapi import (
     plausible,
     target_of_pod,
 )
+from tests.abuse import gzip_bomb
 
 FLOW_UID = "flow-uid"
 
@@ -128,13 +128,6 @@ class FakeKube:
             raise ApiError(422, {"message": "metadata.uid: Invalid value: field is immutable"}, "PATCH", path)
         cm.setdefault("binaryData", {}).update(patch["binaryData"])
         return cm
-
-
-def gzip_bomb(size: int) -> bytes:
-    """``size`` bytes of zeros, gzip-compressed (about 1000:1), written piecewise."""
-    out = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
-    chunk = bytes(1 << 20)
-    return b"".join([*(out.compress(chunk) for _ in range(size >> 20)), out.flush()])
 
 
 def api(kube: FakeKube, active: dict[tuple[str, str], tuple[str, str, str]] | None = None) -> StateApi:
@@ -406,7 +399,7 @@ def test_a_warm_pod_long_polls_for_its_next_message_and_answer() -> None:
     asyncio.run(scenario())
 
 
-def test_a_flood_of_refused_tokens_never_evicts_a_running_pods_token(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_flood_of_refused_tokens_never_evicts_a_running_pods_token() -> None:
     """Each fake token costs a TokenReview and a cache entry; a full cache of refusals used to be
     cleared with the good entries in it, sending every runner back to a TokenReview."""
     kube = FakeKube()
