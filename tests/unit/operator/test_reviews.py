@@ -30,6 +30,7 @@ def test_only_a_user_allowed_to_get_metrics_gets_them_and_verdicts_are_cached() 
 
     async def scenario() -> None:
         assert await auth.check("") == 401 and await auth.check("Basic x") == 401
+        assert await auth.check("Bearer " + "x" * 20_000) == 401  # longer than any token: not sent on
         assert kube.calls == []  # nothing asked for what is not a bearer token
         assert await auth.check("Bearer forged") == 401
         assert await auth.check("Bearer nosy") == 403
