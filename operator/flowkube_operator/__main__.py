@@ -11,19 +11,21 @@ import sys
 import kopf
 import uvloop
 
+from flowkube_operator import handlers
+from flowkube_operator.app import App, prepare_tls
+from flowkube_operator.settings import Settings
+
 
 def main(argv: list[str] | None = None) -> int:
-    from flowkube_operator import handlers  # registers the kopf handlers
-
-    settings = handlers.SETTINGS
+    settings = Settings()
     kopf.configure(
         log_format=kopf.LogFormat.JSON if settings.log_format == "json" else kopf.LogFormat.PLAIN,
         verbose=settings.log_level == "DEBUG",
         quiet=settings.log_level in ("WARNING", "ERROR"),
     )
     logging.getLogger().setLevel(settings.log_level)
-    # Before kopf: its servers start with their files in place. The startup handler finds them in the memo.
-    memo = kopf.Memo(tls=asyncio.run(handlers.prepare_tls()))
+    # Before kopf: its webhook server starts with its files in place.
+    app = App(settings, asyncio.run(prepare_tls(settings)))
     namespaces = settings.watch_namespaces
     # uvloop: the operator's work is I/O and JSON; its loop and transports, in C, cost less CPU per
     # event than asyncio's own (docs/architecture.md, "What a Flow costs").
@@ -34,15 +36,15 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.suppress(KeyboardInterrupt):
         kopf.run(
             loop=loop,
+            registry=handlers.register(app),
             # No kopf peering: with several replicas, the one holding the Lease reconciles (leader.py),
             # while all of them keep watching (peering would pause the followers' watches too).
             standalone=True,
             clusterwide=not namespaces,
             namespaces=namespaces,
-            memo=memo,
         )
     loop.close()
-    return 1 if handlers.LOST_LEADERSHIP else 0  # the kubelet restarts it either way
+    return 1 if app.lost_leadership else 0  # the kubelet restarts it either way
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import heapq
 import logging
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import orjson
@@ -143,8 +143,20 @@ class WorkQueue:
                 await asyncio.wait_for(self._wake.wait(), timeout)
 
 
+# Told of every change of a cached Flow: (key, the Flow as cached), or (key, None) once it is gone.
+FlowListener = Callable[[Key, Body | None], None]
+
+
 class Controller:
-    def __init__(self, settings: Settings, on_flow_change: Callable[[Key, Body | None], None]) -> None:
+    """The caches, the queue and the workers of one operator process (built by `app.App`).
+
+    ``listeners`` hear every change of a cached Flow (the per-flow metrics); ``fence`` is asked
+    before every write (the leader elector's `still_leading`; always yes without election);
+    ``state_ca`` is the PEM runner pods trust for the state API.
+    """
+
+    def __init__(self, settings: Settings, listeners: Sequence[FlowListener] = (), *,
+                 fence: Callable[[], bool] = lambda: True, state_ca: str = "") -> None:
         self.settings = settings
         self.kube: Kube | None = None
         # Flows are kept as compact JSON: a parsed status is ~10x larger as Python objects, and
@@ -152,11 +164,10 @@ class Controller:
         self.flows: dict[Key, tuple[int, str, bytes]] = {}  # (resourceVersion, uid, JSON)
         self.pods: dict[Key, dict[str, PodView]] = {}
         self.queue = WorkQueue()
-        self.state_ca = ""  # PEM of the CA runner pods trust for the state API
+        self.state_ca = state_ca
         self._active: dict[Key, str] = {}  # Flow -> the pod of its running attempt
         self._active_pods: dict[tuple[str, str], tuple[str, str]] = {}  # (ns, pod) -> (flow, flow uid)
-        self._on_flow_change = on_flow_change
-        self.on_flow_deleted: Callable[[str], None] = lambda uid: None  # the state API forgets its caches
+        self._listeners = tuple(listeners)
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
         self._failures: dict[Key, int] = {}  # consecutive failed reconciles, for backoff
@@ -167,10 +178,10 @@ class Controller:
         # Warm reports (a conversation's pod answered a turn and waits for the next message) the state
         # API took, not yet folded; None: a warm pod is waiting on a turn the status lacks, read its report.
         self._warm: dict[Key, RunReport | None] = {}
-        self.on_flow_seen: Callable[[Key], None] = lambda key: None  # wakes the state API's long polls
+        self._changed: dict[Key, asyncio.Event] = {}  # set when the Flow changes: wakes the long polls
         self.instance = socket.gethostname()
         self.leading = False  # workers run: this replica is the one status writer
-        self.fence: Callable[[], bool] = lambda: True  # asked before every write (leader election)
+        self.fence = fence
 
     # -- watch side (called by the informers; must stay cheap) ---------------------------------------
 
@@ -191,7 +202,6 @@ class Controller:
         key = (meta.get("namespace", ""), meta.get("name", ""))
         cached = self.flows.get(key)
         if event_type == "DELETED":
-            self.on_flow_deleted(meta.get("uid", ""))
             if cached is not None and cached[1] != meta.get("uid"):
                 return  # an earlier Flow of this name, deleted (its late DELETED after a relist)
             self.flows.pop(key, None)
@@ -199,7 +209,7 @@ class Controller:
             self._late.pop(key, None)
             self._warm.pop(key, None)
             self._track_active(key, "", None)
-            self._on_flow_change(key, None)
+            self._tell(key, None)
         else:
             rv = _rv(body)
             if cached is not None and (cached[0] > rv or (cached[0] == rv != 0 and cached[1] == meta.get("uid"))):
@@ -209,9 +219,11 @@ class Controller:
                 return
             self.flows[key] = (_rv(body), meta.get("uid", ""), orjson.dumps(_slim(body)))
             self._track_active(key, meta.get("uid", ""), body)
-            self._on_flow_change(key, body)
+            self._tell(key, body)
             self._enqueue(key)
-        self.on_flow_seen(key)
+        changed = self._changed.pop(key, None)
+        if changed is not None:
+            changed.set()
         selfmetrics.FLOWS_CACHED.set(len(self.flows))
 
     def pod_event(self, event_type: str, body: Body) -> None:
@@ -237,6 +249,16 @@ class Controller:
                 return  # nothing the reconcile reads changed (the scheduler's binding, a new IP)
         if key in self.flows:
             self._enqueue(key)
+
+    def _tell(self, key: Key, body: Body | None) -> None:
+        for listener in self._listeners:
+            listener(key, body)
+
+    async def changed(self, key: Key, seconds: float) -> None:
+        """Wait until the cached Flow changes, for at most ``seconds`` (the state API's long polls)."""
+        event = self._changed.setdefault(key, asyncio.Event())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), seconds)
 
     def _enqueue(self, key: Key) -> None:
         if self.leading:  # a follower's view is queued all at once when it begins to lead

@@ -51,6 +51,7 @@ REVIEW_CONCURRENCY = 16
 POD_IN_FLIGHT = 4  # requests of one runner pod at once (a runner makes one, plus a long poll)
 IDLE_SECONDS = 15.0  # an idle keep-alive connection is closed after this (aiohttp keeps them an hour)
 BODY_LIMIT = 2 * 1024 * 1024
+CM_UIDS_KEPT = 4096
 KEY_PATTERN = re.compile(c.STATE_KEY_PATTERN)
 
 
@@ -110,19 +111,25 @@ def target_of_pod(pod: Body) -> Target | None:
                   pod=meta.get("name", ""), pod_uid=meta.get("uid", ""))
 
 
-# The controller's view: for (namespace, pod name), the Flow whose running attempt that pod is, as
-# (flow name, flow uid, the pod's uid if its watch event has been seen, else ""); None otherwise.
-ActiveRun = Callable[[str, str], tuple[str, str, str] | None]
+class Runs(Protocol):
+    """What the state API asks of the controller's caches (`controller.Controller`), and tells it."""
 
+    def active_run(self, namespace: str, pod: str) -> tuple[str, str, str] | None:
+        """(flow name, flow uid, the pod's uid if its watch event has been seen, else "") when the
+        pod is its Flow's running attempt; None otherwise."""
 
-class WarmRuns(Protocol):
-    """The controller's side of warm conversation runners (see ``Controller``)."""
+    def late_report(self, namespace: str, flow: str, report: RunReport) -> None:
+        """A pod whose run is closed stored a report: fold it in."""
 
-    def warm_report(self, namespace: str, flow: str, report: RunReport) -> bool: ...
+    def warm_report(self, namespace: str, flow: str, report: RunReport) -> bool:
+        """The running attempt stored a warm report: fold it in now (False: this replica does not lead)."""
 
     def message_for(self, namespace: str, flow: str, pod: str, after: int) -> tuple[int, Body | None]: ...
 
     def answer_for(self, namespace: str, flow: str, pod: str, request_id: str) -> tuple[int, Body | None]: ...
+
+    async def changed(self, key: tuple[str, str], seconds: float) -> None:
+        """Return when the cached Flow changes, or after ``seconds``."""
 
 
 def claims(token: str) -> dict[str, Any]:
@@ -145,20 +152,17 @@ def plausible(token: str) -> bool:
 
 
 class StateApi:
-    def __init__(self, kube: Callable[[], Kube | None], active_run: ActiveRun,
-                 on_late_report: Callable[[Target, RunReport], None] = lambda t, r: None,
-                 warm: WarmRuns | None = None) -> None:
+    def __init__(self, kube: Callable[[], Kube | None], runs: Runs) -> None:
         self._kube = kube
-        self._active_run = active_run
-        self._on_late_report = on_late_report
-        self._warm = warm
-        self._changed: dict[tuple[str, str], asyncio.Event] = {}  # (namespace, flow) -> set when it changes
+        self._runs = runs
         # Verdicts by sha256(token): accepted for 60 s (checked against the running attempt on every
         # request), refusals for 5 s, in two caches: refusals never evict a runner's token.
         self._tokens: VerdictCache[Target] = VerdictCache(reviews.ACCEPTED_SECONDS)
         self._refused: VerdictCache[StateError] = VerdictCache(reviews.REFUSED_SECONDS)
         self._in_flight: dict[tuple[str, str], int] = {}  # (namespace, pod) -> requests being served
-        self._cm_uids: dict[str, str] = {}  # Flow uid -> uid of its state ConfigMap
+        # Flow uid -> uid of its state ConfigMap, for the uid precondition of every write. The oldest
+        # entries go first past CM_UIDS_KEPT: a Flow's is looked up again when it is needed.
+        self._cm_uids: dict[str, str] = {}
         self._reviews = asyncio.Semaphore(REVIEW_CONCURRENCY)
 
     def _client(self) -> Kube:
@@ -171,7 +175,7 @@ class StateApi:
 
     def _running(self, t: Target) -> bool:
         """Is t's pod (still) the running attempt of its Flow?"""
-        active = self._active_run(t.namespace, t.pod)
+        active = self._runs.active_run(t.namespace, t.pod)
         return active is not None and active == (t.flow, t.flow_uid, t.pod_uid)
 
     async def authenticate(self, authorization: str) -> Target:
@@ -212,7 +216,7 @@ class StateApi:
         if caller is None:
             raise StateError(401, f"not a valid pod-bound token for audience {c.STATE_AUDIENCE}")
         refused = StateError(403, f"pod {caller.namespace}/{caller.pod} is not the running attempt of a Flow")
-        active = self._active_run(caller.namespace, caller.pod)
+        active = self._runs.active_run(caller.namespace, caller.pod)
         late = False
         if active is not None and active[2]:
             flow, flow_uid, pod_uid = active
@@ -257,6 +261,12 @@ class StateApi:
     def forget_flow(self, flow_uid: str) -> None:
         self._cm_uids.pop(flow_uid, None)
 
+    def _remember_cm(self, flow_uid: str, cm_uid: str) -> None:
+        self._cm_uids.pop(flow_uid, None)
+        self._cm_uids[flow_uid] = cm_uid
+        if len(self._cm_uids) > CM_UIDS_KEPT:
+            del self._cm_uids[next(iter(self._cm_uids))]
+
     async def _own_configmap(self, t: Target) -> Body | None:
         """The Flow's state ConfigMap; None if absent. One left by an earlier Flow of the same
         name (garbage collection is asynchronous) is not this Flow's: a conflict, retried."""
@@ -269,7 +279,7 @@ class StateApi:
         if owner_uid(cm["metadata"]) != t.flow_uid:
             raise StateError(409, f"configmap {c.state_configmap_name(t.flow)} still belongs to an earlier "
                                   "Flow of the same name; retry once it is garbage-collected")
-        self._cm_uids[t.flow_uid] = cm["metadata"]["uid"]
+        self._remember_cm(t.flow_uid, cm["metadata"]["uid"])
         return cm
 
     async def get(self, t: Target, key: str) -> bytes | None:
@@ -288,7 +298,7 @@ class StateApi:
                 created = await kube.create(ns_path(t.namespace, "configmaps"),
                                             {**resources.state_configmap(flow), "binaryData": data})
                 if created is not None:
-                    self._cm_uids[t.flow_uid] = created["metadata"]["uid"]
+                    self._remember_cm(t.flow_uid, created["metadata"]["uid"])
                     return
                 continue  # made by a concurrent write: patch it
             uid = self._cm_uids.get(t.flow_uid)
@@ -307,12 +317,6 @@ class StateApi:
 
     # -- a warm runner's next message ----------------------------------------------------------------
 
-    def flow_changed(self, key: tuple[str, str]) -> None:
-        """The controller saw the Flow change: wake the long polls waiting on it."""
-        event = self._changed.pop(key, None)
-        if event is not None:
-            event.set()
-
     async def _message(self, request: web.Request, t: Target, after: str) -> web.Response:
         """``GET /v1/message/<after>``: held until message ``after + 1`` is accepted for this pod (200,
         ``{"turn", "text", "sender"}``), for at most ``?wait=`` seconds (204), or 410 when none will come."""
@@ -326,10 +330,8 @@ class StateApi:
         return await self._long_poll(request, t, lambda w: w.answer_for(t.namespace, t.flow, t.pod, request_id))
 
     async def _long_poll(self, request: web.Request, t: Target,
-                         look: Callable[[WarmRuns], tuple[int, Body | None]]) -> web.Response:
+                         look: Callable[[Runs], tuple[int, Body | None]]) -> web.Response:
         """Answered from the operator's cache, looked at again each time the Flow changes."""
-        if self._warm is None:
-            return _error(404, "this operator serves no warm runners")
         try:
             wait = min(max(float(request.query.get("wait", c.MESSAGE_POLL_SECONDS)), 0.0), c.MESSAGE_POLL_SECONDS)
         except ValueError:
@@ -337,15 +339,13 @@ class StateApi:
         deadline = time.monotonic() + wait
         key = (t.namespace, t.flow)
         while True:
-            code, body = look(self._warm)
+            code, body = look(self._runs)
             if code != 204:
                 return web.json_response(body, status=code)
             left = deadline - time.monotonic()
             if left <= 0:
                 return web.Response(status=204)
-            changed = self._changed.setdefault(key, asyncio.Event())
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), left)
+            await self._runs.changed(key, left)
 
     # -- HTTP ----------------------------------------------------------------------------------------
 
@@ -435,9 +435,8 @@ class StateApi:
                 return _error(403, f"pod {t.pod} may report only its own run, not {report.pod!r}")
         await self.put(t, key, value)
         if report is not None and t.late:
-            self._on_late_report(t, report)
-        elif report is not None and report.warm and self._warm is not None \
-                and not self._warm.warm_report(t.namespace, t.flow, report):
+            self._runs.late_report(t.namespace, t.flow, report)
+        elif report is not None and report.warm and not self._runs.warm_report(t.namespace, t.flow, report):
             # Stored, but this replica does not reconcile: the runner sends it again, on a new
             # connection (so, through the Service, likely to another replica), until the leader has it.
             response = _error(503, "this operator replica does not reconcile; send the turn's report again")

@@ -11,11 +11,10 @@ import asyncio
 import base64
 import json
 import logging
-import urllib.error
-import urllib.request
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
+import aiohttp
 import kopf
 from aiohttp import web
 
@@ -65,6 +64,19 @@ def review_status_write(old: Body | None, new: Body | None, *, by_operator: bool
     return next((p for p in problems if p), None)
 
 
+def recorded_senders(old: Body | None, new: Body | None, username: str) -> dict[str, Any]:
+    """The status patch that records who wrote a new answer or message (respondedBy, sentBy)."""
+    new_st, old_st = (new or {}).get("status"), (old or {}).get("status")
+    status: dict[str, Any] = {}
+    resp = inbox_response(new_st)
+    if resp is not None and resp != inbox_response(old_st):
+        status["feedback"] = {"response": {**resp, "respondedBy": username}}
+    message = inbox(new_st, MESSAGE_INBOX)
+    if message is not None and message != inbox(old_st, MESSAGE_INBOX):
+        status["conversation"] = {"inbox": {**message, "sentBy": username}}
+    return status
+
+
 def _inbox_shape_problem(value: dict[str, Any], where: tuple[str, str], allowed: tuple[str, ...],
                          recorded: str, username: str) -> str | None:
     """What is wrong with the form of a newly written inbox: its fields, its text, who it says wrote it."""
@@ -107,26 +119,39 @@ def _message_problem(old_st: Body | None, new_st: Body | None, username: str) ->
     return f"status.conversation.inbox refused: {problem}" if problem else None
 
 
-def definition_problem(spec: Body, validator_url: str, timeout: float = 10.0) -> str | None:
-    """Ask the validator (crewAI's own FlowDefinition model, in the runner image) about spec.definition."""
-    definition = spec.get("definition")
-    if not isinstance(definition, Mapping) or not validator_url:
-        return None
-    req = urllib.request.Request(  # noqa: S310 - operator-configured URL
-        validator_url, data=json.dumps(dict(definition)).encode(),
-        headers={"Content-Type": "application/json"}, method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - operator-configured URL
-            verdict = json.loads(r.read())
-    except (urllib.error.URLError, OSError, ValueError):
-        return None  # validator down: admit; the runner refuses it with InvalidDefinition instead
-    if verdict.get("valid", True):
-        return None
-    lines = []
-    for err in verdict.get("errors") or []:
-        loc = ".".join(str(p) for p in err.get("loc") or [])
-        lines.append(f"spec.definition{'.' + loc if loc else ''}: {err.get('msg', 'invalid')}")
-    return "invalid crewAI flow definition: " + ("; ".join(lines) or str(verdict.get("message")))
+class Validator:
+    """The validator sidecar: crewAI's own FlowDefinition model, in the runner image, over loopback
+    HTTP. Asked about ``spec.definition`` on every Flow create and update (a validator that does not
+    answer admits the Flow: the runner then refuses it with InvalidDefinition)."""
+
+    def __init__(self, url: str, timeout: float = 10.0) -> None:
+        self.url = url
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def problem(self, spec: Body) -> str | None:
+        definition = spec.get("definition")
+        if not isinstance(definition, Mapping) or not self.url:
+            return None
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self._timeout)
+        try:
+            async with self._session.post(self.url, json=dict(definition)) as r:
+                verdict = await r.json(content_type=None)
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+            return None  # validator down: admit; the runner refuses it with InvalidDefinition instead
+        if not isinstance(verdict, dict) or verdict.get("valid", True):
+            return None
+        lines = []
+        for err in verdict.get("errors") or []:
+            loc = ".".join(str(p) for p in err.get("loc") or [])
+            lines.append(f"spec.definition{'.' + loc if loc else ''}: {err.get('msg', 'invalid')}")
+        return "invalid crewAI flow definition: " + ("; ".join(lines) or str(verdict.get("message")))
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
 
 async def install_ca_bundle(kube: Kube, name: str, ca: bytes) -> None:

@@ -22,7 +22,7 @@ def flow(rv: int, phase: str) -> dict[str, Any]:
 
 
 def test_a_late_answer_to_our_own_create_does_not_overwrite_what_the_watch_said() -> None:
-    ctl = Controller(Settings(), on_flow_change=lambda k, b: None)
+    ctl = Controller(Settings())
     ctl.pod_event("MODIFIED", pod("Running", 7))
     ctl.pod_event("ADDED", pod("Pending", 5))  # the POST's response, delivered after the watch event
     assert ctl.pods[("ns", "f")]["f-0"].phase == "Running"
@@ -32,7 +32,7 @@ def test_a_late_answer_to_our_own_create_does_not_overwrite_what_the_watch_said(
 
 def test_older_flow_events_are_ignored_and_managed_fields_are_not_kept() -> None:
     seen: list[Any] = []
-    ctl = Controller(Settings(), on_flow_change=lambda k, b: seen.append(b))
+    ctl = Controller(Settings(), listeners=[lambda k, b: seen.append(b)])
     ctl.flow_event("MODIFIED", flow(10, "Running"))
     ctl.flow_event("MODIFIED", flow(8, "Pending"))
     assert len(seen) == 1 and b"Running" in ctl.flows[("ns", "f")][2]
@@ -44,7 +44,7 @@ def test_older_flow_events_are_ignored_and_managed_fields_are_not_kept() -> None
 def test_late_events_of_an_earlier_flow_of_the_same_name_leave_the_new_one_alone() -> None:
     # kopf handles each uid on its own, so a deleted Flow's last events can come after its
     # namesake's: they must not replace it in the caches (nor, through them, its pods or state).
-    ctl = Controller(Settings(), on_flow_change=lambda k, b: None)
+    ctl = Controller(Settings())
     new = flow(20, "Running")
     new["metadata"]["uid"] = "new"
     new["status"]["runs"] = [{"pod": "f-0", "trigger": "kickoff"}]
@@ -80,7 +80,7 @@ def test_work_queue_hands_a_key_to_one_worker_and_requeues_changes_made_meanwhil
 
 def test_a_follower_keeps_its_caches_but_queues_nothing_until_it_leads() -> None:
     async def scenario() -> None:
-        ctl = Controller(Settings(), on_flow_change=lambda k, b: None)
+        ctl = Controller(Settings())
         ctl.flow_event("ADDED", flow(3, "Pending"))
         ctl.pod_event("ADDED", pod("Running", 4))
         assert ("ns", "f") in ctl.flows and ctl.pods[("ns", "f")]
@@ -98,7 +98,7 @@ def test_a_late_report_that_arrives_during_a_reconcile_stays_queued_for_the_next
     from flowkube_api.constants import Reason, RunResult, Trigger
     from flowkube_api.report import RunReport, Usage
 
-    ctl = Controller(Settings(), on_flow_change=lambda k, b: None)
+    ctl = Controller(Settings())
     ctl.leading = True
     ctl.flow_event("MODIFIED", flow(10, "Running"))
 
@@ -118,7 +118,7 @@ def test_a_late_report_that_arrives_during_a_reconcile_stays_queued_for_the_next
 
 def test_the_watch_echo_of_our_own_status_write_queues_no_second_reconcile() -> None:
     seen: list[Any] = []
-    ctl = Controller(Settings(), on_flow_change=lambda k, b: seen.append(b))
+    ctl = Controller(Settings(), listeners=[lambda k, b: seen.append(b)])
     ctl.flow_event("MODIFIED", flow(10, "Running"))  # the answer to our status write
     ctl.flow_event("MODIFIED", flow(10, "Running"))  # the watch delivering the same version
     assert len(seen) == 1, "one change, one reconcile"
@@ -137,7 +137,7 @@ def test_a_running_pod_the_watch_never_said_was_deleted_is_found_gone_by_the_rec
             self.path = path
 
     async def scenario() -> None:
-        ctl = Controller(Settings(pod_recheck_seconds=5), on_flow_change=lambda k, b: None)
+        ctl = Controller(Settings(pod_recheck_seconds=5))
         running = flow(3, "Running")
         running["status"]["runs"] = [{"pod": "f-0", "trigger": "kickoff", "startedAt": "2026-11-23T00:00:00Z"}]
         ctl.flow_event("ADDED", running)
@@ -162,7 +162,7 @@ def test_a_warm_report_that_arrives_during_a_reconcile_stays_for_the_next() -> N
                       exit_code=0, warm=True)
 
     async def scenario() -> None:
-        ctl = Controller(Settings(), on_flow_change=lambda k, b: None)
+        ctl = Controller(Settings())
         ctl.leading = True
         running = flow(10, "Running")
         running["status"]["runs"] = [{"pod": "f-0", "trigger": "kickoff", "startedAt": "2026-11-23T00:00:00Z"}]
@@ -214,7 +214,7 @@ class RecordingKube:
 
 def test_a_kickoff_costs_its_pod_and_one_status_write_that_records_the_run_with_its_start() -> None:
     async def scenario(kube: RecordingKube) -> None:
-        ctl = Controller(Settings(), on_flow_change=lambda k, b: None)
+        ctl = Controller(Settings())
         ctl.leading = True
         new = flow(10, "Pending")
         del new["status"]
@@ -249,7 +249,7 @@ def test_a_kickoff_costs_its_pod_and_one_status_write_that_records_the_run_with_
 
 def test_a_pod_change_the_reconcile_does_not_read_queues_nothing() -> None:
     queued: list[Any] = []
-    ctl = Controller(Settings(), on_flow_change=lambda k, b: None)
+    ctl = Controller(Settings())
     ctl.leading = True
     ctl.flow_event("ADDED", flow(10, "Pending"))
     ctl._enqueue = queued.append  # type: ignore[method-assign,assignment]
@@ -281,7 +281,7 @@ def _load(reports: dict[str, bytes], message: str | None) -> Any:
 
     from flowkube_operator.meta import PodView
 
-    ctl = Controller(Settings(), on_flow_change=lambda k, b: None)
+    ctl = Controller(Settings())
     ctl.kube = _StateKube(reports)  # type: ignore[assignment]
     view = PodView(name="f-0", phase="Succeeded", created_at=dt.datetime.now(dt.UTC), exit_code=0, message=message)
     return asyncio.run(ctl._load_report("ns", "f", "u", "f-0", view))
@@ -349,7 +349,7 @@ def test_deletes_carry_the_uid_the_plan_saw_and_a_namesake_is_left_alone() -> No
             raise ApiError(409, {"message": "Precondition failed: UID in precondition: old, UID in object meta: new"},
                            method, path)
 
-    ctl = Controller(Settings(), on_flow_change=lambda k, b: None)
+    ctl = Controller(Settings())
     kube = DeleteKube()
     ctl.kube = kube  # type: ignore[assignment]
     running = pod("Running", 3)

@@ -2,25 +2,42 @@
 
 from __future__ import annotations
 
-from flowkube_operator import webhook
-from flowkube_operator.handlers import Runtime
+from pathlib import Path
+
+from flowkube_operator import tls
+from flowkube_operator.app import App
+from flowkube_operator.settings import Settings
 
 
-def test_ready_waits_for_the_ca_in_the_webhook_configurations_and_the_webhook_server() -> None:
-    runtime = Runtime()
-    assert "not logged in" in runtime.not_ready()
-    runtime.kube = object()  # type: ignore[assignment]
-    assert "not logged in" in runtime.not_ready()  # logged in, the CA not installed yet
-    runtime.ca_installed = True
-    server = webhook.FlowkubeWebhookServer(addr="127.0.0.1", port=0)
-    runtime.webhook_server = server
-    assert "webhook server is not listening" in runtime.not_ready()
-    server.listening = True
-    assert "state API" in runtime.not_ready()
-    runtime.state_runner = object()  # type: ignore[assignment]
-    assert runtime.not_ready() == ""
+def serving(tmp_path: Path) -> tls.ServingTLS:
+    return tls.issue(tls.ca_from_dir(str(tmp_path)), str(tmp_path), ["127.0.0.1"], "")
 
 
-def test_without_webhooks_only_the_login_and_the_state_api_count() -> None:
-    runtime = Runtime(kube=object(), ca_installed=True, state_runner=object())  # type: ignore[arg-type]
-    assert runtime.not_ready() == ""
+def test_ready_waits_for_the_ca_in_the_webhook_configurations_and_the_webhook_server(tmp_path: Path) -> None:
+    app = App(Settings(webhook_enabled=True, leader_election=False), serving(tmp_path))
+    assert "not logged in" in app.not_ready()
+    app.kube = object()  # type: ignore[assignment]
+    assert "not logged in" in app.not_ready()  # logged in, the CA not installed yet
+    app.ca_installed = True
+    assert app.webhook_server is not None
+    assert "webhook server is not listening" in app.not_ready()
+    app.webhook_server.listening = True
+    assert "state API" in app.not_ready()
+    app.state_serving = True
+    assert app.not_ready() == ""
+
+
+def test_without_webhooks_only_the_login_and_the_state_api_count(tmp_path: Path) -> None:
+    app = App(Settings(webhook_enabled=False, leader_election=False), serving(tmp_path))
+    app.kube, app.state_serving = object(), True  # type: ignore[assignment]
+    assert app.not_ready() == ""
+
+
+def test_the_composition_root_wires_the_state_api_and_the_metrics_to_the_controller(tmp_path: Path) -> None:
+    app = App(Settings(webhook_enabled=False, leader_election=False), serving(tmp_path))
+    flow = {"metadata": {"name": "f", "namespace": "ns", "uid": "u1", "resourceVersion": "3"},
+            "spec": {"flowRef": "a:B"}, "status": {"phase": "Running", "runs": [{"pod": "f-0"}]}}
+    app.controller.flow_event("ADDED", flow)
+    assert app.controller.active_run("ns", "f-0") == ("f", "u1", "")  # what the state API asks
+    assert 'flow="f"' in app.metrics.render()  # the metrics heard the Flow
+    assert app.controller.state_ca.startswith("-----BEGIN CERTIFICATE-----")  # runner pods trust this CA

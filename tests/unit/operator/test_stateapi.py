@@ -130,8 +130,34 @@ class FakeKube:
         return cm
 
 
+class FakeRuns:
+    """The controller's side, as the state API sees it: running attempts, and the late reports it hears."""
+
+    def __init__(self, active: dict[tuple[str, str], tuple[str, str, str]] | None = None) -> None:
+        self.active = active or {}
+        self.late: list[tuple[str, str, RunReport]] = []
+
+    def active_run(self, namespace: str, pod: str) -> tuple[str, str, str] | None:
+        return self.active.get((namespace, pod))
+
+    def late_report(self, namespace: str, flow: str, report: RunReport) -> None:
+        self.late.append((namespace, flow, report))
+
+    def warm_report(self, namespace: str, flow: str, report: RunReport) -> bool:
+        return True
+
+    def message_for(self, namespace: str, flow: str, pod: str, after: int) -> tuple[int, dict[str, Any] | None]:
+        return 410, {"message": "no warm runs here"}
+
+    def answer_for(self, namespace: str, flow: str, pod: str, request_id: str) -> tuple[int, dict[str, Any] | None]:
+        return 410, {"message": "no warm runs here"}
+
+    async def changed(self, key: tuple[str, str], seconds: float) -> None:
+        return None
+
+
 def api(kube: FakeKube, active: dict[tuple[str, str], tuple[str, str, str]] | None = None) -> StateApi:
-    return StateApi(lambda: kube, lambda ns, pod: (active or {}).get((ns, pod)))  # type: ignore[arg-type,return-value]
+    return StateApi(lambda: kube, FakeRuns(active))  # type: ignore[arg-type,return-value]
 
 
 def test_only_plausible_tokens_reach_a_token_review() -> None:
@@ -178,9 +204,8 @@ def test_a_closed_runs_pod_may_write_only_its_own_report_and_the_controller_hear
     kube = FakeKube()
     kube.flows["demo"]["status"]["runs"] = [{"pod": "demo-0", "finishedAt": "2026-11-22T00:00:00Z"},
                                             {"pod": "demo-1"}]
-    heard: list[tuple[Target, RunReport]] = []
-    state = StateApi(lambda: kube, lambda ns, pod: None,  # type: ignore[arg-type,return-value]
-                     lambda t, r: heard.append((t, r)))
+    runs = FakeRuns()
+    state = StateApi(lambda: kube, runs)  # type: ignore[arg-type,return-value]
     auth = {"Authorization": f"Bearer {jwt('good')}"}
     report = RunReport(pod="demo-0", trigger=Trigger.KICKOFF, result=RunResult.FAILED,
                        reason=Reason.RUN_INTERRUPTED, exit_code=3, usage=Usage(total_tokens=42, successful_requests=3))
@@ -205,7 +230,7 @@ def test_a_closed_runs_pod_may_write_only_its_own_report_and_the_controller_hear
             assert bomb.status == 413 and "more than 1048576 bytes" in (await bomb.json())["message"]
 
     asyncio.run(scenario())
-    assert [(t.pod, t.late, r.usage.total_tokens) for t, r in heard] == [("demo-0", True, 42)]
+    assert [(flow, r.pod, r.usage.total_tokens) for _, flow, r in runs.late] == [("demo", "demo-0", 42)]
     stored = kube.configmaps["demo-state"]["binaryData"][c.report_key("demo-0")]
     assert RunReport.decode(base64.b64decode(stored)) == report
 
@@ -347,10 +372,9 @@ def test_a_warm_pod_long_polls_for_its_next_message_and_answer() -> None:
     from flowkube_operator.controller import Controller
     from flowkube_operator.settings import Settings
 
-    ctl = Controller(Settings(), on_flow_change=lambda k, b: None)
+    ctl = Controller(Settings())
     kube = FakeKube()
-    state = StateApi(lambda: kube, ctl.active_run, warm=ctl)  # type: ignore[arg-type,return-value]
-    ctl.on_flow_seen = state.flow_changed
+    state = StateApi(lambda: kube, ctl)  # type: ignore[arg-type,return-value]
     waiting: dict[str, Any] = {"phase": "AwaitingMessage", "conversation": {"sessionId": "s1", "turns": 1}}
     ctl.flow_event("ADDED", warm_flow(10, **waiting))
     ctl.pod_event("ADDED", {**runner_pod(), "status": {"phase": "Running"}})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from collections.abc import Iterator
@@ -10,9 +11,21 @@ from typing import Any
 
 import pytest
 
-from flowkube_operator.webhook import definition_problem, review_status_write
+from flowkube_operator.webhook import Validator, review_status_write
 
 PENDING = {"status": {"phase": "AwaitingFeedback", "feedback": {"request": {"id": "r1", "method": "review"}}}}
+
+
+def definition_problem(spec: dict[str, Any], url: str) -> str | None:
+    """What the Flow webhook says of ``spec``'s definition, asking the validator at ``url``."""
+    async def ask() -> str | None:
+        validator = Validator(url)
+        try:
+            return await validator.problem(spec)
+        finally:
+            await validator.close()
+
+    return asyncio.run(ask())
 
 
 def with_response(resp: dict[str, Any], base: dict[str, Any] = PENDING) -> dict[str, Any]:

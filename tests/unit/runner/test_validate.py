@@ -138,7 +138,7 @@ def test_unusable_requests_are_http_errors(validator: str) -> None:
 
 
 def test_the_operator_webhook_turns_a_verdict_into_a_field_named_refusal(validator: str) -> None:
-    from flowkube_operator.webhook import definition_problem
+    from tests.unit.operator.test_webhook import definition_problem
 
     spec = {"definition": flow(again={"start": True, "listen": "again", "do": EXPR})}
     problem = definition_problem(spec, validator)
