@@ -26,14 +26,7 @@ def _structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         merged = {**target, **{k: v for k, v in schema.items() if k != "$ref"}}
         return _structural(merged, defs)
     if "anyOf" in schema:
-        options = [o for o in schema["anyOf"] if o.get("type") != "null"]
-        rest = {k: v for k, v in schema.items() if k != "anyOf"}
-        if schema.get("x-kubernetes-int-or-string"):
-            return {k: v for k, v in rest.items() if k not in _DROP}
-        if len(options) != 1:
-            raise ValueError(f"cannot express anyOf {schema['anyOf']} structurally")
-        return _structural({**options[0], **rest}, defs)
-
+        return _one_of_any(schema, defs)
     out: dict[str, Any] = {}
     for key, value in schema.items():
         if key in _DROP:
@@ -48,6 +41,23 @@ def _structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
             out["enum"] = [value]
         else:
             out[key] = value
+    return _open_maps(out)
+
+
+def _one_of_any(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """An optional field (anyOf: [X, null]) is X; int-or-string keeps its marker; anything else
+    cannot be said in a structural schema."""
+    options = [o for o in schema["anyOf"] if o.get("type") != "null"]
+    rest = {k: v for k, v in schema.items() if k != "anyOf"}
+    if schema.get("x-kubernetes-int-or-string"):
+        return {k: v for k, v in rest.items() if k not in _DROP}
+    if len(options) != 1:
+        raise ValueError(f"cannot express anyOf {schema['anyOf']} structurally")
+    return _structural({**options[0], **rest}, defs)
+
+
+def _open_maps(out: dict[str, Any]) -> dict[str, Any]:
+    """Free-form maps as the API server says them: x-kubernetes-preserve-unknown-fields."""
     if out.get("x-kubernetes-preserve-unknown-fields"):
         out.pop("additionalProperties", None)
         out.setdefault("type", "object")

@@ -466,51 +466,60 @@ class Controller:
     # -- one reconcile -------------------------------------------------------------------------------
 
     async def reconcile(self, key: Key) -> None:
+        """Plan from the cached Flow and pods (and the reports the plan needs), then apply."""
         assert self.kube is not None
         cached = self.flows.get(key)
         body = orjson.loads(cached[2]) if cached is not None else None
         if body is None or body.get("metadata", {}).get("deletionTimestamp"):
             return
-        ns, name = key
         uid = body["metadata"]["uid"]
         # Pods of an earlier Flow with the same name are not this Flow's, however named.
         pods = {n: v for n, v in self.pods.get(key, {}).items() if v.owner_uid == uid}
         status = body.get("status") or {}
         runs = status.get("runs") or []
-        report, checked = None, False
         # The warm hint as this reconcile takes it, before any await: one that comes later stays.
         hinted, hint = key in self._warm, self._warm.get(key)
         active = runs[-1]["pod"] if runs and not runs[-1].get("finishedAt") else None
+        report, checked = None, False
         if active is not None:
-            if active not in pods and runs[-1].get("startedAt"):
-                # The cache says the pod is gone; make sure before counting the run as lost.
-                live = await self.kube.get(ns_path(ns, "pods", active))
-                view = PodView.from_pod(live) if live is not None else None
-                if view is not None and view.owner_uid == uid:
-                    pods[active] = view
-            if active in pods and pods[active].terminated:
-                report, checked = await self._load_report(ns, name, uid, active, pods[active]), True
-            elif active in pods and hinted:
-                warm = hint
-                if warm is None or warm.pod != active:
-                    warm = await self._load_report(ns, name, uid, active, None)
-                report, checked = warm, True
+            report, checked = await self._active_report(key, uid, pods, runs[-1], hinted, hint)
         if not self.settings.webhook_enabled:
             # Only the mutating webhook can vouch for who answered; without it the name is unknown.
-            (((body.get("status") or {}).get("feedback") or {}).get("response") or {}).pop("respondedBy", None)
+            ((status.get("feedback") or {}).get("response") or {}).pop("respondedBy", None)
         taken = dict(self._late.get(key, {}))  # the state API's hints this reconcile folds in
         late: dict[str, RunReport | None] = dict(taken)
         for pod_name in late_pods(status, pods):  # pods that ended after their run was closed
-            late[pod_name] = await self._load_report(ns, name, uid, pod_name, pods[pod_name])
+            late[pod_name] = await self._load_report(*key, uid, pod_name, pods[pod_name])
         cap = self.settings.retry_backoff_cap_seconds
         p = plan(body, pods, report, backoff_cap=cap, report_checked=checked, late=late)
         if p.need_report and active is not None:
-            report = await self._load_report(ns, name, uid, active, pods.get(active))
+            report = await self._load_report(*key, uid, active, pods.get(active))
             p = plan(body, pods, report, backoff_cap=cap, report_checked=True, late=late)
         await self._apply(key, body, p)
         self._forget_late(key, taken)
         if hinted and key in self._warm and self._warm[key] is hint:
             del self._warm[key]  # a newer one that came meanwhile stays for the next reconcile
+
+    async def _active_report(self, key: Key, uid: str, pods: dict[str, PodView], run: Body,
+                             hinted: bool, hint: RunReport | None) -> tuple[RunReport | None, bool]:
+        """(the active run's report, whether it was read): read when its pod has ended, or when the
+        state API took a warm report (``hint``; None: read it). ``pods`` gains the active pod if the
+        cache lost it but it is there."""
+        assert self.kube is not None
+        active = run["pod"]
+        if active not in pods and run.get("startedAt"):
+            # The cache says the pod is gone; make sure before counting the run as lost.
+            live = await self.kube.get(ns_path(key[0], "pods", active))
+            view = PodView.from_pod(live) if live is not None else None
+            if view is not None and view.owner_uid == uid:
+                pods[active] = view
+        if active in pods and pods[active].terminated:
+            return await self._load_report(*key, uid, active, pods[active]), True
+        if active in pods and hinted:
+            if hint is not None and hint.pod == active:
+                return hint, True
+            return await self._load_report(*key, uid, active, None), True
+        return None, False
 
     def _forget_late(self, key: Key, folded: dict[str, RunReport]) -> None:
         """Drop the hints a reconcile folded in; one that arrived meanwhile (a newer report of the
@@ -560,6 +569,8 @@ class Controller:
             raise NotLeadingError
 
     async def _apply(self, key: Key, body: Body, p: Plan) -> None:
+        """Make the plan so: the pod and the one status write (in the order the intent says), old
+        reports pruned, pods stopped, Events posted, the Flow deleted (TTL) or looked at again later."""
         assert self.kube is not None
         ns, name = key
         old_status = body.get("status") or {}
@@ -568,18 +579,7 @@ class Controller:
         # stateapi). A kickoff or retry pod comes first, then the one status write that records its
         # run and startedAt; a resume or turn is recorded first (see reconcile's docstring).
         if intent is not None and intent.first:
-            try:
-                created = await self._create_runner_pod(body, intent)
-            except (ApiError, ForeignObjectError):
-                # Record the run anyway (started_at unset: "recorded, never seen", created again later),
-                # so `kubectl get` shows it Pending while the event says why its pod cannot be made.
-                recorded = p.status.dump()
-                if recorded != old_status:
-                    await self._write_status(key, body, old_status, recorded)
-                raise
-            run = p.status.runs[intent.index] if p.status.runs else None
-            if run is not None and run.started_at is None:
-                run.started_at = parse_time(created["metadata"].get("creationTimestamp")) or now_utc()
+            await self._create_first(key, body, p, intent)
         new_status = p.status.dump()
         if new_status != old_status:
             body = await self._write_status(key, body, old_status, new_status)
@@ -601,6 +601,22 @@ class Controller:
             await self.kube.delete(flow_path(ns, name), delete_if_same(body["metadata"]["uid"]))
         elif p.requeue_after is not None:
             self.queue.add_after(key, p.requeue_after)
+
+    async def _create_first(self, key: Key, body: Body, p: Plan, intent: RunIntent) -> None:
+        """A kickoff's or retry's pod, before the status write that records its run with the pod's
+        creation time as startedAt."""
+        try:
+            created = await self._create_runner_pod(body, intent)
+        except (ApiError, ForeignObjectError):
+            # Record the run anyway (started_at unset: "recorded, never seen", created again later),
+            # so `kubectl get` shows it Pending while the event says why its pod cannot be made.
+            old_status, recorded = body.get("status") or {}, p.status.dump()
+            if recorded != old_status:
+                await self._write_status(key, body, old_status, recorded)
+            raise
+        run = p.status.runs[intent.index] if p.status.runs else None
+        if run is not None and run.started_at is None:
+            run.started_at = parse_time(created["metadata"].get("creationTimestamp")) or now_utc()
 
     async def _write_status(self, key: Key, body: Body, old_status: Body, new_status: Body) -> Body:
         """The one status write of a reconcile, guarded by the resourceVersion the plan was made from."""

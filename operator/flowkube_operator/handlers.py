@@ -56,8 +56,12 @@ def register(app: App) -> kopf.OperatorRegistry:
     async def cleanup(**_: Any) -> None:
         await app.stop()
 
-    if not app.settings.webhook_enabled:
-        return registry
+    if app.settings.webhook_enabled:
+        _register_admission(registry, app)
+    return registry
+
+
+def _register_admission(registry: kopf.OperatorRegistry, app: App) -> None:
     # The webhook configurations come from the chart, which sets the failure policies (documented
     # there): Flow writes fail closed, feedback fails open and the operator then refuses bad answers
     # asynchronously. The status handlers are pure checks on the answer's hot path.
@@ -88,5 +92,3 @@ def register(app: App) -> kopf.OperatorRegistry:
         status = webhook.recorded_senders(kwargs.get("old"), kwargs.get("new"), user)
         if status:
             patch["status"] = status
-
-    return registry

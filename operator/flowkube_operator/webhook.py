@@ -19,8 +19,8 @@ import kopf
 from aiohttp import web
 
 from flowkube_api.models import ConversationStatus, FeedbackRequest
+from flowkube_operator.inbox import validate_message, validate_response
 from flowkube_operator.kube import Kube
-from flowkube_operator.reconcile import validate_message, validate_response
 
 Body = Mapping[str, Any]
 log = logging.getLogger("flowkube.webhook")

@@ -1,0 +1,265 @@
+"""Runs and retries: follow the active run's pod to its end, read how it ended, and decide what
+comes next (a retry after backoff, a replacement after a disruption, the next answer or message)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from flowkube_api import constants as c
+from flowkube_api.constants import Phase, Reason, RunResult, Trigger
+from flowkube_api.models import (
+    Result,
+    Run,
+)
+from flowkube_api.report import RunReport, Usage, excerpt
+from flowkube_operator.meta import PodView
+from flowkube_operator.reconcile.rules import (
+    DISRUPTION_REASONS,
+    PERMANENT_REASONS,
+    POD_FIRST_TRIGGERS,
+    STOP_GRACE_SECONDS,
+    _more,
+    backoff_seconds,
+    running_seconds,
+    trailing_failures,
+)
+from flowkube_operator.reconcile.state import NeedReport
+from flowkube_operator.reconcile.warm import WarmSteps
+
+Body = dict[str, Any]
+
+
+class RunSteps(WarmSteps):
+    def _fold_late_reports(self) -> None:
+        """A closed run's pod that kept going reports what it did after the close: those calls were
+        answered and billed, so they count, once, in that run's entry (a run's reports are
+        cumulative, so the latest replaces the entry's usage). Its end is when its pod ended."""
+        for run in self.runs:
+            if run.finished_at is None or run.pod not in self.late:
+                continue
+            rep, pod = self.late[run.pod], self.pods.get(run.pod)
+            counted = run.usage or Usage()
+            if rep is not None and rep.pod == run.pod and _more(rep.usage, counted):
+                added = rep.usage.total_tokens - counted.total_tokens
+                run.usage = rep.usage
+                self.plan.event(Reason.LATE_REPORT, f"run {run.pod} reported {added} more tokens after it was "
+                                f"closed; they count in its entry")
+            if pod is not None and pod.terminated and pod.finished_at and pod.finished_at > run.finished_at:
+                run.finished_at = pod.finished_at
+
+    def _follow(self, run: Run) -> None:
+        """The active run: its pod is still to be made, gone, ended, waiting warm, or running."""
+        pod = self.pods.get(run.pod)
+        if pod is not None and run.started_at is None:
+            run.started_at = pod.created_at or self.now
+        if pod is None and run.started_at is None:
+            # Recorded but never seen: the pod was not created yet (or the cache lags). Ensure it;
+            # the record holds everything it carries, so its startedAt comes in the same write.
+            self.plan.create_pod = self._intent(len(self.runs) - 1, run.trigger, first=True)
+            self.st.phase = Phase.PENDING
+        elif pod is None:
+            self._follow_gone(run)
+        elif pod.terminated:
+            self._follow_ended(run, pod)
+        elif not self._follow_warm(run):
+            self._follow_running(run, pod)
+
+    def _over_deadline(self, ended: dt.datetime | None) -> float | None:
+        """Seconds past activeDeadlineSeconds (None without one), judged at the moment the run ended
+        if it did (``ended``), not when we look."""
+        limit = self.spec.active_deadline_seconds
+        return None if limit is None else running_seconds(self.runs, ended or self.now) - limit
+
+    def _end_at_deadline(self, run: Run, exit_code: int | None, finished_at: dt.datetime | None) -> None:
+        """Over the deadline, and the pod stopped (or will not stop): the run ends only now, so the
+        report read has every LLM call the pod completed before it was stopped."""
+        self._stop_pod(run.pod)
+        run.exit_code = exit_code
+        self._end_run(run, self._report_of(run), RunResult.FAILED, Reason.DEADLINE_EXCEEDED,
+                      f"the flow ran longer than activeDeadlineSeconds={self.spec.active_deadline_seconds}",
+                      finished_at=finished_at)
+
+    def _follow_gone(self, run: Run) -> None:
+        """The pod is gone without our seeing it end: it may have left its final report."""
+        rep = self._report_of(run)
+        final = rep if rep is not None and rep.reason != Reason.RUN_INTERRUPTED else None
+        over = self._over_deadline(final.finished_at if final is not None else None)
+        # A run that finished on its own just as time ran out stands as it finished.
+        if over is not None and over >= 0 and (final is None or final.exit_code != 0):
+            self._end_at_deadline(run, None, final.finished_at if final is not None else None)
+        elif final is not None:
+            # It finished and reported; its pod was deleted before we saw it end (the operator
+            # was down). The run stands as reported: running it again would repeat its work.
+            run.exit_code = final.exit_code
+            self._end_run(run, final, final.result, final.reason, final.message, finished_at=final.finished_at)
+        else:
+            self._end_run(run, rep, RunResult.FAILED, Reason.POD_DELETED,
+                          f"runner pod {run.pod} disappeared before it finished")
+
+    def _follow_ended(self, run: Run, pod: PodView) -> None:
+        over = self._over_deadline(pod.finished_at)
+        if over is not None and over >= 0 and pod.exit_code != 0:
+            self._end_at_deadline(run, pod.exit_code, pod.finished_at)
+        else:
+            self._end_from_pod(run, pod)
+
+    def _follow_running(self, run: Run, pod: PodView) -> None:
+        self.st.phase = Phase.RUNNING if pod.phase == "Running" else Phase.PENDING
+        over = self._over_deadline(None)
+        if over is None:
+            return
+        if over > STOP_GRACE_SECONDS:  # asked to stop, and not stopped (its node is down): end it anyway
+            self._end_at_deadline(run, pod.exit_code, pod.finished_at)
+        elif over >= 0:  # stop the pod; the run ends when it has stopped (_follow_ended)
+            if not pod.deleting:
+                self.plan.delete_pods.append(run.pod)
+            self.plan.later(STOP_GRACE_SECONDS - over + 0.5)
+        else:
+            self.plan.later(-over)
+
+    def _report_of(self, run: Run) -> RunReport | None:
+        """The run's report, when it ends without its pod telling (deleted, or over the deadline):
+        the tokens of the LLM calls it made are in its interim report and must still count."""
+        if not self.report_checked:
+            raise NeedReport
+        return self.report if self.report is not None and self.report.pod == run.pod else None
+
+    def _end_from_pod(self, run: Run, pod: PodView) -> None:
+        rep = self.report
+        reason: Reason | str
+        if pod.reason == "DeadlineExceeded":
+            # Killed by its activeDeadlineSeconds: whatever the interim report says, that is why.
+            result, reason = RunResult.FAILED, Reason.DEADLINE_EXCEEDED
+            message = "the runner pod exceeded its activeDeadlineSeconds"
+        elif rep is not None and rep.pod == run.pod:
+            result = rep.result
+            if rep.warm:
+                pass  # its last word: every message it took is answered and saved, and it waited; then it was stopped
+            elif pod.exit_code not in (None, 0) and result != RunResult.FAILED:
+                result = RunResult.FAILED  # the process died after writing an optimistic report
+            reason, message = rep.reason, rep.message
+        else:
+            result, reason = RunResult.FAILED, Reason.RUN_FAILED
+            message = (f"runner pod {pod.name} ended ({pod.phase}, exit code {pod.exit_code}, "
+                       f"{pod.reason or 'no reason'}) without a report")
+            if pod.message:
+                message += f": {excerpt(pod.message, 512)}"
+        if pod.exit_code == c.EXIT_PERMANENT and result == RunResult.FAILED and reason not in PERMANENT_REASONS:
+            reason = Reason.FLOW_ERROR if reason in (Reason.RUN_FAILED, "") else reason
+        elif result == RunResult.FAILED and reason not in PERMANENT_REASONS and (pod.disruption or pod.deleting):
+            # Evicted, preempted, its node lost or drained, or deleted by someone: not the flow's fault.
+            reason = Reason.DISRUPTED
+            message = f"runner pod {pod.name} was stopped by a disruption ({pod.disruption or 'deleted'}): {message}"
+        run.exit_code = pod.exit_code
+        self._end_run(run, rep if rep is not None and rep.pod == run.pod else None, result, reason, message,
+                      finished_at=pod.finished_at)
+
+    def _end_run(self, run: Run, rep: RunReport | None, result: RunResult, reason: Reason | str,
+                 message: str, finished_at: dt.datetime | None = None) -> None:
+        if self._waiting_warm(run):
+            self._add_warm_wait(run, finished_at or self.now)
+        run.result, run.reason, run.message = result, str(reason), excerpt(message, 1024)
+        if rep is not None:
+            run.usage = rep.usage  # every LLM call the run made counts, however it ended
+            if rep.flow_id:
+                self.st.flow_id = rep.flow_id
+            self._note_applied(rep)
+        run.finished_at = finished_at or self.now
+        if run.started_at is None:
+            run.started_at = run.finished_at
+        if result == RunResult.SUCCEEDED and rep is not None and rep.conversation is not None:
+            self._turn_done(rep.conversation.model_copy(), rep.output)
+        elif result == RunResult.SUCCEEDED:
+            self.st.result = Result(output=rep.output if rep else None)
+            self._terminal(Phase.SUCCEEDED, Reason.RUN_SUCCEEDED, "the flow finished")
+            self.plan.event(Reason.RUN_SUCCEEDED, f"run {run.pod} succeeded; the flow finished")
+        elif result == RunResult.PAUSED and rep is not None and rep.feedback_request is not None:
+            if self._answered(rep.feedback_request.id):
+                # Its warm pod waited for the answer and ended before it took it: a new pod resumes.
+                self.resume_now = True
+            else:
+                self._feedback_requested(rep.feedback_request)
+        else:
+            if result != RunResult.FAILED:  # Paused without a request: nothing could ever resume it
+                run.result, reason = RunResult.FAILED, Reason.INTERNAL_ERROR
+                message = "the run paused but reported no feedback request"
+            self._after_failure(run, reason, message)
+
+    def _after_failure(self, run: Run, reason: Reason | str, message: str) -> None:
+        if reason in DISRUPTION_REASONS:
+            self._after_disruption(run, message)
+            return
+        permanent = reason in PERMANENT_REASONS or run.exit_code == c.EXIT_PERMANENT
+        limit = self.spec.retries.limit if self.spec.retries else 0
+        failures = trailing_failures(self.runs)
+        self.plan.event(str(reason), f"run {run.pod} failed: {excerpt(message, 512)}", warning=True)
+        if permanent:
+            self._terminal(Phase.FAILED, reason, message)
+        elif failures > limit:
+            why = f"{failures} failed run(s), retries.limit={limit}; last: {message}"
+            self._terminal(Phase.FAILED, Reason.RETRIES_EXHAUSTED, why)
+        else:
+            self.st.phase = Phase.PENDING
+
+    def _after_disruption(self, run: Run, message: str) -> None:
+        limit = self.spec.retries.disruption_limit if self.spec.retries else c.DEFAULT_DISRUPTION_LIMIT
+        lost = sum(1 for r in self.runs if r.reason in DISRUPTION_REASONS)
+        if lost > limit:
+            why = f"{lost} runner pods lost to disruptions, retries.disruptionLimit={limit}; last: {message}"
+            self._terminal(Phase.FAILED, Reason.DISRUPTIONS_EXHAUSTED, why)
+            return
+        self.plan.event(Reason.DISRUPTED, f"{excerpt(message, 512)}; replacing it ({lost} of "
+                        f"retries.disruptionLimit={limit}; retries.limit is not used)", warning=True)
+        self.st.phase = Phase.PENDING
+
+    def _next(self) -> None:
+        """No run is active: adopt a pod made by a lost start, wait, or start the next run."""
+        if self._adopt():
+            return
+        if self.spec.suspend:
+            if self.fb.request is None:
+                self.st.phase = Phase.SUSPENDED
+        elif self.fb.request is not None:
+            self._await_feedback()
+        elif not self.runs:
+            self._start(Trigger.KICKOFF)
+        elif self.runs[-1].result == RunResult.FAILED:
+            self._retry(self.runs[-1])
+        elif self.runs[-1].result == RunResult.PAUSED:
+            # Paused run whose request was already answered: a resume run is recorded right away, so
+            # this only happens when its warm pod ended before taking the answer (resume now) or the
+            # resume was refused (nothing to do until a new answer).
+            if self.resume_now:
+                self._start(Trigger.RESUME)
+            else:
+                self.st.phase = Phase.AWAITING_FEEDBACK
+        elif self.conv is not None and self.conv.session_id:
+            self._await_message()
+
+    def _retry(self, last: Run) -> None:
+        """The last run failed: a replacement at once after a disruption (like a Job's pod lost to
+        one), a retry once the backoff has passed after a failure."""
+        if last.reason not in DISRUPTION_REASONS:
+            due = last.finished_at or self.now
+            wait = backoff_seconds(self.spec, trailing_failures(self.runs), self.backoff_cap)
+            left = (due + dt.timedelta(seconds=wait) - self.now).total_seconds()
+            if left > 0:
+                self.st.phase = Phase.PENDING
+                self.plan.later(left)
+                self.failure = (Reason.RETRY_BACKOFF, f"retrying in {left:.0f}s after: {last.message}")
+                return
+        self._start(Trigger.RETRY)
+
+    def _adopt(self) -> bool:
+        """A pod under the next run's name exists, made by a start whose status write was lost (the
+        operator stopped, or the Flow changed under it): record it as that run, started when it was."""
+        name = c.run_pod_name(str(self.meta.get("name")), len(self.runs))
+        pod = self.pods.get(name)
+        if pod is None or pod.trigger not in POD_FIRST_TRIGGERS:
+            return False
+        self.runs.append(Run(pod=name, trigger=Trigger(pod.trigger), started_at=pod.created_at or self.now))
+        self.st.phase = Phase.RUNNING if pod.phase == "Running" else Phase.PENDING
+        if pod.terminated:
+            self.plan.later(0)  # follow it to its end with its report, in the next reconcile
+        return True

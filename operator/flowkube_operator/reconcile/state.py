@@ -1,0 +1,186 @@
+"""The state one reconcile works on (`FlowState`), what it produces (`Plan`, `RunIntent`), and the
+moves shared by every concern."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from flowkube_api import constants as c
+from flowkube_api.constants import Phase, Reason, RunResult, Trigger
+from flowkube_api.limits import spec_problem
+from flowkube_api.models import (
+    FeedbackStatus,
+    FlowSpec,
+    FlowStatus,
+    Run,
+)
+from flowkube_api.report import RunReport, TokenUsage, excerpt
+from flowkube_operator.meta import PodView
+from flowkube_operator.reconcile.rules import POD_FIRST_TRIGGERS, budget_spent, running_seconds, total_usage
+
+Body = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class RunIntent:
+    """A runner pod that should exist (the edge creates it; AlreadyExists is success)."""
+
+    index: int
+    trigger: Trigger
+    feedback: Body | None
+    prior: TokenUsage  # what the earlier runs used (the budget is the flow's)
+    active_deadline_seconds: int | None
+    message: Body | None = None  # the conversation message this run answers: {"turn", "text", "sender"}
+    keep_warm_seconds: int = 0  # a conversation's pod waits this long for its next message (see _keep_warm)
+    feedback_keep_warm_seconds: int = 0  # a paused run's pod waits this long for the answer
+    # Create the pod before the status write that records the run (and write its startedAt with it):
+    # everything the pod carries is durable already. See the module's docstring.
+    first: bool = False
+
+
+@dataclass
+class Plan:
+    status: FlowStatus
+    create_pod: RunIntent | None = None
+    delete_pods: list[str] = field(default_factory=list)
+    delete_flow: bool = False
+    events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
+    requeue_after: float | None = None
+    need_report: bool = False  # plan again with the active run's report: it ends without one
+    prune_reports: list[str] = field(default_factory=list)  # pods whose report keys may be deleted
+
+    def later(self, seconds: float) -> None:
+        seconds = max(seconds, 0.05)
+        self.requeue_after = seconds if self.requeue_after is None else min(self.requeue_after, seconds)
+
+    def event(self, reason: str, message: str, warning: bool = False) -> None:
+        self.events.append(("Warning" if warning else "Normal", reason, message))
+
+
+class NeedReport(Exception):
+    pass
+
+
+class FlowState:
+    """One reconcile's view of one Flow, and the moves every concern makes: start a run, stop a pod,
+    end the flow, keep a warm pod's waiting time. The concerns (feedback, conversation, warm, runs)
+    build on it, each in its own module; `reconcile.plan` runs them."""
+
+    def __init__(self, flow: Body, pods: dict[str, PodView], report: RunReport | None,
+                 now: dt.datetime, backoff_cap: int, report_checked: bool,
+                 late: Mapping[str, RunReport | None]) -> None:
+        self.report_checked = report_checked or report is not None
+        self.late = late
+        self.meta: Body = flow.get("metadata") or {}
+        self.spec = FlowSpec.model_validate(flow.get("spec") or {})
+        # Two validations, not a deep copy of one: pydantic's validator is several times faster than
+        # copy.deepcopy, which was most of a reconcile's cost.
+        self.old = FlowStatus.model_validate(flow.get("status") or {})
+        self.st = FlowStatus.model_validate(flow.get("status") or {})
+        self.pods = pods
+        self.report = report
+        self.now = now
+        self.backoff_cap = backoff_cap
+        self.plan = Plan(status=self.st)
+        self.runs: list[Run] = list(self.st.runs or [])
+        self.fb = self.st.feedback or FeedbackStatus()
+        self.conv = self.st.conversation  # a conversation once its session is open; else None (or just an inbox)
+        self.refusal: str | None = None
+        self.message_refusal: str | None = None
+        self.failure: tuple[Reason | str, str] | None = None
+        self.resume_now = False  # a warm paused pod ended with its request answered but not taken
+
+    def _start(self, trigger: Trigger) -> None:
+        spent = budget_spent(self.spec, total_usage(self.runs))
+        if spent is not None:
+            self._terminal(Phase.FAILED, Reason.BUDGET_EXCEEDED, spent)
+            return
+        too_big = spec_problem(self.spec.model_dump(mode="json", by_alias=True, exclude_none=True))
+        if too_big is not None:  # admitted while the webhook was off: no pod that could not start
+            self._terminal(Phase.FAILED, Reason.INVALID_SPEC, too_big)
+            return
+        index = len(self.runs)
+        self.runs.append(Run(pod=c.run_pod_name(str(self.meta.get("name")), index), trigger=trigger))
+        self.plan.create_pod = self._intent(index, trigger, first=trigger in POD_FIRST_TRIGGERS)
+        self.st.phase = Phase.PENDING
+
+    def _intent(self, index: int, trigger: Trigger, *, first: bool) -> RunIntent:
+        feedback = None
+        # A retry of a failed resume carries the same answer: the runner applies it if the request
+        # is still pending in the saved state, and ignores it if the flow had already moved on.
+        origin = next((r.trigger for r in reversed(self.runs[:index]) if r.trigger != Trigger.RETRY), None)
+        if (trigger == Trigger.RESUME or (trigger == Trigger.RETRY and origin == Trigger.RESUME)) and self.fb.history:
+            h = self.fb.history[-1]
+            feedback = {"requestId": h.request_id, "text": h.response or "", "timedOut": h.timed_out}
+            if h.outcome:
+                feedback["outcome"] = h.outcome
+        left = None
+        if self.spec.active_deadline_seconds is not None:
+            left = int(self.spec.active_deadline_seconds - running_seconds(self.runs[:index], self.now)) + 1
+        message = None
+        pending = self.conv.pending if self.conv is not None else None
+        if pending is not None and trigger != Trigger.KICKOFF:
+            message = {"turn": pending.turn, "text": pending.text, "sender": pending.sent_by}
+        fb_spec = self.spec.feedback
+        return RunIntent(index=index, trigger=trigger, feedback=feedback,
+                         prior=total_usage(self.runs[:index]).totals(),
+                         active_deadline_seconds=left, message=message, keep_warm_seconds=self._keep_warm(),
+                         feedback_keep_warm_seconds=(fb_spec.keep_warm_seconds or 0) if fb_spec else 0,
+                         first=first)
+
+    def _keep_warm(self) -> int:
+        """How long a run's pod may wait warm for a conversation's next message: for a Flow known to be
+        a conversation (an inline ``conversational`` block, a session open, or ``spec.conversation``)."""
+        conv_spec = self.spec.conversation
+        definition = self.spec.definition
+        block = (definition.model_extra or {}).get("conversational") if definition is not None else None
+        known = (conv_spec is not None or (self.conv is not None and bool(self.conv.session_id))
+                 or (isinstance(block, dict) and block.get("enabled", True) is not False))
+        if not known:
+            return 0
+        if conv_spec is not None and conv_spec.keep_warm_seconds is not None:
+            return conv_spec.keep_warm_seconds
+        return c.DEFAULT_KEEP_WARM_SECONDS
+
+    def _stop_pod(self, name: str) -> None:
+        """Delete a runner pod that still runs (once: not one already stopping)."""
+        pod = self.pods.get(name)
+        if pod is not None and not pod.terminated and not pod.deleting:
+            self.plan.delete_pods.append(name)
+
+    def _waiting_warm(self, run: Run) -> bool:
+        """Is ``run`` (active) a warm pod waiting for a message or an answer? Status alone says so: a
+        cold run is never active while a request pends, nor while an open session has nothing pending."""
+        if run.finished_at is not None:
+            return False
+        if self.fb.request is not None:
+            return True
+        conv = self.conv
+        return conv is not None and bool(conv.session_id) and conv.pending is None and not conv.ended
+
+    def _add_warm_wait(self, run: Run, until: dt.datetime, since: dt.datetime | None = None) -> None:
+        if since is None:
+            since = self.fb.request.requested_at if self.fb.request is not None else (
+                self.conv.idle_since if self.conv is not None else None)
+        if since is not None and until > since:
+            run.warm_seconds = round((run.warm_seconds or 0.0) + (until - since).total_seconds(), 3)
+
+    def _close_warm(self, run: Run, message: str, result: RunResult = RunResult.SUCCEEDED) -> None:
+        """End a warm run nobody will answer any more, and stop its pod."""
+        if self._waiting_warm(run):
+            self._add_warm_wait(run, self.now)
+        reason = Reason.RUN_PAUSED if result == RunResult.PAUSED else Reason.RUN_SUCCEEDED
+        run.result, run.reason, run.message = result, str(reason), message
+        run.finished_at = self.now
+        self._stop_pod(run.pod)
+
+    def _terminal(self, phase: Phase, reason: Reason | str, message: str) -> None:
+        self.st.phase = phase
+        self.st.finished_at = self.st.finished_at or self.now
+        self.failure = (reason, message)  # the Succeeded condition's reason and message
+        if phase == Phase.FAILED:
+            self.fb.request = None
+            self.plan.event(str(reason), f"the flow failed: {excerpt(message, 512)}", warning=True)
