@@ -15,7 +15,6 @@ import asyncio
 import base64
 import binascii
 import contextlib
-import dataclasses
 import datetime as dt
 import heapq
 import logging
@@ -32,7 +31,7 @@ from flowkube_api.base import now as now_utc
 from flowkube_api.base import parse_time
 from flowkube_api.report import RunReport
 from flowkube_operator import resources, selfmetrics
-from flowkube_operator.informer import Informer
+from flowkube_operator.cache import FlowCache, FlowListener, Key
 from flowkube_operator.kube import (
     ApiError,
     Kube,
@@ -47,7 +46,6 @@ from flowkube_operator.reconcile import Plan, RunIntent, late_pods, plan
 from flowkube_operator.settings import Settings
 
 Body = dict[str, Any]
-Key = tuple[str, str]  # (namespace, flow name)
 log = logging.getLogger("flowkube.controller")
 
 
@@ -72,25 +70,6 @@ def merge_patch(old: Any, new: Any) -> Any:
         elif old[k] != v:
             patch[k] = merge_patch(old[k], v)
     return patch
-
-
-def _slim(body: Body) -> Body:
-    """What the cache keeps of a Flow: managedFields and kubectl's last-applied copy are most of
-    an object's bytes and the operator reads neither (10,000 Flows must fit in a few hundred MB)."""
-    meta = dict(body.get("metadata") or {})
-    meta.pop("managedFields", None)
-    ann = meta.get("annotations")
-    if ann and "kubectl.kubernetes.io/last-applied-configuration" in ann:
-        meta["annotations"] = {k: v for k, v in ann.items()
-                               if k != "kubectl.kubernetes.io/last-applied-configuration"}
-    return {**body, "metadata": meta}
-
-
-def _rv(body: Body) -> int:
-    try:
-        return int(body.get("metadata", {}).get("resourceVersion", 0))
-    except (TypeError, ValueError):
-        return 0
 
 
 class WorkQueue:
@@ -143,12 +122,8 @@ class WorkQueue:
                 await asyncio.wait_for(self._wake.wait(), timeout)
 
 
-# Told of every change of a cached Flow: (key, the Flow as cached), or (key, None) once it is gone.
-FlowListener = Callable[[Key, Body | None], None]
-
-
-class Controller:
-    """The caches, the queue and the workers of one operator process (built by `app.App`).
+class Controller(FlowCache):
+    """The queue and the workers of one operator process, on its caches (built by `app.App`).
 
     ``listeners`` hear every change of a cached Flow (the per-flow metrics); ``fence`` is asked
     before every write (the leader elector's `still_leading`; always yes without election);
@@ -157,133 +132,21 @@ class Controller:
 
     def __init__(self, settings: Settings, listeners: Sequence[FlowListener] = (), *,
                  fence: Callable[[], bool] = lambda: True, state_ca: str = "") -> None:
+        super().__init__(listeners)
         self.settings = settings
         self.kube: Kube | None = None
-        # Flows are kept as compact JSON: a parsed status is ~10x larger as Python objects, and
-        # most cached Flows are finished ones that are rarely read again.
-        self.flows: dict[Key, tuple[int, str, bytes]] = {}  # (resourceVersion, uid, JSON)
-        self.pods: dict[Key, dict[str, PodView]] = {}
         self.queue = WorkQueue()
         self.state_ca = state_ca
-        self._active: dict[Key, str] = {}  # Flow -> the pod of its running attempt
-        self._active_pods: dict[tuple[str, str], tuple[str, str]] = {}  # (ns, pod) -> (flow, flow uid)
-        self._listeners = tuple(listeners)
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
         self._failures: dict[Key, int] = {}  # consecutive failed reconciles, for backoff
-        # Reports the state API took from pods of closed runs, not yet folded into the status. Lost
-        # with the process, harmlessly: the pod's final report is read again when the pod ends.
-        self._late: dict[Key, dict[str, RunReport]] = {}
-        self._pod_seen: dict[tuple[str, str], float] = {}  # (namespace, pod) -> monotonic time of its last event
-        # Warm reports (a conversation's pod answered a turn and waits for the next message) the state
-        # API took, not yet folded; None: a warm pod is waiting on a turn the status lacks, read its report.
-        self._warm: dict[Key, RunReport | None] = {}
-        self._changed: dict[Key, asyncio.Event] = {}  # set when the Flow changes: wakes the long polls
         self.instance = socket.gethostname()
         self.leading = False  # workers run: this replica is the one status writer
         self.fence = fence
 
-    # -- watch side (called by the informers; must stay cheap) ---------------------------------------
-
-    def informers(self, kube: Callable[[], Kube | None], namespaces: list[str]) -> list[Informer]:
-        """The two watches that feed the caches: Flows and runner pods, cluster-wide or per namespace.
-        Every replica runs them (followers serve the state API and metrics from the same caches)."""
-        runner_pods = f"{c.LABEL_MANAGED_BY}={c.MANAGED_BY},{c.LABEL_COMPONENT}={c.COMPONENT_RUNNER}"
-        out = []
-        for ns in namespaces or [""]:
-            flows = flow_path(ns) if ns else f"/apis/{c.GROUP}/{c.VERSION}/{c.PLURAL}"
-            pods = ns_path(ns, "pods") if ns else "/api/v1/pods"
-            out.append(Informer(kube, flows, c.API_VERSION, c.KIND, self.flow_event))
-            out.append(Informer(kube, pods, "v1", "Pod", self.pod_event, label_selector=runner_pods))
-        return out
-
-    def flow_event(self, event_type: str, body: Body) -> None:
-        meta = body.get("metadata") or {}
-        key = (meta.get("namespace", ""), meta.get("name", ""))
-        cached = self.flows.get(key)
-        if event_type == "DELETED":
-            if cached is not None and cached[1] != meta.get("uid"):
-                return  # an earlier Flow of this name, deleted (its late DELETED after a relist)
-            self.flows.pop(key, None)
-            self.pods.pop(key, None)
-            self._late.pop(key, None)
-            self._warm.pop(key, None)
-            self._track_active(key, "", None)
-            self._tell(key, None)
-        else:
-            rv = _rv(body)
-            if cached is not None and (cached[0] > rv or (cached[0] == rv != 0 and cached[1] == meta.get("uid"))):
-                # Older than what we know: a late answer to our own write, or a late event of an
-                # earlier Flow of this name (resourceVersions are comparable across objects here).
-                # The same: the watch's echo of our own status write, already taken from its answer.
-                return
-            self.flows[key] = (_rv(body), meta.get("uid", ""), orjson.dumps(_slim(body)))
-            self._track_active(key, meta.get("uid", ""), body)
-            self._tell(key, body)
-            self._enqueue(key)
-        changed = self._changed.pop(key, None)
-        if changed is not None:
-            changed.set()
-        selfmetrics.FLOWS_CACHED.set(len(self.flows))
-
-    def pod_event(self, event_type: str, body: Body) -> None:
-        meta = body.get("metadata") or {}
-        flow = (meta.get("labels") or {}).get(c.LABEL_FLOW)
-        if not flow:
-            return
-        key = (meta.get("namespace", ""), flow)
-        pods = self.pods.setdefault(key, {})
-        if event_type == "DELETED":
-            pods.pop(meta.get("name", ""), None)
-            self._pod_seen.pop((key[0], meta.get("name", "")), None)
-            if not pods:
-                self.pods.pop(key, None)
-        else:
-            self._pod_seen[(key[0], meta.get("name", ""))] = time.monotonic()
-            view = PodView.from_pod(body)
-            known = pods.get(view.name)
-            if known is not None and known.resource_version > view.resource_version:
-                return  # older than what we know (our own create's answer can lag the watch)
-            pods[view.name] = view
-            if known is not None and dataclasses.replace(known, resource_version=view.resource_version) == view:
-                return  # nothing the reconcile reads changed (the scheduler's binding, a new IP)
-        if key in self.flows:
-            self._enqueue(key)
-
-    def _tell(self, key: Key, body: Body | None) -> None:
-        for listener in self._listeners:
-            listener(key, body)
-
-    async def changed(self, key: Key, seconds: float) -> None:
-        """Wait until the cached Flow changes, for at most ``seconds`` (the state API's long polls)."""
-        event = self._changed.setdefault(key, asyncio.Event())
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(event.wait(), seconds)
-
     def _enqueue(self, key: Key) -> None:
         if self.leading:  # a follower's view is queued all at once when it begins to lead
             self.queue.add(key)
-
-    def _track_active(self, key: Key, uid: str, body: Body | None) -> None:
-        """Which pod is each Flow's running attempt (the unfinished last run), for the state API."""
-        runs = ((body or {}).get("status") or {}).get("runs") or []
-        pod = runs[-1].get("pod") if runs and isinstance(runs[-1], dict) and not runs[-1].get("finishedAt") else None
-        old = self._active.pop(key, None)
-        if old is not None:
-            self._active_pods.pop((key[0], old), None)
-        if pod:
-            self._active[key] = pod
-            self._active_pods[(key[0], pod)] = (key[1], uid)
-
-    def active_run(self, namespace: str, pod: str) -> tuple[str, str, str] | None:
-        """(flow, flow uid, pod uid or "" if its watch event is not in yet) when `pod` is a Flow's
-        running attempt; None otherwise. O(1): the state API asks on every request."""
-        hit = self._active_pods.get((namespace, pod))
-        if hit is None:
-            return None
-        flow, uid = hit
-        view = self.pods.get((namespace, flow), {}).get(pod)
-        return flow, uid, view.uid if view is not None and view.owner_uid == uid else ""
 
     def late_report(self, namespace: str, flow: str, report: RunReport) -> None:
         """The state API stored a report from a pod whose run is closed: fold it in soon. (A follower
@@ -305,60 +168,12 @@ class Controller:
             self.queue.add(key)
         return True
 
-    def _warm_status(self, namespace: str, flow: str, pod: str) -> tuple[Body | None, Body | None]:
-        """(the Flow's cached status, None) while ``pod`` is its running attempt; else (None, why)."""
-        cached = self.flows.get((namespace, flow))
-        if cached is None:
-            return None, {"message": f"flow {namespace}/{flow} is gone"}
-        status: Body = orjson.loads(cached[2]).get("status") or {}
-        runs = status.get("runs") or []
-        if not runs or runs[-1].get("pod") != pod or runs[-1].get("finishedAt"):
-            return None, {"message": f"the run of pod {pod} is closed"}
-        if status.get("phase") in c.TERMINAL_PHASES:
-            return None, {"message": f"the flow is {status.get('phase')}"}
-        return status, None
-
     def _read_warm_report(self, key: Key) -> None:
         """A warm pod waits on something the status does not show yet (the leader changed, or the
         hint was lost): read its report. Its polls repeat this until the status shows it."""
         if self.leading:
             self._warm.setdefault(key, None)
             self.queue.add(key)
-
-    def message_for(self, namespace: str, flow: str, pod: str, after: int) -> tuple[int, Body | None]:
-        """A warm pod's long poll, from the cache: (200, the message after ``after``) once it is accepted
-        for this pod; (204, None) while there is none; (410, why) when none will come to this pod."""
-        status, gone = self._warm_status(namespace, flow, pod)
-        if status is None:
-            return 410, gone
-        conv = status.get("conversation") or {}
-        if conv.get("ended"):
-            return 410, {"message": "the conversation has ended"}
-        pending = conv.get("pending") or {}
-        if pending.get("turn") == after + 1:
-            return 200, {"turn": after + 1, "text": pending.get("text", ""), "sender": pending.get("sentBy")}
-        turns = int(conv.get("turns") or 0)
-        if turns > after:
-            return 410, {"message": f"message {after + 1} was answered already"}
-        if turns < after or not conv.get("sessionId"):
-            self._read_warm_report((namespace, flow))
-        return 204, None
-
-    def answer_for(self, namespace: str, flow: str, pod: str, request_id: str) -> tuple[int, Body | None]:
-        """A warm paused pod's long poll: (200, the answer to ``request_id``) once it is accepted;
-        (204, None) while the request pends; (410, why) when no answer will come to this pod."""
-        status, gone = self._warm_status(namespace, flow, pod)
-        if status is None:
-            return 410, gone
-        fb = status.get("feedback") or {}
-        if (fb.get("request") or {}).get("id") == request_id:
-            return 204, None
-        answer = next((h for h in fb.get("history") or [] if h.get("requestId") == request_id), None)
-        if answer is None:
-            self._read_warm_report((namespace, flow))
-            return 204, None
-        return 200, {"requestId": request_id, "text": answer.get("response") or "",
-                     "timedOut": bool(answer.get("timedOut")), "outcome": answer.get("outcome")}
 
     # -- workers -------------------------------------------------------------------------------------
 
