@@ -76,7 +76,8 @@ _PYTHON_CONFIG = ("ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/s
 BASE_VERSION = "3"  # bump to rebuild the base with the same package list (e.g. for security updates)
 
 # The build context the project's Dockerfiles use (their .dockerignore allow-list).
-CONTEXT = ("pyproject.toml", "README.md", "api/flowkube_api", "operator/flowkube_operator", "runner/flowkube_runner")
+CONTEXT = ("pyproject.toml", "README.md", "api/flowkube_api", "operator/flowkube_operator", "runner/flowkube_runner",
+           "kubectl/flowkube_kubectl")
 EXAMPLE_CONTEXT = ("Dockerfile", "pyproject.toml", "myflows")
 DEVSTACK_FILES = {"stubmodel.py": "devstack/flowkube_devstack/stubmodel.py",
                   "fakerunner.py": "tests/integration/fakerunner.py"}

@@ -20,7 +20,7 @@ import pytest
 from flowkube_api.report import Usage
 from flowkube_devstack.cluster import LocalCluster, wait_for
 from flowkube_devstack.stubmodel import Rules
-from flowkube_operator import cli
+from flowkube_kubectl import cli
 from flowkube_runner.__main__ import STOP_LOG
 from tests.integration.conftest import Flows
 from tests.integration.realrunner import MODEL, RealRunnerStack, real_runner_stack

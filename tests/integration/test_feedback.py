@@ -155,7 +155,7 @@ def test_kubectl_flow_plugin_answers_and_shows_the_flow(flows: Flows, cluster: L
     env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "KUBECTL": str(cluster.bins["kubectl"])}
 
     def plugin(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "flowkube_operator.cli", "-n", flows.ns, *args],
+        return subprocess.run([sys.executable, "-m", "flowkube_kubectl", "-n", flows.ns, *args],
                               capture_output=True, text=True, env=env, timeout=60)
 
     flows.apply("plug", {"flowRef": "a:Review", "inputs": paused_then({"tokens": 1})})

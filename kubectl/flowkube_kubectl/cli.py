@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from flowkube_api.constants import PLURAL, SINGULAR, Phase, Reason
+
 POLL_INTERVAL = 0.3  # seconds between reads of a Flow while `say` waits for its reply
 HISTORY = 6  # messages `chat` shows when it starts
 
@@ -131,7 +133,7 @@ def _json(args: list[str], kube: list[str]) -> dict[str, Any]:
 
 
 def _patch(name: str, patch: dict[str, Any], kube: list[str]) -> subprocess.CompletedProcess[str]:
-    return _kubectl(["patch", "flow", name, "--subresource=status", "--type=merge", "-p",
+    return _kubectl(["patch", SINGULAR, name, "--subresource=status", "--type=merge", "-p",
                      json.dumps(patch, separators=(",", ":"))], kube)
 
 
@@ -185,7 +187,7 @@ def _conversation_lines(name: str, conv: dict[str, Any]) -> list[str]:
 def describe(flow: dict[str, Any]) -> str:
     st = flow.get("status") or {}
     name = flow["metadata"]["name"]
-    lines = [f"Flow {flow['metadata'].get('namespace', '')}/{name}: {st.get('phase', 'Pending')}"
+    lines = [f"Flow {flow['metadata'].get('namespace', '')}/{name}: {st.get('phase', Phase.PENDING)}"
              f" ({st.get('definition', '')}) - {st.get('message', '')}"]
     req = (st.get("feedback") or {}).get("request")
     if req:
@@ -235,7 +237,7 @@ def flow_table(flows: list[dict[str, Any]], all_namespaces: bool, now: datetime)
     for f in flows:
         st, meta = f.get("status") or {}, f["metadata"]
         rows.append([meta.get("namespace", "")] * all_namespaces
-                    + [meta["name"], st.get("phase") or "Pending", st.get("definition") or "",
+                    + [meta["name"], st.get("phase") or Phase.PENDING, st.get("definition") or "",
                        str((st.get("usage") or {}).get("totalTokens", "")), _age(meta.get("creationTimestamp"), now)])
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     return "\n".join("   ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows)
@@ -260,20 +262,20 @@ def _outcome(flow: dict[str, Any], turns_before: int, phase_before: str | None) 
     if turns > turns_before and taken and not conv.get("pending"):
         return Turn("reply", conv.get("lastReply") or "", bool(conv.get("ended")))
     req = (st.get("feedback") or {}).get("request")
-    if phase == "AwaitingFeedback" and req and taken and (conv.get("pending") or phase_before != phase):
+    if phase == Phase.AWAITING_FEEDBACK and req and taken and (conv.get("pending") or phase_before != phase):
         name = flow["metadata"]["name"]
         return Turn("feedback", "\n".join(_feedback_lines(name, req)))
-    if phase == "Failed":
+    if phase == Phase.FAILED:
         return Turn("failed", f"Flow failed: {st.get('message') or 'no message'}")
-    if taken and not conv.get("pending") and turns == turns_before and phase not in ("Running", "Pending"):
+    if taken and not conv.get("pending") and turns == turns_before and phase not in (Phase.RUNNING, Phase.PENDING):
         return Turn("refused")
     return None
 
 
 def _refusal(name: str, kube: list[str]) -> str:
     try:
-        events = _json(["get", "events", "--field-selector", f"involvedObject.name={name},reason=MessageRefused"],
-                       kube).get("items") or []
+        selector = f"involvedObject.name={name},reason={Reason.MESSAGE_REFUSED}"
+        events = _json(["get", "events", "--field-selector", selector], kube).get("items") or []
     except KubectlError:
         events = []
     if not events:
@@ -285,14 +287,14 @@ def _refusal(name: str, kube: list[str]) -> str:
 
 def send(name: str, text: str, kube: list[str], timeout: float) -> Turn:
     """Send one message and wait for what becomes of it: a reply, a feedback request, a failure or a refusal."""
-    before = _json(["get", "flow", name], kube)
+    before = _json(["get", SINGULAR, name], kube)
     turns_before = _conversation(before).get("turns") or 0
     out = _patch(name, message_patch(text), kube)
     if out.returncode != 0:
         return Turn("refused", out.stderr.strip() or f"kubectl patch exited with {out.returncode}")
     deadline = time.monotonic() + timeout
     while True:
-        turn = _outcome(_json(["get", "flow", name], kube), turns_before, (before.get("status") or {}).get("phase"))
+        turn = _outcome(_json(["get", SINGULAR, name], kube), turns_before, (before.get("status") or {}).get("phase"))
         if turn:
             return Turn("refused", _refusal(name, kube)) if turn.outcome == "refused" else turn
         left = deadline - time.monotonic()
@@ -313,7 +315,7 @@ def _report(turn: Turn, reply_prefix: str = "") -> int:
 
 
 def chat(name: str, kube: list[str], timeout: float) -> int:
-    conv = _conversation(_json(["get", "flow", name], kube))
+    conv = _conversation(_json(["get", SINGULAR, name], kube))
     for m in (conv.get("messages") or [])[-HISTORY:]:
         who = "flow" if m.get("role") == "assistant" else m.get("sender") or "you"
         print(f"{who}> {m.get('content', '')}")
@@ -351,9 +353,9 @@ def _run(a: Args) -> int:
     if a.cmd == "chat":
         return chat(a.pos[0], a.kube, timeout)
     if a.pos:
-        print(describe(_json(["get", "flow", a.pos[0]], a.kube)))
+        print(describe(_json(["get", SINGULAR, a.pos[0]], a.kube)))
         return 0
-    items = _json(["get", "flows", *["--all-namespaces"] * a.all_namespaces], a.kube).get("items") or []
+    items = _json(["get", PLURAL, *["--all-namespaces"] * a.all_namespaces], a.kube).get("items") or []
     if not items:
         print("No flows found.", file=sys.stderr)
         return 0
@@ -374,7 +376,3 @@ def main(argv: list[str] | None = None) -> int:
     except KubectlError as e:
         sys.stderr.write(str(e))
         return e.returncode
-
-
-if __name__ == "__main__":
-    sys.exit(main())

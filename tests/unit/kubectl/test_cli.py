@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from flowkube_operator import cli
+from flowkube_kubectl import cli
 
 # Records its argv, then answers the n-th call of a kind ("get flow", "patch flow", ...) with the
 # n-th canned reply of that kind (the last one repeats).
@@ -139,7 +139,7 @@ def test_help_shows_the_usage_lines(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_kubectl_errors_pass_through(kubectl: Kubectl, capsys: pytest.CaptureFixture[str]) -> None:
-    kubectl.on("get flow", rc=1, err='Error from server (NotFound): flows.flowkube.dev "nope" not found\n')
+    kubectl.on("get flow", rc=1, err='Error from server (NotFound): flows.flowkube.io "nope" not found\n')
     assert cli.main(["get", "nope"]) == 1
     assert "not found" in capsys.readouterr().err
 
