@@ -6,9 +6,10 @@ admission webhook refuses a spec over these bounds at ``kubectl apply``, naming 
 reconcile checks the same rule before it makes a pod (a Flow that got in while the webhook was off
 fails ``InvalidSpec`` instead of making a pod that cannot start).
 
-- **Size:** a runner pod gets ``definition``, ``inputs`` and ``budget`` as one JSON environment
-  variable (``FLOWKUBE_SPEC``), and Linux refuses to start a process with an environment string over
-  128 KiB (``MAX_ARG_STRLEN``): beyond that, no runner could start anyway. Each pod-shaped field is
+- **Size:** a runner pod gets ``definition`` (or ``flowRef``), ``inputs`` and ``budget`` as one JSON
+  environment variable (``FLOWKUBE_SPEC``), and Linux refuses to start a process with an environment
+  string over 128 KiB (``MAX_ARG_STRLEN``): beyond that, no runner could start anyway. The bound
+  measures the very text the pod gets (``runspec.runner_spec_env``). Each pod-shaped field is
   bounded on its own.
 - **Depth:** JSON nested deeper than any flow's inputs need is refused: deep nesting costs recursion
   in every parser on the way (the operator's, the runner's, crewAI's).
@@ -20,22 +21,17 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from pydantic import ValidationError
+
 from flowkube_api import constants as c
+from flowkube_api.models import FlowSpec
+from flowkube_api.runspec import runner_spec_env, spec_error_text
 
 SPEC_ENV_LIMIT = 128 * 1024 - len(c.ENV_SPEC) - 2  # "NAME=value\0" within the kernel's 128 KiB
 POD_FIELD_LIMIT = 64 * 1024  # bytes of JSON per pod-shaped field (env, envFrom, tolerations, affinity)
 DEPTH_LIMIT = 32  # nesting levels of objects and lists in any free-form field
-
-# The fields the runner reads from FLOWKUBE_SPEC, in the order they are written.
-RUNNER_SPEC_FIELDS = ("definition", "flowRef", "inputs", "budget")
 _POD_FIELDS = (("env",), ("envFrom",), ("podTemplate", "tolerations"), ("podTemplate", "affinity"),
                ("podTemplate", "nodeSelector"), ("podTemplate", "metadata"))
-
-
-def runner_spec_env(spec: Mapping[str, Any]) -> str:
-    """The part of the Flow spec the runner needs, as it needs it (JSON in FLOWKUBE_SPEC)."""
-    keep = {k: spec[k] for k in RUNNER_SPEC_FIELDS if spec.get(k) is not None}
-    return json.dumps(keep, separators=(",", ":"), sort_keys=True)
 
 
 def depth_over(value: Any, limit: int = DEPTH_LIMIT) -> bool:
@@ -71,10 +67,16 @@ def spec_problem(spec: Mapping[str, Any]) -> str | None:
     for name, value in pod_fields:
         if value is not None and (size := _json_size(value)) > POD_FIELD_LIMIT:
             return f"{name} is {size} bytes as JSON; the limit is {POD_FIELD_LIMIT}"
-    size = len(runner_spec_env(spec).encode("utf-8"))
+    try:  # the text the runner pods would get (the API server checked the schema before the webhook)
+        size = len(runner_spec_env(FlowSpec.model_validate(spec)).encode("utf-8"))
+    except ValidationError as e:
+        return spec_error_text(e)
     if size > SPEC_ENV_LIMIT:
         parts = ", ".join(f"spec.{k} {_json_size(spec[k])}" for k in ("inputs", "definition")
                           if spec.get(k) is not None)
         return (f"spec.inputs and spec.definition are {size} bytes as JSON together ({parts}); a runner pod "
                 f"receives them in one environment variable, and the limit is {SPEC_ENV_LIMIT} bytes")
     return None
+
+
+__all__ = ["DEPTH_LIMIT", "POD_FIELD_LIMIT", "SPEC_ENV_LIMIT", "depth_over", "runner_spec_env", "spec_problem"]

@@ -6,11 +6,12 @@ keep Kubernetes' own shapes and are validated by the API server again when the r
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from decimal import Decimal
+from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, JsonValue
+from pydantic import ConfigDict, Field, JsonValue, SerializerFunctionWrapHandler, model_serializer
 
-from flowkube_api.base import Model, Money, Time
+from flowkube_api.base import Model, Money, Time, money_text
 from flowkube_api.constants import (
     DEFAULT_DISRUPTION_LIMIT,
     DEFAULT_KEEP_WARM_SECONDS,
@@ -26,6 +27,7 @@ from flowkube_api.report import FeedbackRequest, TokenUsage, Usage
 
 _DOTTED = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
 FLOW_REF_PATTERN = f"^{_DOTTED}:{_DOTTED}$"
+FlowRef = Annotated[str, Field(pattern=FLOW_REF_PATTERN, max_length=512)]
 
 # Marker for "any JSON object, kept as is" (x-kubernetes-preserve-unknown-fields in the CRD).
 FreeObject = Annotated[
@@ -148,6 +150,9 @@ class ConversationSpec(Model):
     )
 
 
+BudgetLimit = Literal["maxTotalTokens", "maxCost"]
+
+
 class Budget(Model):
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
         cel("has(self.maxTotalTokens) || has(self.maxCost)", "budget sets maxTotalTokens, maxCost or both"),
@@ -159,6 +164,32 @@ class Budget(Model):
         description='Hard cap on the flow\'s spend across all runs, in USD, as a decimal string ("2.50"); '
         "checked after every LLM call like maxTotalTokens.")
 
+    def exceeded_by(self, total_tokens: int, cost: Decimal, *, starting: bool = True) -> BudgetLimit | None:
+        """The budget rule, the one both the operator and the runner apply: which limit the flow's
+        usage over all its runs (``total_tokens``, ``cost``) is past, or None.
+
+        A limit *reached* (usage equal to it) stops whatever would start next, a run or a model call,
+        since anything that starts adds to it (``starting``, the default). After a model call
+        (``starting=False``) only a limit *crossed* (usage over it) ends the run in progress at once: a
+        run that lands exactly on its budget may finish without another call (docs/api.md: "The runner
+        stops at the model call that crosses it, and no new run starts once it is reached")."""
+
+        def past(used: Decimal | int, limit: Decimal | int) -> bool:
+            return used >= limit if starting else used > limit
+
+        if self.max_total_tokens is not None and past(total_tokens, self.max_total_tokens):
+            return "maxTotalTokens"
+        if self.max_cost is not None and past(cost, self.max_cost):
+            return "maxCost"
+        return None
+
+    def figure(self, limit: BudgetLimit, total_tokens: int, cost: Decimal) -> str:
+        """What ``limit`` stands at, as every budget message names it: ``USD 2.5031 spent of budget.maxCost=2.5``."""
+        if limit == "maxCost":
+            assert self.max_cost is not None
+            return f"USD {money_text(cost)} spent of budget.maxCost={money_text(self.max_cost)}"
+        return f"{total_tokens} tokens used of budget.maxTotalTokens={self.max_total_tokens}"
+
 
 class FlowDefinitionSpec(Model):
     """The inline definition: `name` is checked here; the rest by crewAI's own FlowDefinition model."""
@@ -168,6 +199,16 @@ class FlowDefinitionSpec(Model):
     )
 
     name: str = Field(min_length=1, max_length=253, description="The flow's own name.")
+
+    @model_serializer(mode="wrap")
+    def _as_written(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # ``exclude_none`` leaves out the API's own unset fields; the rest of a definition is crewAI's,
+        # passed on as written, a null included (crewAI may tell a null from a missing field).
+        data: dict[str, Any] = handler(self)
+        for key, value in (self.model_extra or {}).items():
+            if value is None:
+                data.setdefault(key, None)
+        return data
 
 
 class FlowSpec(Model):
@@ -184,8 +225,8 @@ class FlowSpec(Model):
         default=None,
         description="Inline crewAI flow definition (crewai.flow/v1: name, state, methods, ...).",
     )
-    flow_ref: str | None = Field(
-        default=None, pattern=FLOW_REF_PATTERN, max_length=512,
+    flow_ref: FlowRef | None = Field(
+        default=None,
         description='"package.module:ClassName" of a crewAI Flow subclass importable in the runner image.',
     )
     inputs: FreeObject | None = Field(default=None, description="Passed to kickoff(inputs=...).")
@@ -339,6 +380,7 @@ class Flow(Model):
 
 __all__ = [
     "Budget",
+    "BudgetLimit",
     "Condition",
     "ConversationMessage",
     "ConversationSpec",

@@ -8,9 +8,10 @@ from typing import Any
 
 from flowkube_api import constants as c
 from flowkube_api.base import money_text
-from flowkube_api.limits import runner_spec_env
+from flowkube_api.models import FlowSpec
 from flowkube_api.prices import prices_json
 from flowkube_api.report import TokenUsage
+from flowkube_api.runspec import runner_spec_env
 from flowkube_operator.settings import Settings
 
 Body = dict[str, Any]
@@ -174,6 +175,9 @@ def runner_pod(  # noqa: PLR0913 - keyword-only: every input of the pod spec, ea
     The price overrides (``FLOWKUBE_PRICES``) are the operator's, set even when empty: the variables
     the operator sets win over a Flow's ``spec.env``, and a container's ``env`` over its ``envFrom``,
     so a Flow cannot price its own calls (and so dodge its ``budget.maxCost``) by setting them.
+
+    ``FLOWKUBE_SPEC`` is written from the validated spec (``runspec.RunnerSpec``, the model the runner
+    reads it with); the pod policy touches none of its fields.
     """
     meta = flow["metadata"]
     spec: Body = _apply_policy(flow.get("spec") or {}, settings)[1]
@@ -187,7 +191,7 @@ def runner_pod(  # noqa: PLR0913 - keyword-only: every input of the pod spec, ea
         {"name": c.ENV_NAMESPACE, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": c.ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": c.ENV_TRIGGER, "value": trigger.value},
-        {"name": c.ENV_SPEC, "value": runner_spec_env(spec)},
+        {"name": c.ENV_SPEC, "value": runner_spec_env(FlowSpec.model_validate(flow.get("spec") or {}))},
         {"name": c.ENV_STATE_URL, "value": settings.state_endpoint},
         {"name": c.ENV_STATE_CA, "value": state_ca},
         # What earlier runs used: the budget (tokens and money) is the flow's, checked per call.

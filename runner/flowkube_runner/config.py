@@ -8,14 +8,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic.alias_generators import to_camel
 
 from flowkube_api import constants as c
-from flowkube_api.base import Money, parse_money
+from flowkube_api.base import parse_money
 from flowkube_api.prices import ModelPrice, prices_from_json
+from flowkube_api.runspec import RunnerSpec, spec_error_text
 
 ENV_TERMINATION_LOG = c.ENV_TERMINATION_LOG
 ENV_STATE_DIR = c.ENV_STATE_DIR
@@ -32,26 +33,6 @@ class ConfigError(Exception):
 
 class _Camel(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
-
-
-class Budget(_Camel):
-    max_total_tokens: int | None = Field(default=None, ge=0)
-    max_cost: Money | None = None
-
-
-class RunSpec(_Camel):
-    """``FLOWKUBE_SPEC``: the parts of the Flow spec a run needs."""
-
-    definition: dict[str, Any] | None = None
-    flow_ref: str | None = None
-    inputs: dict[str, Any] = Field(default_factory=dict)
-    budget: Budget = Field(default_factory=Budget)
-
-    @model_validator(mode="after")
-    def _exactly_one_source(self) -> RunSpec:
-        if (self.definition is None) == (self.flow_ref is None):
-            raise ValueError("exactly one of definition / flowRef must be set")
-        return self
 
 
 class Feedback(_Camel):
@@ -77,7 +58,7 @@ class RunnerConfig:
     namespace: str
     pod: str
     trigger: c.Trigger
-    spec: RunSpec
+    spec: RunnerSpec  # FLOWKUBE_SPEC, read with the model the operator wrote it with
     feedback: Feedback | None = None
     message: Message | None = None
     prior_total_tokens: int = 0
@@ -109,9 +90,9 @@ class RunnerConfig:
         except ValueError as e:
             raise ConfigError(c.Reason.INTERNAL_ERROR, f"{c.ENV_TRIGGER}: {e}") from e
         try:
-            spec = RunSpec.model_validate(json.loads(required(c.ENV_SPEC)))
-        except (ValueError, ValidationError) as e:
-            raise ConfigError(c.Reason.INVALID_DEFINITION, f"{c.ENV_SPEC}: {e}") from e
+            spec = RunnerSpec.from_env(required(c.ENV_SPEC))
+        except ValidationError as e:
+            raise ConfigError(_spec_reason(e), f"{c.ENV_SPEC}: {spec_error_text(e)}") from e
         feedback = _optional_json(env, c.ENV_FEEDBACK, Feedback)
         message = _optional_json(env, c.ENV_MESSAGE, Message)
         try:
@@ -145,6 +126,17 @@ class RunnerConfig:
             keep_warm_seconds=keep_warm,
             feedback_keep_warm_seconds=feedback_keep_warm,
         )
+
+
+# A FLOWKUBE_SPEC the API would have refused fails the run as the field it got wrong; anything else
+# (not JSON, no single source, the definition) is the definition's.
+_SPEC_REASONS = {"flowRef": c.Reason.INVALID_FLOW_REF, "inputs": c.Reason.INVALID_INPUTS,
+                 "budget": c.Reason.INVALID_SPEC}
+
+
+def _spec_reason(error: ValidationError) -> c.Reason:
+    loc = error.errors(include_url=False)[0]["loc"]
+    return _SPEC_REASONS.get(str(loc[0]) if loc else "", c.Reason.INVALID_DEFINITION)
 
 
 def _seconds(env: Mapping[str, str], name: str) -> float:

@@ -142,9 +142,8 @@ class _Run:
         self.stop = stop
         self.recorder: UsageRecorder = UsageRecorder(
             prior_total_tokens=config.prior_total_tokens,
-            max_total_tokens=config.spec.budget.max_total_tokens,
             prior_cost=config.prior_cost,
-            max_cost=config.spec.budget.max_cost,
+            budget=config.spec.budget,
             pricer=Pricer(config.prices),
             on_call=self._after_model_call,
             stop=stop,
@@ -206,7 +205,7 @@ class _Run:
     def retry(self, session: FlowSession, document: StateDocument | None) -> Ending:
         if document is None or not document.has_completed_methods:
             log.info("nothing completed yet: the retry starts the flow from the beginning")
-            return session.kickoff(dict(self.config.spec.inputs))
+            return session.kickoff(dict(self.config.spec.inputs or {}))
         if document.pending is not None:
             if self.config.feedback is not None:
                 return self.resume(session, document)
@@ -275,7 +274,7 @@ class _Run:
         trigger, spec = self.config.trigger, self.config.spec
         document = self._document()
         self.session = session = FlowSession(self.store, self.config.pod, document)
-        session.load(definition=spec.definition, flow_ref=spec.flow_ref)
+        session.load(definition=spec.definition_document(), flow_ref=spec.flow_ref)
         if self.recorder.budget_already_spent():
             self.recorder.exceeded = True
             raise _permanent(c.Reason.BUDGET_EXCEEDED, self.recorder.budget_message())
@@ -284,7 +283,7 @@ class _Run:
             if session.is_conversation():
                 return self.converse(session, document)
             if trigger is c.Trigger.KICKOFF:
-                return session.kickoff(dict(spec.inputs))
+                return session.kickoff(dict(spec.inputs or {}))
             if trigger is c.Trigger.RESUME:
                 assert document is not None
                 if document.pending is None and document.has_completed_methods:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from flowkube_api.base import money_text
 from flowkube_api.constants import Reason, RunResult, Trigger
 from flowkube_api.models import (
     FlowSpec,
@@ -58,14 +57,10 @@ def total_usage(runs: list[Run]) -> Usage:
 
 def budget_spent(spec: FlowSpec, usage: Usage) -> str | None:
     """Why no further run may start (the budget is used up), naming the figure; None while it is not."""
-    budget = spec.budget
-    if budget is None:
+    budget = spec.budget  # one rule with the runner's (Budget.exceeded_by): once reached, no run starts
+    if budget is None or (limit := budget.exceeded_by(usage.total_tokens, usage.cost)) is None:
         return None
-    if budget.max_total_tokens is not None and usage.total_tokens >= budget.max_total_tokens:
-        return f"{usage.total_tokens} tokens used of budget.maxTotalTokens={budget.max_total_tokens}"
-    if budget.max_cost is not None and usage.cost >= budget.max_cost:
-        return f"USD {money_text(usage.cost)} spent of budget.maxCost={money_text(budget.max_cost)}"
-    return None
+    return budget.figure(limit, usage.total_tokens, usage.cost)
 
 
 def running_seconds(runs: list[Run], now: dt.datetime) -> float:

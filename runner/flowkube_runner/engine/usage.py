@@ -9,7 +9,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from decimal import Decimal
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 from crewai.events.event_bus import crewai_event_bus
@@ -19,6 +19,7 @@ from crewai.llms.base_llm import _current_call_id
 from crewai.types.usage_metrics import UsageMetrics
 
 from flowkube_api.base import money_text
+from flowkube_api.models import Budget, BudgetLimit
 from flowkube_api.report import TokenUsage, Usage
 
 from .pricing import CallTokens, Price, Pricer
@@ -34,7 +35,8 @@ class UsageRecorder:
     Each call is priced when its event is handled, at the time the call completed (``Pricer``); a
     call whose model has no price adds its tokens to that model's ``unpriced_tokens`` and no cost.
     The budgets (``maxTotalTokens``, ``maxCost``) count earlier runs (``prior_*``) too: a call that
-    crosses one is counted and ends the run, and once one is reached no further call starts.
+    crosses one is counted and ends the run, and once one is reached no further call starts (the
+    rule is ``Budget.exceeded_by``, the same the operator applies before it starts a run).
 
     The bus runs handlers on a worker pool, so every reading flushes it first: a handler still
     queued would otherwise drop its call's tokens from the report. ``on_call`` runs in the handler
@@ -54,17 +56,15 @@ class UsageRecorder:
         self,
         *,
         prior_total_tokens: int = 0,
-        max_total_tokens: int | None = None,
         prior_cost: Decimal = Decimal(0),
-        max_cost: Decimal | None = None,
+        budget: Budget | None = None,
         pricer: Pricer | None = None,
         on_call: Callable[[UsageRecorder], None] | None = None,
         stop: threading.Event | None = None,
     ) -> None:
         self._prior = prior_total_tokens
-        self._cap = max_total_tokens
         self._prior_cost = prior_cost
-        self._max_cost = max_cost
+        self._budget = budget or Budget()
         self._pricer = pricer or Pricer()
         self._on_call = on_call
         self._stop = stop
@@ -74,7 +74,7 @@ class UsageRecorder:
         self._cost = Decimal(0)
         self._cost_by_model: dict[str, Decimal] = {}
         self._unpriced_by_model: dict[str, int] = {}
-        self._crossed: Literal["tokens", "cost"] | None = None  # which budget ended the run
+        self._crossed: BudgetLimit | None = None  # which budget ended the run
         self._answered: dict[str, dict[str, Any]] = {}  # crewAI call id -> the provider's usage of its answer
         self.exceeded = False
         self.stopped = False
@@ -133,17 +133,13 @@ class UsageRecorder:
             self._on_call(self)
 
     def _budgeted(self) -> bool:
-        return self._cap is not None or self._max_cost is not None
+        return self._budget.max_total_tokens is not None or self._budget.max_cost is not None
 
     def _check_locked(self, *, before_call: bool) -> bool:
         """Whether a budget is crossed (after a call) or reached (before one: any call adds to it);
         marks the run exceeded and remembers which. The caller holds the lock."""
         tokens, cost = self._prior + self._totals.total_tokens, self._prior_cost + self._cost
-        crossed: Literal["tokens", "cost"] | None = None
-        if self._cap is not None and (tokens >= self._cap if before_call else tokens > self._cap):
-            crossed = "tokens"
-        elif self._max_cost is not None and (cost >= self._max_cost if before_call else cost > self._max_cost):
-            crossed = "cost"
+        crossed = self._budget.exceeded_by(tokens, cost, starting=before_call)
         if crossed is not None:
             self.exceeded = True
             self._crossed = self._crossed or crossed
@@ -158,17 +154,12 @@ class UsageRecorder:
 
     def budget_message(self) -> str:
         usage = self.usage()
-        if self._crossed == "cost" or (self._crossed is None and self._cap is None):
-            assert self._max_cost is not None
-            return (
-                f"money budget exceeded: USD {money_text(self._prior_cost + usage.cost)} spent of "
-                f"budget.maxCost={money_text(self._max_cost)} (USD {money_text(self._prior_cost)} in earlier "
-                f"runs + {money_text(usage.cost)} in this run)"
-            )
-        return (
-            f"token budget exceeded: {self._prior} tokens from earlier runs + "
-            f"{usage.total_tokens} in this run > maxTotalTokens {self._cap}"
-        )
+        limit = self._crossed or ("maxTotalTokens" if self._budget.max_total_tokens is not None else "maxCost")
+        figure = self._budget.figure(limit, self._prior + usage.total_tokens, self._prior_cost + usage.cost)
+        if limit == "maxCost":
+            return (f"money budget exceeded: {figure} (USD {money_text(self._prior_cost)} in earlier runs + "
+                    f"{money_text(usage.cost)} in this run)")
+        return f"token budget exceeded: {figure} ({self._prior} in earlier runs + {usage.total_tokens} in this run)"
 
     def _check_before_call(self, _ctx: Any) -> None:
         if self._stop is not None and self._stop.is_set():

@@ -7,7 +7,9 @@ import json
 from typing import Any
 
 from flowkube_api import constants as c
-from flowkube_api.limits import DEPTH_LIMIT, POD_FIELD_LIMIT, SPEC_ENV_LIMIT, depth_over, runner_spec_env, spec_problem
+from flowkube_api.limits import DEPTH_LIMIT, POD_FIELD_LIMIT, SPEC_ENV_LIMIT, depth_over, spec_problem
+from flowkube_api.models import FlowSpec
+from flowkube_api.runspec import runner_spec_env
 
 
 def nested(levels: int) -> Any:
@@ -39,13 +41,35 @@ def test_each_problem_names_its_field() -> None:
     assert "spec.inputs " in big and f"limit is {SPEC_ENV_LIMIT}" in big
 
 
+def env(spec: dict[str, Any]) -> str:
+    """FLOWKUBE_SPEC as the operator writes it into the pod."""
+    return runner_spec_env(FlowSpec.model_validate(spec))
+
+
 def test_the_bound_is_what_one_environment_string_may_hold() -> None:
     # Linux: "NAME=value" with its NUL at most 128 KiB (MAX_ARG_STRLEN); one byte more and no runner starts.
     inputs = {"t": ""}
-    spec: dict[str, Any] = {"flowRef": "a:B", "inputs": inputs}
-    inputs["t"] = "x" * (SPEC_ENV_LIMIT - len(runner_spec_env(spec)))
-    assert len(runner_spec_env(spec)) == SPEC_ENV_LIMIT and spec_problem(spec) is None
-    assert len(f"{c.ENV_SPEC}={runner_spec_env(spec)}".encode()) + 1 <= 128 * 1024
+    spec: dict[str, Any] = {"flowRef": "a:B", "inputs": inputs, "budget": {"maxCost": "2.50"}}
+    inputs["t"] = "x" * (SPEC_ENV_LIMIT - len(env(spec)))
+    assert len(env(spec)) == SPEC_ENV_LIMIT and spec_problem(spec) is None
+    assert len(f"{c.ENV_SPEC}={env(spec)}".encode()) + 1 <= 128 * 1024
     inputs["t"] += "x"
     assert spec_problem(spec) is not None
-    assert json.loads(runner_spec_env(spec))["inputs"] == inputs
+    assert json.loads(env(spec))["inputs"] == inputs
+
+
+def test_the_bound_measures_multibyte_text_as_the_pod_gets_it() -> None:
+    # Non-ASCII text goes into the pod escaped (\uXXXX, 6 bytes a character): the bound counts those bytes.
+    spec: dict[str, Any] = {"flowRef": "a:B", "inputs": {"t": "é" * (SPEC_ENV_LIMIT // 6)}}
+    assert len(env(spec)) > SPEC_ENV_LIMIT
+    problem = spec_problem(spec)
+    assert problem is not None and f"are {len(env(spec))} bytes as JSON" in problem
+
+
+def test_a_spec_the_model_refuses_is_refused_naming_the_field() -> None:
+    # The API server checks the schema before the webhook does; a Flow that got in while it was
+    # different (or the reconcile's check of a stored one) still names what is wrong.
+    assert spec_problem({"flowRef": "a:B", "budget": {"maxTotalTokens": 0}}) == (
+        "spec.budget.maxTotalTokens: Input should be greater than or equal to 1")
+    assert spec_problem({"flowRef": "a:B", "definition": {"name": "d"}}) == (
+        "spec: exactly one of spec.definition or spec.flowRef must be set")

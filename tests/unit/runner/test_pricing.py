@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from flowkube_api import constants as c
 from flowkube_api.base import money_text
+from flowkube_api.models import Budget
 from flowkube_api.prices import ModelPrice, parse_prices, prices_from_json
 from flowkube_devstack.stubmodel import Rules, StubModel, ledger_cost, ledger_usage
 from flowkube_runner.config import ConfigError, RunnerConfig
@@ -155,7 +156,7 @@ def test_max_cost_stops_before_the_next_call_once_reached() -> None:
     from flowkube_runner.engine.usage import UsageRecorder
 
     call = event("my-llama", 1000, 500)  # USD 0.0005 at the override's prices
-    recorder = UsageRecorder(max_cost=Decimal("0.001"), pricer=Pricer(parse_prices({"my-llama": LLAMA})))
+    recorder = UsageRecorder(budget=Budget(max_cost=Decimal("0.001")), pricer=Pricer(parse_prices({"my-llama": LLAMA})))
     with recorder.recording():
         recorder._check_before_call(None)
         recorder._on_llm_call_completed(None, call)
@@ -170,7 +171,7 @@ def test_max_cost_stops_before_the_next_call_once_reached() -> None:
     assert "USD 0.001 spent of budget.maxCost=0.001" in str(refused.value)
 
     # Crossed by a call already in flight: it is counted, and the run ends there.
-    crossed = UsageRecorder(max_cost=Decimal("0.0007"), prior_cost=Decimal("0.0003"),
+    crossed = UsageRecorder(budget=Budget(max_cost=Decimal("0.0007")), prior_cost=Decimal("0.0003"),
                             pricer=Pricer(parse_prices({"my-llama": LLAMA})))
     with crossed.recording():
         crossed._on_llm_call_completed(None, call)
@@ -180,9 +181,44 @@ def test_max_cost_stops_before_the_next_call_once_reached() -> None:
     assert "USD 0.0008 spent of budget.maxCost=0.0007" in crossed.budget_message()
     assert "USD 0.0003 in earlier runs" in crossed.budget_message()
 
-    spent = UsageRecorder(max_cost=Decimal("0.01"), prior_cost=Decimal("0.01"))
+    spent = UsageRecorder(budget=Budget(max_cost=Decimal("0.01")), prior_cost=Decimal("0.01"))
     assert spent.budget_already_spent() and "USD 0.01 spent of budget.maxCost=0.01" in spent.budget_message()
-    assert not UsageRecorder(max_cost=Decimal("0.01"), prior_cost=Decimal("0.0099")).budget_already_spent()
+    short = UsageRecorder(budget=Budget(max_cost=Decimal("0.01")), prior_cost=Decimal("0.0099"))
+    assert not short.budget_already_spent()
+
+
+def test_max_total_tokens_exactly_reached_lets_the_run_finish_but_no_call_start() -> None:
+    """The one budget rule (Budget.exceeded_by) at its boundary: a call that lands exactly on the
+    budget does not end the run; the next call is refused; the message names the figure as the
+    operator's does, and never claims more than was used."""
+    from crewai.hooks.dispatch import HookAborted
+
+    from flowkube_runner.engine.usage import UsageRecorder
+
+    recorder = UsageRecorder(budget=Budget(max_total_tokens=150), prior_total_tokens=50)
+    with recorder.recording():
+        recorder._check_before_call(None)
+        recorder._on_llm_call_completed(None, event("ollama/llama3", 60, 40))  # 50 + 100: exactly the budget
+        recorder._check_after(None)  # not crossed: the run goes on, and may finish without another call
+        assert not recorder.exceeded
+        with pytest.raises(HookAborted) as refused:  # reached: no further call starts
+            recorder._check_before_call(None)
+    assert recorder.exceeded
+    assert str(refused.value) == ("token budget exceeded: 150 tokens used of budget.maxTotalTokens=150 "
+                                  "(50 in earlier runs + 100 in this run)")
+
+    crossed = UsageRecorder(budget=Budget(max_total_tokens=149), prior_total_tokens=50)
+    with crossed.recording():
+        crossed._on_llm_call_completed(None, event("ollama/llama3", 60, 40))
+        with pytest.raises(HookAborted):
+            crossed._check_after(None)
+    assert "150 tokens used of budget.maxTotalTokens=149" in crossed.budget_message()
+
+    spent = UsageRecorder(budget=Budget(max_total_tokens=150), prior_total_tokens=150)
+    assert spent.budget_already_spent()
+    assert spent.budget_message() == ("token budget exceeded: 150 tokens used of budget.maxTotalTokens=150 "
+                                      "(150 in earlier runs + 0 in this run)")
+    assert not UsageRecorder(budget=Budget(max_total_tokens=150), prior_total_tokens=149).budget_already_spent()
 
 
 # ---------------------------------------------------------------------------- configuration, both sides
@@ -195,7 +231,7 @@ def runner_env(**extra: str) -> dict[str, str]:
 
 def test_the_runner_reads_max_cost_prior_cost_and_prices() -> None:
     config = RunnerConfig.from_env(runner_env(**{c.ENV_PRIOR_COST: "0.0123", c.ENV_PRICES: json.dumps({"m": LLAMA})}))
-    assert config.spec.budget.max_cost == Decimal("2.50") and config.spec.budget.max_total_tokens is None
+    assert config.spec.budget == Budget(max_cost=Decimal("2.50"))
     assert config.prior_cost == Decimal("0.0123")
     assert config.prices == {"m": ModelPrice(prompt=Decimal("0.20"), completion=Decimal("0.60"),
                                              cached_prompt=Decimal("0.05"), cache_creation=Decimal("0.25"))}

@@ -6,6 +6,7 @@ import base64
 import gzip
 import json
 import os
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -187,7 +188,7 @@ def test_config_from_env() -> None:
     config = RunnerConfig.from_env(env())
     assert config.trigger is c.Trigger.RESUME
     assert config.spec.flow_ref == "m:C" and config.spec.inputs == {"a": 1}
-    assert config.spec.budget.max_total_tokens == 5
+    assert config.spec.budget is not None and config.spec.budget.max_total_tokens == 5
     assert config.feedback is not None and config.feedback.request_id == "r-1"
     assert config.prior_total_tokens == 7
     assert config.termination_log == Path("/dev/termination-log")
@@ -198,6 +199,9 @@ def test_config_from_env() -> None:
     [
         ({c.ENV_SPEC: "{"}, c.Reason.INVALID_DEFINITION),
         ({c.ENV_SPEC: json.dumps({"flowRef": "m:C", "definition": {}})}, c.Reason.INVALID_DEFINITION),
+        ({c.ENV_SPEC: json.dumps({"flowRef": "m:C", "budget": {"maxCost": "lots"}})}, c.Reason.INVALID_SPEC),
+        ({c.ENV_SPEC: json.dumps({"flowRef": "not a class"})}, c.Reason.INVALID_FLOW_REF),
+        ({c.ENV_SPEC: json.dumps({"flowRef": "m:C", "inputs": "text"})}, c.Reason.INVALID_INPUTS),
         ({c.ENV_TRIGGER: "restart"}, c.Reason.INTERNAL_ERROR),
         ({c.ENV_POD_NAME: ""}, c.Reason.INTERNAL_ERROR),
     ],
@@ -206,6 +210,36 @@ def test_config_errors_name_their_reason(override: dict[str, str], reason: c.Rea
     with pytest.raises(ConfigError) as info:
         RunnerConfig.from_env(env(**override))
     assert info.value.reason is reason
+
+
+def test_the_runner_holds_flowkube_spec_to_the_apis_bounds() -> None:
+    """The runner reads FLOWKUBE_SPEC with the API's own model: a budget the API server refuses
+    (maxTotalTokens >= 1) is refused here too, naming the field as the API would."""
+    spec = json.dumps({"flowRef": "m:C", "budget": {"maxTotalTokens": 0}})
+    with pytest.raises(ConfigError) as info:
+        RunnerConfig.from_env(env(**{c.ENV_SPEC: spec}))
+    assert info.value.reason is c.Reason.INVALID_SPEC
+    assert str(info.value) == f"{c.ENV_SPEC}: spec.budget.maxTotalTokens: Input should be greater than or equal to 1"
+    with pytest.raises(ConfigError) as info:
+        RunnerConfig.from_env(env(**{c.ENV_SPEC: json.dumps({"definition": {"name": "d"}, "flowRef": "m:C"})}))
+    assert "exactly one of spec.definition or spec.flowRef must be set" in str(info.value)
+
+
+def test_the_runner_reads_the_spec_the_operator_writes() -> None:
+    from flowkube_api.models import Budget, FlowSpec
+    from flowkube_api.runspec import RunnerSpec
+    from flowkube_operator.resources import runner_pod
+    from flowkube_operator.settings import Settings
+
+    spec = {"definition": {"name": "d", "methods": {"a": {"start": True}}}, "inputs": {"x": [1, None]},
+            "budget": {"maxTotalTokens": 9, "maxCost": "0.50"}, "suspend": False}
+    pod = runner_pod({"metadata": {"name": "f", "namespace": "ns", "uid": "u"}, "spec": spec}, index=0,
+                     trigger=c.Trigger.KICKOFF, settings=Settings())
+    written = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"] if "value" in e}
+    config = RunnerConfig.from_env({**env(), **written, c.ENV_POD_NAME: "f-0"})
+    assert config.spec == RunnerSpec.of(FlowSpec.model_validate(spec))
+    assert config.spec.budget == Budget(max_total_tokens=9, max_cost=Decimal("0.5"))
+    assert config.spec.definition_document() == spec["definition"] and config.spec.inputs == {"x": [1, None]}
 
 
 def test_state_api_store_waits_out_an_operator_restart_but_not_a_refusal(
