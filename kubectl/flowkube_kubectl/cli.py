@@ -74,29 +74,36 @@ def parse(argv: list[str]) -> Args:
         if not tok.startswith("-") or tok == "-":
             a.pos.append(tok)
             continue
-        flag, eq, value = tok.partition("=")
-        if not eq and not flag.startswith("--") and flag[:2] in _KUBE_VALUE_FLAGS and len(flag) > 2:
-            flag, eq, value = flag[:2], "=", flag[2:]  # -nNAMESPACE
-        if flag in ("-h", "--help"):
-            a.help = True
-        elif flag in ("-A", "--all-namespaces"):
-            a.all_namespaces = value.lower() not in ("false", "0")
-        elif flag in _KUBE_BOOL_FLAGS:
-            a.kube.append(tok)
-        elif flag in _KUBE_VALUE_FLAGS or flag in _COMMAND_FLAGS:
-            if not eq:
-                if i == len(argv):
-                    raise UsageError(f"flag {flag} needs a value")
-                value, i = argv[i], i + 1
-            if flag in _KUBE_VALUE_FLAGS:
-                a.kube.append(f"{_KUBE_VALUE_FLAGS[flag]}={value}")
-            else:
-                a.opts[flag] = value
-        else:
-            raise UsageError(f"unknown flag {flag} (put -- before a TEXT that starts with -)")
+        i = _take_flag(a, tok, argv, i)
     if not a.help:
         _check(a)
     return a
+
+
+def _take_flag(a: Args, tok: str, argv: list[str], i: int) -> int:
+    """Record the flag ``tok`` (its value from the next argument if it needs one and has no ``=``);
+    returns the index of the argument after it."""
+    flag, eq, value = tok.partition("=")
+    if not eq and not flag.startswith("--") and flag[:2] in _KUBE_VALUE_FLAGS and len(flag) > 2:
+        flag, eq, value = flag[:2], "=", flag[2:]  # -nNAMESPACE
+    if flag in ("-h", "--help"):
+        a.help = True
+    elif flag in ("-A", "--all-namespaces"):
+        a.all_namespaces = value.lower() not in ("false", "0")
+    elif flag in _KUBE_BOOL_FLAGS:
+        a.kube.append(tok)
+    elif flag in _KUBE_VALUE_FLAGS or flag in _COMMAND_FLAGS:
+        if not eq:
+            if i == len(argv):
+                raise UsageError(f"flag {flag} needs a value")
+            value, i = argv[i], i + 1
+        if flag in _KUBE_VALUE_FLAGS:
+            a.kube.append(f"{_KUBE_VALUE_FLAGS[flag]}={value}")
+        else:
+            a.opts[flag] = value
+    else:
+        raise UsageError(f"unknown flag {flag} (put -- before a TEXT that starts with -)")
+    return i
 
 
 def _check(a: Args) -> None:

@@ -15,7 +15,7 @@ Each event costs one JSON decode (orjson) and one call. This replaced kopf's wat
 per-event machinery (a logger, cause detection and bookkeeping per event) was about a quarter of the
 operator's CPU in a burst, and which watched every pod of the cluster and filtered runner pods in
 Python (here the API server filters, by label). kopf still serves the admission webhooks and logs in;
-/healthz and /readyz are the operator's own (handlers.py).
+/healthz and /readyz are the operator's own (app.py).
 """
 
 from __future__ import annotations
