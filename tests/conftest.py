@@ -13,11 +13,14 @@ import pytest
 
 from flowkube_devstack.cluster import ClusterError, LocalCluster, wait_for
 
+# Fixtures whose binaries are built from the Kubernetes Go modules: a test that takes one is marked
+# `controlplane` whether or not its author said so, and `-m "not controlplane"` needs no Go.
+BUILT_FROM_GO = frozenset({"cluster", "helm"})
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # A test that takes the cluster needs the control plane, whether or not its author said so.
     for item in items:
-        if "cluster" in getattr(item, "fixturenames", ()):
+        if BUILT_FROM_GO & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.controlplane)
 
 
