@@ -104,3 +104,23 @@ def test_a_flow_still_runs_with_inputs_up_to_the_bound(flows: Flows, operator: C
     flows.apply("roomy", {"flowRef": "a:B", "inputs": {"plan": plan, "notes": "x" * 100_000}})
     st = flows.wait_phase("roomy", "Succeeded", timeout=90)
     assert st["usage"]["totalTokens"] == 2
+
+
+def test_an_image_outside_the_runner_policy_is_refused_at_apply_even_with_only_a_flowref(
+        flows: Flows, operator: ChartOperator) -> None:
+    """A Flow with `flowRef` and `image` and no other field the webhook matched was admitted without
+    the webhook, and its pod silently ran the operator's own runner image instead."""
+    operator.upgrade("runnerPolicy.images={registry.example.com/team/*}")
+    try:
+        for name, image, admitted in (("miner", "evil.example.com/miner:1", False),
+                                      ("team", "registry.example.com/team/runner:1", True)):
+            obj = {"apiVersion": "flowkube.io/v1alpha1", "kind": "Flow", "metadata": {"name": name},
+                   "spec": {"flowRef": "a:B", "suspend": True, "image": image}}
+            out = flows.cluster.kubectl("create", "-n", flows.ns, "-f", "-", input=json.dumps(obj), check=False)
+            if admitted:
+                assert out.returncode == 0, out.stderr
+            else:
+                assert out.returncode != 0 and "spec.image" in out.stderr, out.stderr[:2000]
+                assert flows.get(name) is None
+    finally:
+        operator.upgrade()

@@ -481,13 +481,13 @@ def test_webhooks(helm: Path) -> None:
         assert "namespaceSelector" not in hook
     flows = validating[0]
     assert flows["name"] == "flows.validate.flowkube.io"
-    # Inline definitions and the schemaless fields' bounds are checked; a flowRef Flow with none of
-    # them is admitted without a round trip.
+    # Inline definitions, the schemaless fields' bounds and the runner pod policy are checked; a
+    # flowRef Flow with none of those fields is admitted without a round trip.
     assert flows["matchConditions"] == [
         {"name": "spec-written", "expression": "request.operation == 'CREATE' || object.spec != oldObject.spec"},
-        {"name": "free-form-fields", "expression": (
+        {"name": "checked-fields", "expression": (
             "has(object.spec.definition) || has(object.spec.inputs) || has(object.spec.envFrom) "
-            "|| has(object.spec.podTemplate) || has(object.spec.env)")},
+            "|| has(object.spec.podTemplate) || has(object.spec.env) || has(object.spec.image)")},
     ]
     for hook in validating[1:] + mutating:
         assert hook["matchConditions"] == [{
