@@ -1,4 +1,5 @@
-"""The I/O edge around `reconcile.plan`: caches fed by two watches (informer.py), a work queue, and apply.
+"""The I/O edge around `reconcile.plan`: a work queue, workers, and applying a plan, on the caches
+(`cache.FlowCache`) that two watches (informer.py) feed.
 
 Like controller-runtime: watch events only put a Flow's key on a de-duplicating queue; workers
 take keys, read the latest cached Flow and its pods, plan, and apply. A key is never processed by
