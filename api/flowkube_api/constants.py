@@ -157,6 +157,8 @@ STATE_API_PREFIX = "/v1/state/"  # + key: GET and PUT of one binaryData key of t
 STATE_KEY_PATTERN = r"[-._a-zA-Z0-9]{1,253}"  # what a ConfigMap key may be
 # + the number of the last message the caller answered: a warm runner's long poll for the next one.
 MESSAGE_API_PREFIX = "/v1/message/"
+# On a 503 of the state API: "true" when the value was stored, by a replica that does not reconcile.
+HEADER_STORED = "Flowkube-Stored"
 ANSWER_API_PREFIX = "/v1/answer/"  # + the feedback request id: a warm paused runner's long poll for its answer
 MESSAGE_POLL_SECONDS = 20  # the longest one long poll is held before "nothing yet" (204)
 DEFAULT_KEEP_WARM_SECONDS = 120  # spec.conversation.keepWarmSeconds when unset

@@ -277,6 +277,9 @@ class Run(Model):
     warm_seconds: float | None = Field(
         default=None, description="Time the run's pod waited warm for a conversation's next message or a "
         "feedback answer; not counted toward activeDeadlineSeconds.")
+    closed_on_report: bool | None = Field(
+        default=None, description="The run ended when its pod wrote its final report, before the pod itself "
+        "ended; the pod's end changes nothing in it.")
 
 
 class PendingFeedback(FeedbackRequest):

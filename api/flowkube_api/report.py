@@ -166,6 +166,10 @@ class RunReport(Model):
     # The pod answered its turn and stays up for the next message: the run goes on (a conversation's
     # warm runner). The operator folds the turn in without ending the run.
     warm: bool = False
+    # The runner's last word (written as it ends, after everything the run did is saved and counted):
+    # nothing later can change the run, so the operator ends the run when it has this report, without
+    # waiting for the pod to end.
+    final: bool = False
     started_at: Time | None = None
     finished_at: Time | None = None
 

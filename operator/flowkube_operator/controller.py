@@ -157,10 +157,11 @@ class Controller(FlowCache):
             self._late.setdefault(key, {})[report.pod] = report
             self.queue.add(key)
 
-    def warm_report(self, namespace: str, flow: str, report: RunReport) -> bool:
-        """The state API stored the warm report of a Flow's running attempt: fold the turn in now.
-        False on a follower: the runner sends it again until the leader has it (a follower's hint
-        would be lost, and the turn shown only when the pod ends)."""
+    def running_report(self, namespace: str, flow: str, report: RunReport) -> bool:
+        """The state API stored a report of a Flow's running attempt that says something now: a warm
+        one (a turn answered, a pause) or the final one (the run's end, before its pod has ended).
+        Fold it in now. False on a follower: the runner sends it again so the leader has it (a
+        follower's hint would be lost, and the report read only when the pod ends)."""
         key = (namespace, flow)
         if not self.leading:
             return False

@@ -121,8 +121,9 @@ class Runs(Protocol):
     def late_report(self, namespace: str, flow: str, report: RunReport) -> None:
         """A pod whose run is closed stored a report: fold it in."""
 
-    def warm_report(self, namespace: str, flow: str, report: RunReport) -> bool:
-        """The running attempt stored a warm report: fold it in now (False: this replica does not lead)."""
+    def running_report(self, namespace: str, flow: str, report: RunReport) -> bool:
+        """The running attempt stored a warm or a final report: fold it in now (False: this replica
+        does not lead)."""
 
     def message_for(self, namespace: str, flow: str, pod: str, after: int) -> tuple[int, Body | None]: ...
 
@@ -436,11 +437,14 @@ class StateApi:
         await self.put(t, key, value)
         if report is not None and t.late:
             self._runs.late_report(t.namespace, t.flow, report)
-        elif report is not None and report.warm and not self._runs.warm_report(t.namespace, t.flow, report):
+        elif (report is not None and (report.warm or report.final)
+              and not self._runs.running_report(t.namespace, t.flow, report)):
             # Stored, but this replica does not reconcile: the runner sends it again, on a new
-            # connection (so, through the Service, likely to another replica), until the leader has it.
-            response = _error(503, "this operator replica does not reconcile; send the turn's report again")
+            # connection (so, through the Service, likely to another replica), until the leader has it
+            # (a final report only for a moment: the leader also reads it when the pod has ended).
+            response = _error(503, "this operator replica does not reconcile; send the report again")
             response.headers["Connection"] = "close"
+            response.headers[c.HEADER_STORED] = "true"
             return response
         return web.Response(status=204)
 

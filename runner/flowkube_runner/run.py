@@ -85,6 +85,8 @@ def _is_api_error(error: BaseException) -> bool:
 
 
 INTERRUPTED_MESSAGE = "the runner stopped before finishing"
+# How long the final report is sent again while operator replicas that do not lead answer it.
+FINAL_REPORT_LEADER_SECONDS = 2.0
 STOPPED_MESSAGE = (
     "the runner was stopped (SIGTERM) before the flow finished: the model call in flight was let finish "
     "and is counted, no new one was started; a retry continues after the last completed method"
@@ -551,10 +553,15 @@ def _safe_usage(run: _Run) -> Usage:
 
 
 def publish(report: RunReport, store: StateStore | None, termination_log: Path) -> None:
-    """The ConfigMap report is the record; the termination message backs it up."""
+    """The ConfigMap report is the record; the termination message backs it up. Both say ``final``:
+    the operator ends the run as soon as it has this report."""
+    report = report.model_copy(update={"final": True})
     if store is not None:
         try:
-            store.put(c.report_key(report.pod), report.encode())
+            # A replica that does not reconcile stores it and says so: sent again for a moment (through
+            # the Service, likely to the leader, which then ends the run at once), else the leader
+            # reads it when the pod has ended.
+            store.put(c.report_key(report.pod), report.encode(), leader_for=FINAL_REPORT_LEADER_SECONDS)
         except Exception:
             log.exception("could not write the run report to the state object")
     try:

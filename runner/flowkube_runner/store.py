@@ -49,7 +49,9 @@ class StateStore(Protocol):
 
     def get(self, key: str) -> bytes | None: ...
 
-    def put(self, key: str, value: bytes) -> None: ...
+    def put(self, key: str, value: bytes, *, leader_for: float | None = None) -> None:
+        """Store ``value``. A replica that stored it but does not reconcile answers so; the value is
+        sent again for ``leader_for`` seconds (None: for as long as any failure is retried)."""
 
 
 class MessageGone(Exception):
@@ -125,7 +127,7 @@ class FileStore:
                 return None
             time.sleep(0.05)  # a file has no long poll: look 20 times a second
 
-    def put(self, key: str, value: bytes) -> None:
+    def put(self, key: str, value: bytes, *, leader_for: float | None = None) -> None:
         target = self._path(key)
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{key}.")
         with os.fdopen(fd, "wb") as fh:
@@ -168,7 +170,7 @@ class StateApiStore:
         client = httpx.Client(base_url=url.rstrip("/"), verify=verify, auth=_BearerFile(token), timeout=15.0)
         return cls(client, retry_for=retry_for)
 
-    def _request(self, method: str, key: str, **kwargs: Any) -> httpx.Response:
+    def _request(self, method: str, key: str, leader_for: float | None = None, **kwargs: Any) -> httpx.Response:
         if not KEY_PATTERN.fullmatch(key):
             raise StoreError(f"invalid key {key!r}")
         delay = 0.25
@@ -185,8 +187,11 @@ class StateApiStore:
                 if code in (401, 403):
                     if elapsed > self._refused_for:
                         return response
-                elif (code < 500 and code not in (409, 429)) or elapsed > self._retry_for:
-                    return response
+                else:
+                    # Stored by a replica that does not reconcile: sent again only for ``leader_for``.
+                    stored = _stored_elsewhere(response) and leader_for is not None and elapsed > leader_for
+                    if stored or (code < 500 and code not in (409, 429)) or elapsed > self._retry_for:
+                        return response
             time.sleep(delay)
             delay = min(delay * 2, 4.0)
 
@@ -198,12 +203,12 @@ class StateApiStore:
             raise StoreError(f"GET state {key}: {_status_text(response)}")
         return response.content
 
-    def put(self, key: str, value: bytes) -> None:
-        response = self._request("PUT", key, content=value,
+    def put(self, key: str, value: bytes, *, leader_for: float | None = None) -> None:
+        response = self._request("PUT", key, leader_for, content=value,
                                  headers={"Content-Type": "application/octet-stream"})
         if response.status_code == 413:
             raise StateTooLarge(len(value), STATE_LIMIT)
-        if response.status_code not in (200, 204):
+        if response.status_code not in (200, 204) and not (leader_for is not None and _stored_elsewhere(response)):
             raise StoreError(f"PUT state {key}: {_status_text(response)}")
 
     def next_message(self, after: int, wait: float) -> dict[str, Any] | None:
@@ -253,3 +258,8 @@ class _BearerFile(httpx.Auth):
             raise StoreError(f"no state API token at {self._path}: {e}") from e
         request.headers["Authorization"] = f"Bearer {token}"
         yield request
+
+
+def _stored_elsewhere(response: httpx.Response) -> bool:
+    """Stored by an operator replica that does not reconcile (it asks for the value again)."""
+    return response.status_code == 503 and response.headers.get(c.HEADER_STORED) == "true"

@@ -86,6 +86,8 @@ def late_pods(status: Body, pods: Mapping[str, PodView]) -> list[str]:
     finishing a model call): their final report may hold calls the run's entry does not have yet."""
     out = []
     for r in (status.get("runs") or []):
+        if r.get("closedOnReport"):
+            continue  # closed on the pod's final report: nothing it did later
         pod = pods.get(r.get("pod", ""))
         closed = parse_time(r.get("finishedAt"))
         if pod is not None and closed is not None and pod.terminated and pod.finished_at and pod.finished_at > closed:
@@ -115,7 +117,10 @@ class Reconciler(RunSteps):
         if st.phase in c.TERMINAL_PHASES:
             # A runner pod still alive after the end (the operator stopped between the final status
             # write and the delete) is stopped now: nothing it does can count any more.
-            self.plan.delete_pods += [n for n, v in self.pods.items() if not v.terminated and not v.deleting]
+            # A pod whose run ended on its final report is ending by itself.
+            reported = {r.pod for r in self.runs if r.closed_on_report}
+            self.plan.delete_pods += [n for n, v in self.pods.items()
+                                      if not v.terminated and not v.deleting and n not in reported]
             self._expire()
         else:
             active = self.runs[-1] if self.runs and self.runs[-1].finished_at is None else None

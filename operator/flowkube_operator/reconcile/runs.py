@@ -36,7 +36,7 @@ class RunSteps(WarmSteps):
         answered and billed, so they count, once, in that run's entry (a run's reports are
         cumulative, so the latest replaces the entry's usage). Its end is when its pod ended."""
         for run in self.runs:
-            if run.finished_at is None or run.pod not in self.late:
+            if run.finished_at is None or run.pod not in self.late or run.closed_on_report:
                 continue
             rep, pod = self.late[run.pod], self.pods.get(run.pod)
             counted = run.usage or Usage()
@@ -62,8 +62,27 @@ class RunSteps(WarmSteps):
             self._follow_gone(run)
         elif pod.terminated:
             self._follow_ended(run, pod)
+        elif (final := self._final_report(run)) is not None:
+            self._follow_reported(run, final)
         elif not self._follow_warm(run):
             self._follow_running(run, pod)
+
+    def _final_report(self, run: Run) -> RunReport | None:
+        """The run's final report, when the state API handed it over before the pod ended, and it
+        stands (a failure past the deadline is the deadline's, judged once the pod has stopped)."""
+        rep = self.report
+        if rep is None or rep.pod != run.pod or not rep.final or rep.warm:
+            return None
+        over = self._over_deadline(rep.finished_at)
+        return None if over is not None and over >= 0 and rep.exit_code != 0 else rep
+
+    def _follow_reported(self, run: Run, final: RunReport) -> None:
+        """The pod wrote its final report and is ending: the run ends now, as the report says (its
+        exit code is the one the runner exits with). The pod's end, a second or two later, changes
+        nothing (``closed_on_report``)."""
+        run.exit_code = final.exit_code
+        run.closed_on_report = True
+        self._end_run(run, final, final.result, final.reason, final.message, finished_at=final.finished_at)
 
     def _over_deadline(self, ended: dt.datetime | None) -> float | None:
         """Seconds past activeDeadlineSeconds (None without one), judged at the moment the run ended
@@ -136,8 +155,9 @@ class RunSteps(WarmSteps):
             result = rep.result
             if rep.warm:
                 pass  # its last word: every message it took is answered and saved, and it waited; then it was stopped
-            elif pod.exit_code not in (None, 0) and result != RunResult.FAILED:
+            elif pod.exit_code not in (None, 0) and result != RunResult.FAILED and not rep.final:
                 result = RunResult.FAILED  # the process died after writing an optimistic report
+            # (After its final report, nothing the process does changes the run: its work is saved.)
             reason, message = rep.reason, rep.message
         else:
             result, reason = RunResult.FAILED, Reason.RUN_FAILED

@@ -173,7 +173,7 @@ def test_a_warm_report_that_arrives_during_a_reconcile_stays_for_the_next() -> N
 
         class Kube:
             async def get(self, path: str) -> None:  # the report's ConfigMap: the pod reports again meanwhile
-                ctl.warm_report("ns", "f", newer)
+                ctl.running_report("ns", "f", newer)
 
             async def merge_patch(self, path: str, patch: dict[str, Any]) -> dict[str, Any]:
                 return {**running, "metadata": {**running["metadata"], "resourceVersion": "11"}}

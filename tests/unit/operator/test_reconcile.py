@@ -615,3 +615,39 @@ def test_images_and_script_steps_are_the_policys_to_allow() -> None:
     (container,) = runner_pod(flow(**spec), index=0, trigger=Trigger.KICKOFF, settings=allowed)["spec"]["containers"]
     assert container["image"] == "evil.example.com/miner:1"
     assert [e for e in container["env"] if e["name"] == SCRIPTS_ENV] == [{"name": SCRIPTS_ENV, "value": "true"}]
+
+
+def test_a_final_report_ends_the_run_before_its_pod_has_and_the_pods_end_changes_nothing() -> None:
+    from flowkube_operator.reconcile import late_pods
+
+    body = flow()
+    step(body)
+    running = pod("f-0", "Running")
+    step(body, running, at=1)
+    final = report("f-0", RunResult.SUCCEEDED, usage=usage(10, 5), output="done", final=True,
+                   finished_at=T0 + dt.timedelta(seconds=3))
+    p = step(body, running, final, at=3.1)
+    st = body["status"]
+    assert st["phase"] == Phase.SUCCEEDED and st["usage"]["totalTokens"] == 15 and st["result"]["output"] == "done"
+    assert st["runs"][0]["closedOnReport"] is True and st["runs"][0]["result"] == RunResult.SUCCEEDED
+    assert st["runs"][0]["finishedAt"] == "2026-11-22T12:00:03Z" and p.delete_pods == []
+    # The next reconcile (its own status write) finds the pod still ending: it is left to end.
+    again = plan(body, running, None, now=T0 + dt.timedelta(seconds=3.5))
+    assert again.delete_pods == [] and again.status.dump() == st
+    # It ends, later than the run did: nothing changes, and its report is not read again.
+    ended = pod("f-0", "Succeeded", exit_code=0)
+    assert late_pods(st, ended) == []
+    later = plan(body, ended, None, now=T0 + dt.timedelta(seconds=6))
+    assert not later.need_report and later.status.dump() == st and later.delete_pods == []
+
+
+def test_a_final_report_after_the_deadline_waits_for_the_pod_to_stop() -> None:
+    body = flow(activeDeadlineSeconds=2)
+    step(body)
+    running = pod("f-0", "Running")
+    step(body, running, at=0.5)
+    failed = report("f-0", RunResult.FAILED, reason=Reason.FLOW_ERROR, exit_code=1, final=True,
+                    finished_at=T0 + dt.timedelta(seconds=3))
+    step(body, running, failed, at=3.1)
+    run = body["status"]["runs"][0]
+    assert "finishedAt" not in run and "closedOnReport" not in run  # the deadline's, once the pod stops

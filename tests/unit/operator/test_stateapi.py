@@ -143,7 +143,7 @@ class FakeRuns:
     def late_report(self, namespace: str, flow: str, report: RunReport) -> None:
         self.late.append((namespace, flow, report))
 
-    def warm_report(self, namespace: str, flow: str, report: RunReport) -> bool:
+    def running_report(self, namespace: str, flow: str, report: RunReport) -> bool:
         return True
 
     def message_for(self, namespace: str, flow: str, pod: str, after: int) -> tuple[int, dict[str, Any] | None]:
@@ -413,7 +413,17 @@ def test_a_warm_pod_long_polls_for_its_next_message_and_answer() -> None:
                              reason=Reason.RUN_PAUSED, exit_code=0, warm=True)
             put = await client.put(c.STATE_API_PREFIX + c.report_key("demo-0"), data=warm.encode(), headers=auth)
             assert put.status == 503 and put.headers.get("Connection") == "close"
+            assert put.headers.get(c.HEADER_STORED) == "true"
             assert c.report_key("demo-0") in kube.configmaps["demo-state"]["binaryData"]
+            # So is the final report; the leader takes it at once, to end the run before the pod ends.
+            final = RunReport(pod="demo-0", trigger=Trigger.KICKOFF, result=RunResult.SUCCEEDED,
+                              reason=Reason.RUN_SUCCEEDED, exit_code=0, final=True)
+            put = await client.put(c.STATE_API_PREFIX + c.report_key("demo-0"), data=final.encode(), headers=auth)
+            assert put.status == 503 and put.headers.get(c.HEADER_STORED) == "true"
+            ctl.leading = True
+            put = await client.put(c.STATE_API_PREFIX + c.report_key("demo-0"), data=final.encode(), headers=auth)
+            assert put.status == 204 and ctl._warm[("ns", "demo")] == final and ctl.queue._queued
+            ctl.leading = False
 
             ctl.flow_event("MODIFIED", {**warm_flow(14), "status": {"runs": [
                 {"pod": "demo-0", "finishedAt": "2026-11-23T00:00:00Z"}]}})

@@ -159,6 +159,26 @@ def test_state_api_store_reads_and_writes_keys_with_the_pod_token(
         store.get("../x")
 
 
+def test_a_value_a_follower_stored_is_sent_again_only_for_leader_for(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replica that does not reconcile stores the report and answers 503 Flowkube-Stored: the
+    final report is sent again for a moment (to reach the leader), not for the whole retry window."""
+    clock = [0.0]
+    monkeypatch.setattr("flowkube_runner.store.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("flowkube_runner.store.time.sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    follower = FakeStateApi()
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        follower(request)
+        return httpx.Response(503, headers={c.HEADER_STORED: "true"}, json={"message": "send it again"})
+
+    store = state_store(tmp_path, answer)
+    store.put(c.report_key("demo-1"), b"final", leader_for=2.0)  # stored: no error
+    assert len(follower.requests) == 4 and clock[0] < 4
+    with pytest.raises(StoreError):  # a warm report waits for the leader for the whole window
+        state_store(tmp_path, answer, retry_for=10.0).put(c.report_key("demo-1"), b"warm")
+
+
 def test_state_api_store_configuration_errors_are_clear() -> None:
     with pytest.raises(StoreError, match=c.ENV_STATE_URL):
         StateApiStore.from_environment({})
