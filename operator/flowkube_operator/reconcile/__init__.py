@@ -114,11 +114,11 @@ class Reconciler(RunSteps):
         if self.fb.request is None:
             self._refuse_stray_response()  # answered before anything asked: never applied to a later request
         self._refuse_untimely_message()
+        reported = self._lingering_after_report()
         if st.phase in c.TERMINAL_PHASES:
             # A runner pod still alive after the end (the operator stopped between the final status
-            # write and the delete) is stopped now: nothing it does can count any more.
-            # A pod whose run ended on its final report is ending by itself.
-            reported = {r.pod for r in self.runs if r.closed_on_report}
+            # write and the delete) is stopped now: nothing it does can count any more. A pod whose
+            # run ended on its final report is ending by itself.
             self.plan.delete_pods += [n for n, v in self.pods.items()
                                       if not v.terminated and not v.deleting and n not in reported]
             self._expire()
@@ -130,6 +130,22 @@ class Reconciler(RunSteps):
                 self._next()
         self._finish()
         return self.plan
+
+    def _lingering_after_report(self) -> set[str]:
+        """Pods whose run ended on their final report: each is ending by itself, and is stopped only
+        if it is still running STOP_GRACE_SECONDS later (it hangs on its way out)."""
+        pods = set()
+        for r in self.runs:
+            pod = self.pods.get(r.pod)
+            if not r.closed_on_report or r.finished_at is None or pod is None or pod.terminated or pod.deleting:
+                continue
+            pods.add(r.pod)
+            left = (r.finished_at - self.now).total_seconds() + STOP_GRACE_SECONDS
+            if left <= 0:
+                self.plan.delete_pods.append(r.pod)
+            else:
+                self.plan.later(left)
+        return pods
 
     def _expire(self) -> None:
         ttl = self.spec.ttl_seconds_after_finished

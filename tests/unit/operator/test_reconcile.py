@@ -633,7 +633,10 @@ def test_a_final_report_ends_the_run_before_its_pod_has_and_the_pods_end_changes
     assert st["runs"][0]["finishedAt"] == "2026-11-22T12:00:03Z" and p.delete_pods == []
     # The next reconcile (its own status write) finds the pod still ending: it is left to end.
     again = plan(body, running, None, now=T0 + dt.timedelta(seconds=3.5))
-    assert again.delete_pods == [] and again.status.dump() == st
+    assert again.delete_pods == [] and again.status.dump() == st and again.requeue_after == 59.5
+    # One that hangs on its way out is stopped a minute after its report.
+    hung = plan(body, running, None, now=T0 + dt.timedelta(seconds=64))
+    assert hung.delete_pods == ["f-0"] and hung.status.dump() == st
     # It ends, later than the run did: nothing changes, and its report is not read again.
     ended = pod("f-0", "Succeeded", exit_code=0)
     assert late_pods(st, ended) == []
