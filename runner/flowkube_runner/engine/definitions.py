@@ -4,6 +4,7 @@ terms for the admission webhook's validator) and ``flowRef`` classes."""
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import re
 import threading
@@ -200,3 +201,39 @@ def import_flow_class(ref: str) -> type[RuntimeFlow[Any]]:
     # The class-level cache is what every instance reads, so this is where persistence is forced.
     flow_class._flow_definition = with_runner_persistence(definition)
     return target
+
+
+# What in a Flow class's source reaches the flow's memory (crewAI's Flow.remember, recall, memory).
+_MEMORY_USE = re.compile(r"\b(?:remember|remember_many|recall|extract_memories)\s*\(|\.memory\b")
+
+
+def uses_memory(definition: FlowDefinition, flow_class: type[RuntimeFlow[Any]] | None = None) -> bool:
+    """Whether the flow reaches crewAI's flow-level memory: its definition turns memory on
+    (``config.memory``, not ``enabled: false``) or a feedback step learns (``learn: true``), or its
+    class (a flowRef) sets ``memory`` itself or names it in its source. A class whose source cannot
+    be read is taken to use it."""
+    memory = definition.config.memory
+    if memory and memory.get("enabled", True) is not False:
+        return True
+    if any(m.human_feedback is not None and m.human_feedback.learn for m in definition.methods.values()):
+        return True
+    if flow_class is None:
+        return False
+    field = flow_class.model_fields.get("memory")
+    if field is not None and (field.default is not None or field.default_factory is not None):
+        return True
+    for cls in flow_class.__mro__:
+        if not issubclass(cls, RuntimeFlow) or cls.__module__.partition(".")[0] == "crewai":
+            continue  # crewAI's own classes (Flow, its generic aliases) are not the user's code
+        try:
+            if _MEMORY_USE.search(inspect.getsource(cls)):
+                return True
+        except (OSError, TypeError):
+            return True
+    return False
+
+
+def automatic_memory(flow_class: type[RuntimeFlow[Any]], wanted: bool) -> None:
+    """crewAI gives every Flow a Memory when it is built (a LanceDB store, an embedder: about 280
+    modules, 95 MB and seconds of a pod's start): only a flow that uses it gets it."""
+    flow_class._skip_auto_memory = not wanted  # crewAI's own switch (its internal flows set it)

@@ -19,7 +19,7 @@ from flowkube_api.report import FeedbackRequest, excerpt
 
 from ..store import StateCorrupt, StateStore, StateTooLarge
 from .api import Ending, InvalidFlow, InvalidInputs, Turn
-from .definitions import import_flow_class, load_definition
+from .definitions import automatic_memory, import_flow_class, load_definition, uses_memory
 from .persistence import StorePersistence, install
 from .runtime import json_safe, restore_runtime, state_dict
 from .state import StateDocument
@@ -93,10 +93,13 @@ class FlowSession:
         if definition is not None:
             self._definition = load_definition(definition)
             self._flow_class = Flow
+            wanted = uses_memory(self._definition)
         elif flow_ref is not None:
             self._flow_class = import_flow_class(flow_ref)
+            wanted = uses_memory(self._flow_class.flow_definition(), self._flow_class)
         else:
             raise InvalidFlow("neither a definition nor a flowRef to load")
+        automatic_memory(self._flow_class, wanted)
 
     def _construct(self, build: Callable[[], Flow[Any]]) -> Flow[Any]:
         """crewAI resolves actions and state when the instance is built; failures there are the
