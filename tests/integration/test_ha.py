@@ -51,10 +51,16 @@ def flow(name: str, tokens: int) -> dict[str, Any]:
             "spec": {"flowRef": "a:B", "inputs": {"plan": [{"sleep": 2, "tokens": tokens}]}}}
 
 
-def apply_all(flows: Flows, batch: dict[str, int]) -> None:
-    """One `kubectl apply` for the whole batch: the clock runs while it does."""
+def apply_all(flows: Flows, batch: dict[str, int], *, retry_for: float = 0.0) -> None:
+    """One `kubectl apply` for the whole batch: the clock runs while it does. ``retry_for``: applied
+    again, as a user would, while a dying replica still gets webhook calls (docs/operations.md)."""
     items = {"apiVersion": "v1", "kind": "List", "items": [flow(n, t) for n, t in batch.items()]}
-    flows.cluster.kubectl("apply", "-n", flows.ns, "-f", "-", input=json.dumps(items))
+    deadline = time.monotonic() + retry_for
+    while True:
+        out = flows.cluster.kubectl("apply", "-n", flows.ns, "-f", "-", input=json.dumps(items), check=False)
+        if out.returncode == 0:
+            return
+        assert "failed calling webhook" in out.stderr and time.monotonic() < deadline, out.stderr
 
 
 def lease(op: ChartOperator) -> dict[str, Any]:
@@ -186,7 +192,7 @@ def test_the_leader_is_killed_mid_burst_and_a_replica_takes_over(
         before = lease(op)
         killed = time.monotonic()
         op.kill_container(leader)  # SIGKILL: no release of the Lease
-        apply_all(flows, {"after-kill": 1, **second})
+        apply_all(flows, {"after-kill": 1, **second}, retry_for=30)
         took_lease, took_pod, holder = takeover(op, flows, pods, before, killed, "after-kill")
         print(f"\nSIGKILL of the leader {leader}: Lease taken by "
               f"{'the restarted container' if holder == leader else 'the other replica'} {holder} after "
@@ -226,7 +232,7 @@ def test_a_frozen_leader_is_replaced_by_the_other_replica_and_stops_when_thawed(
         try:
             assert task(cluster, cid)[1] == "PAUSED", task(cluster, cid)
             assert operator_container(op, leader)["containerID"] == frozen["containerID"], "it restarted meanwhile"
-            apply_all(flows, {"after-freeze": 1, **second})
+            apply_all(flows, {"after-freeze": 1, **second}, retry_for=30)
             took_lease, took_pod, holder = takeover(op, flows, pods, before, paused, "after-freeze",
                                                     other_than=leader)
             print(f"\nleader {leader} frozen: the other replica {holder} took the Lease after {took_lease:.1f}s, "
