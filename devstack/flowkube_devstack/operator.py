@@ -357,12 +357,24 @@ class ChartOperator(_Operator):
                         for c in p.get("status", {}).get("conditions", []))}
         if len(ready) < self.replicas or self.leader() not in ready:
             return False  # and after a kill, the new pod reconciles once the old one's Lease ran out
+        webhooks = False
         for kind in ("validatingwebhookconfiguration", "mutatingwebhookconfiguration"):
             out = self.cluster.kubectl("get", kind, self.webhook_configuration, "-o", "json", check=False)
+            webhooks = webhooks or out.returncode == 0
             if out.returncode == 0 and not all(h.get("clientConfig", {}).get("caBundle")
                                                for h in json.loads(out.stdout)["webhooks"]):
                 return False
-        return True
+        # Ready pods are not yet a Service kube-proxy sends to: the first Flow after an install
+        # could meet "connection refused". A Flow the webhook checks, created as a server dry run,
+        # says the webhook answers through its Service.
+        return not webhooks or self._webhook_answers()
+
+    def _webhook_answers(self) -> bool:
+        probe = {"apiVersion": "flowkube.io/v1alpha1", "kind": "Flow", "metadata": {"name": "readiness-probe"},
+                 "spec": {"flowRef": "probe.flows:Probe", "suspend": True, "inputs": {"probe": True}}}
+        out = self.cluster.kubectl("create", "--dry-run=server", "-n", self.namespace, "-f", "-",
+                                   input=json.dumps(probe), check=False)
+        return out.returncode == 0 or "failed calling webhook" not in out.stderr
 
     @property
     def lease_name(self) -> str:

@@ -555,7 +555,8 @@ def _safe_usage(run: _Run) -> Usage:
 def publish(report: RunReport, store: StateStore | None, termination_log: Path) -> None:
     """The ConfigMap report is the record; the termination message backs it up. Both say ``final``:
     the operator ends the run as soon as it has this report."""
-    report = report.model_copy(update={"final": True})
+    # It ends now: a warm pod's last turn finished before its window passed.
+    report = report.model_copy(update={"final": True, "finished_at": datetime.now(UTC)})
     if store is not None:
         try:
             # A replica that does not reconcile stores it and says so: sent again for a moment (through

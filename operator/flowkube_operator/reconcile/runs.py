@@ -68,13 +68,13 @@ class RunSteps(WarmSteps):
             self._follow_running(run, pod)
 
     def _final_report(self, run: Run) -> RunReport | None:
-        """The run's final report, when the state API handed it over before the pod ended, and it
-        stands (a failure past the deadline is the deadline's, judged once the pod has stopped)."""
+        """The run's final report, when the state API handed it over before the pod ended and it
+        says the run succeeded or paused. A failure waits for the pod's end, which says whose it was
+        (a disruption, the deadline) and how it exited."""
         rep = self.report
-        if rep is None or rep.pod != run.pod or not rep.final or rep.warm:
+        if rep is None or rep.pod != run.pod or not rep.final or rep.warm or rep.result == RunResult.FAILED:
             return None
-        over = self._over_deadline(rep.finished_at)
-        return None if over is not None and over >= 0 and rep.exit_code != 0 else rep
+        return rep
 
     def _follow_reported(self, run: Run, final: RunReport) -> None:
         """The pod wrote its final report and is ending: the run ends now, as the report says (its

@@ -644,13 +644,19 @@ def test_a_final_report_ends_the_run_before_its_pod_has_and_the_pods_end_changes
     assert not later.need_report and later.status.dump() == st and later.delete_pods == []
 
 
-def test_a_final_report_after_the_deadline_waits_for_the_pod_to_stop() -> None:
-    body = flow(activeDeadlineSeconds=2)
+def test_a_failed_final_report_waits_for_the_pod_to_end() -> None:
+    """A failure is judged with the pod's end: a runner stopped by its pod's deletion reports a
+    failure that is a disruption (replaced, not counted against retries.limit)."""
+    body = flow()
     step(body)
     running = pod("f-0", "Running")
     step(body, running, at=0.5)
-    failed = report("f-0", RunResult.FAILED, reason=Reason.FLOW_ERROR, exit_code=1, final=True,
-                    finished_at=T0 + dt.timedelta(seconds=3))
-    step(body, running, failed, at=3.1)
+    stopped = report("f-0", RunResult.FAILED, reason=Reason.RUN_INTERRUPTED, exit_code=3, final=True,
+                     finished_at=T0 + dt.timedelta(seconds=3))
+    step(body, running, stopped, at=3.1)
     run = body["status"]["runs"][0]
-    assert "finishedAt" not in run and "closedOnReport" not in run  # the deadline's, once the pod stops
+    assert "finishedAt" not in run and "closedOnReport" not in run
+    deleted = {"f-0": PodView(name="f-0", phase="Failed", created_at=T0, exit_code=3, deleting=True,
+                              finished_at=T0 + dt.timedelta(seconds=4))}
+    step(body, deleted, stopped, at=5)
+    assert body["status"]["runs"][0]["reason"] == Reason.DISRUPTED and body["status"]["phase"] == Phase.PENDING
