@@ -100,7 +100,7 @@ class FlowCache:
                 # earlier Flow of this name (resourceVersions are comparable across objects here).
                 # The same: the watch's echo of our own status write, already taken from its answer.
                 return
-            self.flows[key] = (_rv(body), meta.get("uid", ""), orjson.dumps(_slim(body)))
+            self.flows[key] = (rv, meta.get("uid", ""), orjson.dumps(_slim(body)))
             self._track_active(key, meta.get("uid", ""), body)
             self._tell(key, body)
             self._enqueue(key)
