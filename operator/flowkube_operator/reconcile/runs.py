@@ -34,9 +34,11 @@ class RunSteps(WarmSteps):
     def _fold_late_reports(self) -> None:
         """A closed run's pod that kept going reports what it did after the close: those calls were
         answered and billed, so they count, once, in that run's entry (a run's reports are
-        cumulative, so the latest replaces the entry's usage). Its end is when its pod ended."""
+        cumulative, so the latest replaces the entry's usage). Its end is when its pod ended, unless
+        it was closed on its final report: then the pod's end changes nothing, but a report written
+        after the final one (which the runner never writes) still counts, whoever wrote it."""
         for run in self.runs:
-            if run.finished_at is None or run.pod not in self.late or run.closed_on_report:
+            if run.finished_at is None or run.pod not in self.late:
                 continue
             rep, pod = self.late[run.pod], self.pods.get(run.pod)
             counted = run.usage or Usage()
@@ -45,7 +47,8 @@ class RunSteps(WarmSteps):
                 run.usage = rep.usage
                 self.plan.event(Reason.LATE_REPORT, f"run {run.pod} reported {added} more tokens after it was "
                                 f"closed; they count in its entry")
-            if pod is not None and pod.terminated and pod.finished_at and pod.finished_at > run.finished_at:
+            if (pod is not None and pod.terminated and pod.finished_at and pod.finished_at > run.finished_at
+                    and not run.closed_on_report):
                 run.finished_at = pod.finished_at
 
     def _follow(self, run: Run) -> None:

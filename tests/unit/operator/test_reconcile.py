@@ -642,6 +642,12 @@ def test_a_final_report_ends_the_run_before_its_pod_has_and_the_pods_end_changes
     assert late_pods(st, ended) == []
     later = plan(body, ended, None, now=T0 + dt.timedelta(seconds=6))
     assert not later.need_report and later.status.dump() == st and later.delete_pods == []
+    # A report after the final one (the state API hands it over as a late report) still counts:
+    # a pod cannot hide calls behind an early final report. The run's end stays the report's.
+    more = report("f-0", RunResult.SUCCEEDED, usage=usage(30, 5), final=True)
+    p = plan(body, ended, None, now=T0 + dt.timedelta(seconds=7), late={"f-0": more})
+    assert p.status.dump()["usage"]["totalTokens"] == 35 and any(e[1] == Reason.LATE_REPORT for e in p.events)
+    assert p.status.dump()["runs"][0]["finishedAt"] == "2026-11-22T12:00:03Z"
 
 
 def test_a_failed_final_report_waits_for_the_pod_to_end() -> None:
