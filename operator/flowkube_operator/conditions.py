@@ -79,6 +79,8 @@ class _Description:
             return ConditionType.RUNNING, "True", Reason.RUN_STARTED, f"run {last.pod if last else ''}"
         if phase == Phase.PENDING and reason == Reason.RETRY_BACKOFF:
             return ConditionType.RUNNING, "False", Reason.RETRY_BACKOFF, self.failure_msg
+        if phase == Phase.PENDING and reason is not None:  # its pod waits: not scheduled, no image, ...
+            return ConditionType.RUNNING, "Unknown", str(reason), self.failure_msg
         if phase == Phase.PENDING:
             return (ConditionType.RUNNING, "Unknown", Reason.RUN_PENDING,
                     f"waiting for runner pod {last.pod}" if last else "waiting for a runner pod")
@@ -149,7 +151,7 @@ class _Description:
             return self.failure_msg
         if phase == Phase.AWAITING_FEEDBACK and req is not None:
             return excerpt(self.refusal or f"awaiting feedback: {req.message or req.method}", 512)
-        if phase == Phase.PENDING and self.failure_reason == Reason.RETRY_BACKOFF:
+        if phase == Phase.PENDING and self.failure_reason is not None:  # a retry's backoff, a waiting pod
             return excerpt(self.failure_msg, 512)
         if phase == Phase.SUCCEEDED:
             ended = self.failure_reason not in (None, Reason.RUN_FAILED, Reason.RUN_SUCCEEDED)
@@ -162,7 +164,7 @@ class _Description:
             return f"running {last.pod} ({last.trigger})"
         if self.refusal:
             return self.refusal
-        return self.st.message if phase == Phase.PENDING and self.st.message else "waiting for a runner pod"
+        return f"waiting for runner pod {last.pod}" if last is not None else "waiting for a runner pod"
 
     # -- the previous status -------------------------------------------------------------------------
 

@@ -55,6 +55,10 @@ class PodView:
     # ...) or the kubelet's Evicted.
     disruption: str | None = None
     trigger: str | None = None  # what started the run (the pod's flowkube.io/trigger label)
+    # Why a pod that has not started is stuck, in Kubernetes' words: (reason, message) of the
+    # scheduler's PodScheduled=False (Unschedulable) or of a container waiting on something the
+    # user must fix (ImagePullBackOff, CreateContainerConfigError: a missing Secret, ...).
+    waiting: tuple[str, str] | None = None
 
     @property
     def terminated(self) -> bool:
@@ -73,6 +77,7 @@ class PodView:
                            if cond.get("type") == "DisruptionTarget" and cond.get("status") == "True"),
                           "Evicted" if status.get("reason") == "Evicted" else None)
         return cls(
+            waiting=_waiting(status),
             name=meta.get("name", ""),
             phase=status.get("phase") or "Pending",
             created_at=parse_time(meta.get("creationTimestamp")),
@@ -87,3 +92,23 @@ class PodView:
             disruption=disruption,
             trigger=(meta.get("labels") or {}).get(c.LABEL_TRIGGER),
         )
+
+
+# Container waiting reasons that last until someone changes something (ContainerCreating and
+# PodInitializing pass by themselves).
+STUCK_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull",
+                           "CreateContainerConfigError", "CreateContainerError", "RunContainerError"})
+
+
+def _waiting(status: Body) -> tuple[str, str] | None:
+    """(reason, message) of a not-yet-running pod's obstacle, from its conditions and containers."""
+    if status.get("phase") not in (None, "Pending"):
+        return None
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+            return str(cond.get("reason") or "Unschedulable"), str(cond.get("message") or "not scheduled")
+    for cs in status.get("containerStatuses") or []:
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in STUCK_REASONS:
+            return str(waiting["reason"]), str(waiting.get("message") or waiting["reason"])
+    return None

@@ -3,8 +3,11 @@ controller. Prints figures.
 
     .venv/bin/python -m tests.benchmarks.bench_apply [--flows 300] [--rate 10] [--concurrency 1 16] [--kind NAME]
 
-0. Before the operator starts: the API server's CPU per write of each kind a Flow needs (its
-   create, one status update, its pod), one client, nobody watching.
+0. The API server's CPU per write of each kind a Flow needs, one client, nobody watching, each beside
+   a stand-in that lacks one part: the Flow's create and its status writes (a pending one, a finished
+   one) with the Flow's CRD, with the same CRD without CEL rules and without a schema (other API
+   groups); a pod's create; a suspended Job's; then, with the operator running, a Flow's create with
+   the validating webhook called and skipped. `--costs-only` stops there.
 1. Paced: N Flows applied at `rate`/s; latency from each POST to the pod's ADDED watch event.
 2. Bursts, with 1 and with 16 concurrent clients (a kubectl loop, a CI job; enough to saturate the API
    server here): N Flows, N Jobs (batch/v1, one pod each, the runner pod as template) and N plain pods;
@@ -32,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import ssl
 import statistics
@@ -75,6 +79,12 @@ class Client:
 
     async def post(self, path: str, body: dict[str, Any]) -> None:
         async with self.session.post(self.server + path, json=body) as r:
+            if r.status >= 300:
+                raise RuntimeError(f"{path}: {r.status} {await r.text()}")
+
+    async def patch(self, path: str, body: dict[str, Any]) -> None:
+        async with self.session.patch(self.server + path, json=body,
+                                      headers={"Content-Type": "application/merge-patch+json"}) as r:
             if r.status >= 300:
                 raise RuntimeError(f"{path}: {r.status} {await r.text()}")
 
@@ -123,49 +133,148 @@ PENDING_STATUS = {"status": {"phase": "Pending", "observedGeneration": 1, "defin
      "lastTransitionTime": "2026-01-01T00:00:00Z"} for t in ("Accepted", "Running", "Succeeded")]}}
 
 
+# A finished Flow's status as the operator writes it (one run, one model), for the size of its update.
+_USAGE = {"promptTokens": 1210, "completionTokens": 342, "totalTokens": 1552, "successfulRequests": 2,
+          "cachedPromptTokens": 0, "cost": "0.000387", "currency": "USD", "unpricedTokens": 0}
+FINAL_STATUS = {"status": {
+    "phase": "Succeeded", "observedGeneration": 1, "definition": "Noop",
+    "flowId": "3f0c1c9e-61a4-4f5e-9d0e-2c1b7e0a9d11",
+    "startedAt": "2026-01-01T00:00:00Z", "finishedAt": "2026-01-01T00:00:06Z", "message": "finished",
+    "result": {"output": "A short answer of a few words, as most flows end."},
+    "usage": {**_USAGE, "byModel": {"gpt-4o-mini": _USAGE}},
+    "runs": [{"pod": "x-0", "trigger": "kickoff", "startedAt": "2026-01-01T00:00:00Z",
+              "finishedAt": "2026-01-01T00:00:06Z", "result": "Succeeded", "reason": "RunSucceeded",
+              "message": "the flow finished", "exitCode": 0, "closedOnReport": True, "usage": _USAGE}],
+    "conditions": [{"type": t, "status": s, "reason": r, "message": m, "observedGeneration": 1,
+                    "lastTransitionTime": "2026-01-01T00:00:06Z"} for t, s, r, m in (
+        ("Accepted", "True", "Accepted", "the flow was accepted"),
+        ("Running", "False", "RunSucceeded", "the flow finished"),
+        ("AwaitingFeedback", "False", "NoRequest", "no feedback request is pending"),
+        ("Succeeded", "True", "RunSucceeded", "the flow finished"))]}}
+
+
+def _strip_rules(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {k: _strip_rules(v) for k, v in node.items() if k != "x-kubernetes-validations"}
+    if isinstance(node, list):
+        return [_strip_rules(v) for v in node]
+    return node
+
+
+OPEN = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+# The Flow's CRD as served, and two stand-ins beside it in the same run (other API groups, same kind):
+# without its CEL rules, and without a schema at all. What each costs the API server per write is
+# what its rules and its schema cost.
+CRD_VARIANTS: dict[str, Any] = {
+    "": lambda schema: schema,
+    "nocel": _strip_rules,
+    "noschema": lambda schema: {"type": "object", "properties": {"spec": OPEN, "status": OPEN}},
+}
+
+
+def crd_variant(name: str) -> dict[str, Any]:
+    doc = crd.crd()
+    if not name:
+        return doc
+    group = f"{name}.bench.flowkube.io"
+    doc["metadata"]["name"] = f"{c.PLURAL}.{group}"
+    doc["spec"]["group"] = group
+    doc["spec"]["names"].pop("shortNames", None)
+    doc["spec"]["names"].pop("categories", None)
+    for version in doc["spec"]["versions"]:
+        version["schema"]["openAPIV3Schema"] = CRD_VARIANTS[name](version["schema"]["openAPIV3Schema"])
+    return doc
+
+
 async def write_costs(cluster: LocalCluster, n: int, pids: dict[str, int]) -> dict[str, float]:
-    """API server CPU ms per write, one kind at a time (no operator yet: nobody acts on the Flows)."""
+    """API server CPU ms per write, one kind at a time (no operator yet: nobody acts on the Flows).
+    Each of a Flow's parts beside its stand-in: the Flow's CRD, the same without CEL rules, without a
+    schema; a pending and a finished status; a pod; a suspended Job (its controller adds a status
+    write)."""
+    for name in CRD_VARIANTS:
+        if name:
+            cluster.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(crd_variant(name)))
+            cluster.kubectl("wait", "--for=condition=Established", f"crd/{c.PLURAL}.{name}.bench.flowkube.io",
+                            "--timeout=60s")
     client = Client.of(cluster)
     ns = "bench-costs"
     try:
         await namespace(client, ns)
+        kinds: dict[str, Any] = {}
+        for name in CRD_VARIANTS:
+            base = f"/apis/{name + '.bench.' if name else ''}flowkube.io/v1alpha1/namespaces/{ns}/flows"
+            label = f"Flow ({name})" if name else "Flow"
 
-        async def status(name: str) -> None:
-            async with client.session.patch(
-                    f"{client.server}/apis/flowkube.io/v1alpha1/namespaces/{ns}/flows/{name}/status",
-                    json=PENDING_STATUS, headers={"Content-Type": "application/merge-patch+json"}) as r:
-                if r.status >= 300:
-                    raise RuntimeError(f"status of {name}: {r.status} {await r.text()}")
+            def make(i: int, base: str = base) -> Any:
+                return client.post(base, flow(f"c{i}"))
 
-        kinds: dict[str, Any] = {
-            "Flow create": lambda i: client.post(f"/apis/flowkube.io/v1alpha1/namespaces/{ns}/flows", flow(f"c{i}")),
-            "Flow status update": lambda i: status(f"c{i}"),
-            "pod create": lambda i: client.post(f"/api/v1/namespaces/{ns}/pods", pod(f"c{i}")),
-        }
-        costs = {}
-        for kind, write in kinds.items():
-            before = cpu_seconds(pids)["kube-apiserver"]
-            for i in range(n):
-                await write(i)
-            await jobpeer.settle(client.session, client.server, pids)  # the scheduler's answer to the pods
-            costs[kind] = (cpu_seconds(pids)["kube-apiserver"] - before) * 1000 / n
+            def status(i: int, body: Any, base: str = base) -> Any:
+                return client.patch(f"{base}/c{i}/status", body)
+
+            kinds[f"{label} create"] = make
+            kinds[f"{label} status, pending"] = lambda i, status=status: status(i, PENDING_STATUS)
+            kinds[f"{label} status, finished"] = lambda i, status=status: status(i, FINAL_STATUS)
+        kinds["pod create"] = lambda i: client.post(f"/api/v1/namespaces/{ns}/pods", pod(f"c{i}"))
+        suspended = {"spec": {**jobpeer.job("x", {"spec": pod("x")["spec"]})["spec"], "suspend": True}}
+        kinds["Job create (suspended)"] = lambda i: client.post(f"/apis/batch/v1/namespaces/{ns}/jobs",
+                                                                {**jobpeer.job(f"c{i}", {}), **suspended})
+        costs = await _costs(client, kinds, n, pids)
         # Gone before the operator starts: it must not spend the next phases acting on them.
-        for path in (f"/apis/flowkube.io/v1alpha1/namespaces/{ns}/flows", f"/api/v1/namespaces/{ns}/pods"):
-            async with client.session.delete(client.server + path, params={"gracePeriodSeconds": "0"}) as r:
-                r.raise_for_status()
-
-            async def left(path: str = path) -> int:
-                async with client.session.get(client.server + path) as r:
-                    return len((await r.json())["items"])
-
-            deadline = time.perf_counter() + 60
-            while await left():
-                if time.perf_counter() > deadline:
-                    raise TimeoutError(f"{path} not emptied")
-                await asyncio.sleep(0.1)
+        await empty(client, [f"/apis/flowkube.io/v1alpha1/namespaces/{ns}/flows", f"/api/v1/namespaces/{ns}/pods",
+                             f"/apis/batch/v1/namespaces/{ns}/jobs"])
         return costs
     finally:
         await client.session.close()
+
+
+async def webhook_costs(cluster: LocalCluster, n: int, pids: dict[str, int]) -> dict[str, float]:
+    """With the operator running: a suspended Flow's create with `spec.inputs` (the validating
+    webhook is called) and without (its matchConditions skip it); the operator writes the same
+    status for both."""
+    client = Client.of(cluster)
+    ns = "bench-webhook"
+    path = f"/apis/flowkube.io/v1alpha1/namespaces/{ns}/flows"
+    try:
+        await namespace(client, ns)
+        plain = {"flowRef": "bench.flows:Noop", "suspend": True}
+        kinds: dict[str, Any] = {
+            "Flow create, webhook skipped": lambda i: client.post(path, {**flow(f"s{i}"), "spec": plain}),
+            "Flow create, webhook called": lambda i: client.post(
+                path, {**flow(f"w{i}"), "spec": {**plain, "inputs": {"topic": "x"}}}),
+        }
+        costs = await _costs(client, kinds, n, pids)
+        await empty(client, [path])
+        return costs
+    finally:
+        await client.session.close()
+
+
+async def _costs(client: Client, kinds: dict[str, Any], n: int, pids: dict[str, int]) -> dict[str, float]:
+    costs = {}
+    for kind, write in kinds.items():
+        await jobpeer.settle(client.session, client.server, pids)
+        before = cpu_seconds(pids)["kube-apiserver"]
+        for i in range(n):
+            await write(i)
+        await jobpeer.settle(client.session, client.server, pids)  # the scheduler's, the controllers' answers
+        costs[kind] = (cpu_seconds(pids)["kube-apiserver"] - before) * 1000 / n
+    return costs
+
+
+async def empty(client: Client, paths: list[str]) -> None:
+    for path in paths:
+        async with client.session.delete(client.server + path, params={"gracePeriodSeconds": "0"}) as r:
+            r.raise_for_status()
+
+        async def left(path: str = path) -> int:
+            async with client.session.get(client.server + path) as r:
+                return len((await r.json())["items"])
+
+        deadline = time.perf_counter() + 60
+        while await left():
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"{path} not emptied")
+            await asyncio.sleep(0.1)
 
 
 @dataclass
@@ -500,6 +609,7 @@ def main() -> None:
     parser.add_argument("--flows", type=int, default=300)
     parser.add_argument("--rate", type=float, default=10.0)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--costs-only", action="store_true", help="only the API server's cost of each write")
     parser.add_argument("--kind", metavar="NAME", help="run on the throwaway kind cluster NAME (kindtarget.py)")
     args = parser.parse_args()
     if os.environ.get("KUBECONFIG"):
@@ -521,6 +631,10 @@ def main() -> None:
             op.start()
             assert op.proc is not None
             pids["operator"] = op.proc.pid
+            costs |= asyncio.run(webhook_costs(cluster, args.flows, pids))
+            if args.costs_only:
+                print_costs(costs)
+                return
             template = jobpeer.runner_template(cluster.host_ip, op.state_port, op.ca_file().read_text())
             r = asyncio.run(run(LocalTarget(cluster, op), local_ssl(cluster), template, args.flows, args.rate,
                                 pids, tuple(args.concurrency)))
@@ -532,11 +646,20 @@ def main() -> None:
         finally:
             op.stop()
             cluster.stop()
-    print("API server CPU per write, one client, no operator: "
-          + ", ".join(f"{k} {v:.2f} ms" for k, v in costs.items()))
-    print(f"    a Flow needs all three where a raw pod is one: ratio at most "
-          f"{costs['pod create'] / sum(costs.values()):.0%} where the API server is the bottleneck")
+    print_costs(costs)
     summary(r)
+
+
+def print_costs(costs: dict[str, float]) -> None:
+    print("API server CPU per write, one client, each kind alone until the cluster settles (the webhook's "
+          "with the operator running, the rest before it starts):")
+    for k, v in costs.items():
+        print(f"  {k:<34} {v:6.2f} ms")
+    flow = costs["Flow create"] + costs["Flow status, pending"] + costs["Flow status, finished"]
+    print(f"  a Flow's create and two status writes: {flow:.2f} ms; without CEL rules "
+          f"{sum(v for k, v in costs.items() if k.startswith('Flow (nocel)')):.2f} ms; without a schema "
+          f"{sum(v for k, v in costs.items() if k.startswith('Flow (noschema)')):.2f} ms; the webhook's call "
+          f"{costs['Flow create, webhook called'] - costs['Flow create, webhook skipped']:+.2f} ms per create")
 
 
 def on_kind(args: argparse.Namespace) -> None:

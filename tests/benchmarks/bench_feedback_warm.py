@@ -8,7 +8,14 @@ publish) pause; ``--warm`` of them with ``feedback.keepWarmSeconds: 600`` (the p
 the answer), ``--cold`` with none (the answer starts a new pod). Each is answered, one at a time,
 with the documented status patch. Figures per answer, from the PATCH returning: the resumed step's
 first model call received by the stub (crewAI maps the answer onto an outcome with the step's model:
-the resumed method is running), and the Flow ``Succeeded`` as seen by a watch.
+the resumed method is running), the last model call answered, and the Flow ``Succeeded`` as seen by
+a watch.
+
+``--resumed one-call`` (the default): what follows the answer is that one model call (``publish``
+is an expression). ``--resumed agent``: ``publish`` is a crewAI Agent's call, two calls in all.
+Every Flow asks for 10m of CPU: with the chart's default request (100m) the local node's two cores
+hold 19 runner pods beside the operator, and a 20th stays Pending (Unschedulable, which the Flow's
+status says).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -32,8 +40,21 @@ FLOWS = f"/apis/flowkube.io/v1alpha1/namespaces/{NS}/flows"
 TIMEOUT = 300.0
 
 
-def answer(http: httpx.Client, flows: Watch, stub: StubModel, name: str) -> tuple[float, float]:
-    """(patch -> resumed step's first model call, patch -> Succeeded), seconds."""
+RESOURCES = {"requests": {"cpu": "10m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
+
+
+def definition(resumed: str) -> dict[str, Any]:
+    d = review_definition()
+    if resumed == "one-call":
+        d["methods"]["publish"]["do"] = {"call": "expression", "expr": "'published'"}
+    return d
+
+
+Answer = tuple[float, float, float]
+
+
+def answer(http: httpx.Client, flows: Watch, stub: StubModel, name: str) -> Answer:
+    """(patch -> resumed step's first model call, -> its last call answered, -> Succeeded), seconds."""
     fmark, lmark = flows.mark(), len(stub.ledger())
     r = http.patch(f"{FLOWS}/{name}/status", json={"status": {"feedback": {"response": {"text": "approved"}}}},
                    headers={"Content-Type": "application/merge-patch+json"})
@@ -43,11 +64,12 @@ def answer(http: httpx.Client, flows: Watch, stub: StubModel, name: str) -> tupl
     done, _ = flows.wait(lambda o: named(name)(o) and (o.get("status") or {}).get("phase") == "Succeeded",
                          TIMEOUT, f"{name} to succeed", since=fmark)
     wait_for(lambda: len(stub.ledger()) > lmark, 30, "the resumed step's model call", interval=0.01)
-    first = stub.ledger()[lmark]["received"]
-    return first - sent, done - sent
+    calls = stub.ledger()[lmark:]
+    return calls[0]["received"] - sent, calls[-1]["time"] - sent, done - sent
 
 
-def run(cluster: LocalCluster, stub: StubModel, n_warm: int, n_cold: int) -> dict[str, list[tuple[float, float]]]:
+def run(cluster: LocalCluster, stub: StubModel, n_warm: int, n_cold: int, resumed: str,
+        logs: Path | None = None) -> dict[str, list[Answer]]:
     http = http_client(cluster)
     flows = Watch(cluster, FLOWS)
     try:
@@ -57,7 +79,7 @@ def run(cluster: LocalCluster, stub: StubModel, n_warm: int, n_cold: int) -> dic
             for name in group:
                 http.post(FLOWS, json={"apiVersion": "flowkube.io/v1alpha1", "kind": "Flow",
                                        "metadata": {"name": name},
-                                       "spec": {"definition": review_definition(),
+                                       "spec": {"definition": definition(resumed), "resources": RESOURCES,
                                                 "feedback": {"keepWarmSeconds": keep}}}).raise_for_status()
         every = [n for group in names.values() for n in group]
         for name in every:
@@ -65,12 +87,18 @@ def run(cluster: LocalCluster, stub: StubModel, n_warm: int, n_cold: int) -> dic
                        and (o.get("status") or {}).get("phase") == "AwaitingFeedback", TIMEOUT * 2,
                        f"{name} to pause")
         print(f"{len(every)} flows paused", flush=True)
-        out: dict[str, list[tuple[float, float]]] = {"warm": [], "cold": []}
+        out: dict[str, list[Answer]] = {"warm": [], "cold": []}
         for kind in ("cold", "warm"):
             for name in names[kind]:
                 out[kind].append(answer(http, flows, stub, name))
-                print(f"  {name}: resumed step running {out[kind][-1][0] * 1000:.0f} ms, "
-                      f"Succeeded {out[kind][-1][1] * 1000:.0f} ms after the patch", flush=True)
+                running, last, done = out[kind][-1]
+                print(f"  {name}: resumed step running {running * 1000:.0f} ms, its last call answered "
+                      f"{last * 1000:.0f} ms, Succeeded {done * 1000:.0f} ms after the patch", flush=True)
+        if logs is not None:  # what the warm runners and the operator logged, for a look at the timeline
+            logs.mkdir(parents=True, exist_ok=True)
+            for name in names["warm"]:
+                out_log = cluster.kubectl("logs", "-n", NS, f"{name}-0", check=False)
+                (logs / f"{name}.log").write_text(out_log.stdout + out_log.stderr)
         return out
     finally:
         flows.stop()
@@ -81,6 +109,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--warm", type=int, default=10)
     parser.add_argument("--cold", type=int, default=3)
+    parser.add_argument("--resumed", choices=("one-call", "agent"), default="one-call")
+    parser.add_argument("--logs", type=Path, help="save each warm runner pod's log in this directory")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="flowkube-bench-fbw-") as tmp:
         cluster = LocalCluster(Path(tmp)).start()
@@ -94,19 +124,23 @@ def main() -> None:
                     cluster.kubectl("create", "namespace", NS)
                     wait_for(lambda: cluster.kubectl("get", "sa", "default", "-n", NS, check=False).returncode == 0,
                              30, "the namespace's ServiceAccount")
-                    res = run(cluster, stub, args.warm, args.cold)
+                    res = run(cluster, stub, args.warm, args.cold, args.resumed, args.logs)
                 finally:
                     op.stop()
         finally:
             cluster.stop()
-    print("\nfeedback patch returned -> (resumed step's first model call | Flow Succeeded), real runner:")
+    print(f"\nfeedback patch returned -> (resumed step's first model call | last call answered | Flow "
+          f"Succeeded), real runner, resumed part: {args.resumed}:")
     for kind, rows in res.items():
         if not rows:
             continue
-        running, done = [r[0] for r in rows], [r[1] for r in rows]
-        print(f"  {kind} ({len(rows)}): resumed step running p50 {statistics.median(running) * 1000:.0f} ms, "
-              f"p99 {rank(running, 99) * 1000:.0f} ms (nearest rank: the max); Succeeded p50 "
-              f"{statistics.median(done) * 1000:.0f} ms, max {max(done) * 1000:.0f} ms")
+        running, last, done = ([r[k] for r in rows] for k in range(3))
+        tail = [d - la for la, d in zip(last, done, strict=True)]
+        print(f"  {kind} ({len(rows)}): resumed step running p50 {statistics.median(running) * 1000:.0f} ms; "
+              f"last call answered p50 {statistics.median(last) * 1000:.0f} ms; Succeeded p50 "
+              f"{statistics.median(done) * 1000:.0f} ms, p99 {rank(done, 99) * 1000:.0f} ms (nearest rank), "
+              f"max {max(done) * 1000:.0f} ms; last call answered -> Succeeded p50 "
+              f"{statistics.median(tail) * 1000:.0f} ms")
     if res["warm"] and res["cold"]:
         ratio = statistics.median([r[0] for r in res["cold"]]) / statistics.median([r[0] for r in res["warm"]])
         print(f"  cold / warm (resumed step running, p50): {ratio:.0f}x")

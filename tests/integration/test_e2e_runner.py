@@ -146,6 +146,22 @@ def test_class_flow_by_reference(stack: RealRunnerStack, flows: Flows) -> None:
     assert st["usage"]["byModel"][MODEL]["cost"] == spent and st["runs"][0]["usage"]["cost"] == spent
 
 
+def test_a_runner_pod_that_cannot_start_is_explained_in_the_flows_status(stack: RealRunnerStack, flows: Flows) -> None:
+    """The real scheduler and kubelet's reasons reach `kubectl get flows`: no silent Pending."""
+    flows.apply("too-big", {"flowRef": ARTICLE_FLOW, "resources": {"requests": {"cpu": "64"}}})
+    flows.apply("no-secret", {"flowRef": ARTICLE_FLOW, "envFrom": [{"secretRef": {"name": "model-key"}}]})
+    st = flows.wait("too-big", lambda s: has_condition(s, "Running", "Unschedulable"), "the scheduler's reason",
+                    timeout=60)
+    assert st["phase"] == "Pending" and "Insufficient cpu" in st["message"], st["message"]
+    st = flows.wait("no-secret", lambda s: has_condition(s, "Running", "CreateContainerConfigError"),
+                    "the kubelet's reason", timeout=60)
+    assert st["phase"] == "Pending" and 'secret "model-key" not found' in st["message"], st["message"]
+
+
+def has_condition(status: dict[str, Any], ctype: str, reason: str) -> bool:
+    return any(c["type"] == ctype and c["reason"] == reason for c in status.get("conditions") or [])
+
+
 def test_invalid_definition_is_refused_at_apply_time_with_crewais_message(
         stack: RealRunnerStack, flows: Flows) -> None:
     obj = {"apiVersion": "flowkube.io/v1alpha1", "kind": "Flow", "metadata": {"name": "loop"},

@@ -128,6 +128,11 @@ class RunSteps(WarmSteps):
 
     def _follow_running(self, run: Run, pod: PodView) -> None:
         self.st.phase = Phase.RUNNING if pod.phase == "Running" else Phase.PENDING
+        if pod.waiting is not None and self.st.phase == Phase.PENDING:
+            # Not scheduled, or its image or a Secret it needs is missing: say so in Kubernetes'
+            # words, where `kubectl get flows` shows it (the pod's own Events have the details).
+            reason, why = pod.waiting
+            self.failure = (reason, excerpt(f"runner pod {pod.name} is waiting ({reason}): {why}", 1024))
         over = self._over_deadline(None)
         if over is None:
             return

@@ -23,6 +23,7 @@ from .definitions import automatic_memory, import_flow_class, load_definition, u
 from .persistence import StorePersistence, install
 from .runtime import json_safe, restore_runtime, state_dict
 from .state import StateDocument
+from .tls import share_default_contexts
 
 # What crewAI 1.15.30 raises (a ValueError) when kickoff inputs do not validate against a structured state.
 _CREWAI_INVALID_INPUTS = "Invalid inputs for structured state"
@@ -39,6 +40,7 @@ class FlowSession:
         self._persistence = StorePersistence()
         self._persistence.bind(store, pod, document)
         install(self._persistence)
+        share_default_contexts()  # before crewAI builds its first model client
         self._definition: FlowDefinition | None = None
         self._flow_class: Any = None
         self._flow: Flow[Any] | None = None

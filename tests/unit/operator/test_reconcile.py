@@ -666,3 +666,41 @@ def test_a_failed_final_report_waits_for_the_pod_to_end() -> None:
                               finished_at=T0 + dt.timedelta(seconds=4))}
     step(body, deleted, stopped, at=5)
     assert body["status"]["runs"][0]["reason"] == Reason.DISRUPTED and body["status"]["phase"] == Phase.PENDING
+
+
+def test_a_runner_pod_that_cannot_start_says_why_in_the_flows_status_until_it_starts() -> None:
+    """A pod the scheduler cannot place (or whose image or Secret is missing) leaves the Flow Pending
+    with Kubernetes' reason and message, where `kubectl get flows` shows them; not a silent Pending."""
+    body = flow()
+    step(body)
+    unschedulable = PodView.from_pod({
+        "metadata": {"name": "f-0", "resourceVersion": "2"},
+        "status": {"phase": "Pending", "conditions": [
+            {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+             "message": "0/1 nodes are available: 1 Insufficient cpu."}]}})
+    step(body, {"f-0": unschedulable}, at=1)
+    st = body["status"]
+    assert st["phase"] == Phase.PENDING
+    assert st["message"] == ("runner pod f-0 is waiting (Unschedulable): 0/1 nodes are available: "
+                             "1 Insufficient cpu.")
+    assert (cond(body, "Running")["status"], cond(body, "Running")["reason"]) == ("Unknown", "Unschedulable")
+
+    no_secret = PodView.from_pod({
+        "metadata": {"name": "f-0", "resourceVersion": "3"},
+        "status": {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "True"}],
+                   "containerStatuses": [{"name": "runner", "state": {"waiting": {
+                       "reason": "CreateContainerConfigError", "message": 'secret "model-key" not found'}}}]}})
+    step(body, {"f-0": no_secret}, at=2)
+    assert cond(body, "Running")["reason"] == "CreateContainerConfigError"
+    assert 'secret "model-key" not found' in body["status"]["message"]
+
+    creating = PodView.from_pod({
+        "metadata": {"name": "f-0", "resourceVersion": "4"},
+        "status": {"phase": "Pending", "containerStatuses": [{"name": "runner", "state": {"waiting": {
+            "reason": "ContainerCreating"}}}]}})
+    assert creating.waiting is None  # passes by itself
+    step(body, {"f-0": creating}, at=3)
+    assert body["status"]["message"] == "waiting for runner pod f-0"
+    assert cond(body, "Running")["reason"] == Reason.RUN_PENDING
+    step(body, pod("f-0", "Running"), at=4)
+    assert body["status"]["phase"] == Phase.RUNNING and cond(body, "Running")["status"] == "True"
