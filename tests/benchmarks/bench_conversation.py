@@ -52,6 +52,7 @@ from flowkube_devstack.cluster import LocalCluster, wait_for
 from flowkube_devstack.operator import ChartOperator
 from flowkube_devstack.stubmodel import Rules, StubModel, ledger_usage
 from flowkube_operator.resources import CONTAINER_SECURITY
+from tests.benchmarks.realstack import RUNNER_ENV
 from tests.integration.realrunner import MODEL
 
 NS = "bench-conversation"
@@ -64,7 +65,6 @@ SUPPORT = {
     "methods": {"handle_refund": {"listen": "refund", "do": {"call": "expression", "expr": "'Refund started'"}}},
 }
 TURN_TIMEOUT = 180.0  # one cold runner pod (crewAI import) on a busy machine
-RUNNER_ENV = {"OPENAI_API_KEY": "stub", "CREWAI_TRACING_ENABLED": "false"}
 
 Obj = dict[str, Any]
 

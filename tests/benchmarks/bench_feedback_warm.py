@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -30,9 +29,9 @@ from typing import Any
 import httpx
 
 from flowkube_devstack.cluster import LocalCluster, wait_for
-from flowkube_devstack.operator import ChartOperator
-from flowkube_devstack.stubmodel import Rules, StubModel
-from tests.benchmarks.bench_conversation import RUNNER_ENV, Watch, http_client, named, rank
+from flowkube_devstack.stubmodel import StubModel
+from tests.benchmarks.bench_conversation import Watch, http_client, named, rank
+from tests.benchmarks.realstack import real_stack
 from tests.integration.test_e2e_runner import RULES, review_definition
 
 NS = "bench-feedback-warm"
@@ -112,23 +111,8 @@ def main() -> None:
     parser.add_argument("--resumed", choices=("one-call", "agent"), default="one-call")
     parser.add_argument("--logs", type=Path, help="save each warm runner pod's log in this directory")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="flowkube-bench-fbw-") as tmp:
-        cluster = LocalCluster(Path(tmp)).start()
-        try:
-            with StubModel(Rules.from_json(RULES), host=cluster.host_ip) as stub:
-                url = cluster.host_service("stub-model", "flowkube-dev", stub.port)
-                op = ChartOperator(cluster, runner_env={"OPENAI_BASE_URL": f"{url}/v1", **RUNNER_ENV},
-                                   values=["log.level=WARNING"])
-                try:
-                    op.start()
-                    cluster.kubectl("create", "namespace", NS)
-                    wait_for(lambda: cluster.kubectl("get", "sa", "default", "-n", NS, check=False).returncode == 0,
-                             30, "the namespace's ServiceAccount")
-                    res = run(cluster, stub, args.warm, args.cold, args.resumed, args.logs)
-                finally:
-                    op.stop()
-        finally:
-            cluster.stop()
+    with real_stack("fbw", RULES, NS) as (cluster, stub):
+        res = run(cluster, stub, args.warm, args.cold, args.resumed, args.logs)
     print(f"\nfeedback patch returned -> (resumed step's first model call | last call answered | Flow "
           f"Succeeded), real runner, resumed part: {args.resumed}:")
     for kind, rows in res.items():

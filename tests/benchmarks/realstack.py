@@ -1,0 +1,38 @@
+"""The stack the real-runner benchmarks run on: a local cluster of their own (real node), the stub
+model on this host behind a Service, the operator from its chart, and one namespace."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from flowkube_devstack.cluster import LocalCluster, wait_for
+from flowkube_devstack.operator import ChartOperator
+from flowkube_devstack.stubmodel import Rules, StubModel
+
+RUNNER_ENV = {"OPENAI_API_KEY": "stub", "CREWAI_TRACING_ENABLED": "false"}
+
+
+@contextmanager
+def real_stack(name: str, rules: dict[str, Any], namespace: str) -> Iterator[tuple[LocalCluster, StubModel]]:
+    with tempfile.TemporaryDirectory(prefix=f"flowkube-bench-{name}-") as tmp:
+        cluster = LocalCluster(Path(tmp)).start()
+        try:
+            with StubModel(Rules.from_json(rules), host=cluster.host_ip) as stub:
+                url = cluster.host_service("stub-model", "flowkube-dev", stub.port)
+                op = ChartOperator(cluster, runner_env={"OPENAI_BASE_URL": f"{url}/v1", **RUNNER_ENV},
+                                   values=["log.level=WARNING"])
+                try:
+                    op.start()
+                    cluster.kubectl("create", "namespace", namespace)
+                    wait_for(lambda: cluster.kubectl("get", "sa", "default", "-n", namespace,
+                                                     check=False).returncode == 0,
+                             30, "the namespace's ServiceAccount")
+                    yield cluster, stub
+                finally:
+                    op.stop()
+        finally:
+            cluster.stop()
