@@ -82,12 +82,14 @@ def plan(flow: Body, pods: dict[str, PodView], report: RunReport | None = None, 
 
 
 def late_pods(status: Body, pods: Mapping[str, PodView]) -> list[str]:
-    """Pods of closed runs that ended after their run was closed (stopped at the deadline, or still
-    finishing a model call): their final report may hold calls the run's entry does not have yet."""
+    """Pods of closed runs that ended after their run was closed (stopped at the deadline, still
+    finishing a model call, or ending after the final report the run was closed on): their stored
+    report may hold calls the run's entry does not have yet. The runner writes nothing after its
+    final report, but a runner image is the tenant's: a report written later is read here too, in
+    case the state API's hint of it was lost with an operator restart (the same report again
+    changes nothing)."""
     out = []
     for r in (status.get("runs") or []):
-        if r.get("closedOnReport"):
-            continue  # closed on the pod's final report: nothing it did later
         pod = pods.get(r.get("pod", ""))
         closed = parse_time(r.get("finishedAt"))
         if pod is not None and closed is not None and pod.terminated and pod.finished_at and pod.finished_at > closed:
