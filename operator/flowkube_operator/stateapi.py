@@ -438,12 +438,12 @@ class StateApi:
         # status and the ConfigMap are written at the same time, not one after the other. Nothing is
         # lost if the store fails: the runner sends the report again (its 2xx comes only after both),
         # and a report folded twice counts once (a run's reports are cumulative).
-        leader = (report is not None and not t.late and (report.warm or report.final)
-                  and self._runs.running_report(t.namespace, t.flow, report))
+        now = report if report is not None and not t.late and (report.warm or report.final) else None
+        leader = now is not None and self._runs.running_report(t.namespace, t.flow, now)
         await self.put(t, key, value)
         if report is not None and t.late:
             self._runs.late_report(t.namespace, t.flow, report)
-        elif report is not None and (report.warm or report.final) and not leader:
+        elif now is not None and not leader:
             # Stored, but this replica does not reconcile: the runner sends it again, on a new
             # connection (so, through the Service, likely to another replica), until the leader has it
             # (a final report only for a moment: the leader also reads it when the pod has ended).

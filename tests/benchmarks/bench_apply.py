@@ -173,11 +173,15 @@ CRD_VARIANTS: dict[str, Any] = {
 }
 
 
+def variant_group(name: str) -> str:
+    return f"{name}.bench.flowkube.io" if name else c.GROUP
+
+
 def crd_variant(name: str) -> dict[str, Any]:
     doc = crd.crd()
     if not name:
         return doc
-    group = f"{name}.bench.flowkube.io"
+    group = variant_group(name)
     doc["metadata"]["name"] = f"{c.PLURAL}.{group}"
     doc["spec"]["group"] = group
     doc["spec"]["names"].pop("shortNames", None)
@@ -185,6 +189,13 @@ def crd_variant(name: str) -> dict[str, Any]:
     for version in doc["spec"]["versions"]:
         version["schema"]["openAPIV3Schema"] = CRD_VARIANTS[name](version["schema"]["openAPIV3Schema"])
     return doc
+
+
+def suspended_job(name: str) -> dict[str, Any]:
+    """A Job with a pod like the bench's own: its controller writes its status, and makes no pod."""
+    job = jobpeer.job(name, {"spec": pod(name)["spec"]})
+    job["spec"]["suspend"] = True
+    return job
 
 
 async def write_costs(cluster: LocalCluster, n: int, pids: dict[str, int]) -> dict[str, float]:
@@ -195,7 +206,7 @@ async def write_costs(cluster: LocalCluster, n: int, pids: dict[str, int]) -> di
     for name in CRD_VARIANTS:
         if name:
             cluster.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(crd_variant(name)))
-            cluster.kubectl("wait", "--for=condition=Established", f"crd/{c.PLURAL}.{name}.bench.flowkube.io",
+            cluster.kubectl("wait", "--for=condition=Established", f"crd/{c.PLURAL}.{variant_group(name)}",
                             "--timeout=60s")
     client = Client.of(cluster)
     ns = "bench-costs"
@@ -203,7 +214,7 @@ async def write_costs(cluster: LocalCluster, n: int, pids: dict[str, int]) -> di
         await namespace(client, ns)
         kinds: dict[str, Any] = {}
         for name in CRD_VARIANTS:
-            group = f"{name}.bench.flowkube.io" if name else c.GROUP
+            group = variant_group(name)
             base = f"/apis/{group}/v1alpha1/namespaces/{ns}/flows"
             label = f"Flow ({name})" if name else "Flow"
 
@@ -217,9 +228,8 @@ async def write_costs(cluster: LocalCluster, n: int, pids: dict[str, int]) -> di
             kinds[f"{label} status, pending"] = lambda i, status=status: status(i, PENDING_STATUS)
             kinds[f"{label} status, finished"] = lambda i, status=status: status(i, FINAL_STATUS)
         kinds["pod create"] = lambda i: client.post(f"/api/v1/namespaces/{ns}/pods", pod(f"c{i}"))
-        suspended = {"spec": {**jobpeer.job("x", {"spec": pod("x")["spec"]})["spec"], "suspend": True}}
         kinds["Job create (suspended)"] = lambda i: client.post(f"/apis/batch/v1/namespaces/{ns}/jobs",
-                                                                {**jobpeer.job(f"c{i}", {}), **suspended})
+                                                                suspended_job(f"c{i}"))
         costs = await _costs(client, kinds, n, pids)
         # The same pods again, with a watch on them that asks for JSON, as the operator's does
         # (kube-controller-manager, the scheduler and the kubelet ask for protobuf).
@@ -232,8 +242,9 @@ async def write_costs(cluster: LocalCluster, n: int, pids: dict[str, int]) -> di
             f"/api/v1/namespaces/{ns}/pods", pod(f"j{i}"))}, n, pids)
         await stop(watch)
         # Gone before the operator starts: it must not spend the next phases acting on them.
-        await empty(client, [f"/apis/flowkube.io/v1alpha1/namespaces/{ns}/flows", f"/api/v1/namespaces/{ns}/pods",
-                             f"/apis/batch/v1/namespaces/{ns}/jobs"])
+        for path in (f"/apis/flowkube.io/v1alpha1/namespaces/{ns}/flows", f"/api/v1/namespaces/{ns}/pods",
+                     f"/apis/batch/v1/namespaces/{ns}/jobs"):
+            await delete_all(client, path, limit=60)
         return costs
     finally:
         await client.session.close()
@@ -255,7 +266,7 @@ async def webhook_costs(cluster: LocalCluster, n: int, pids: dict[str, int]) -> 
                 path, {**flow(f"w{i}"), "spec": {**plain, "inputs": {"topic": "x"}}}),
         }
         costs = await _costs(client, kinds, n, pids)
-        await empty(client, [path])
+        await delete_all(client, path, limit=60)
         return costs
     finally:
         await client.session.close()
@@ -279,22 +290,6 @@ async def _costs(client: Client, kinds: dict[str, Any], n: int, pids: dict[str, 
         spent = cpu_seconds(pids)["kube-apiserver"] - before - idle * (time.perf_counter() - t)
         costs[kind] = spent * 1000 / n
     return costs
-
-
-async def empty(client: Client, paths: list[str]) -> None:
-    for path in paths:
-        async with client.session.delete(client.server + path, params={"gracePeriodSeconds": "0"}) as r:
-            r.raise_for_status()
-
-        async def left(path: str = path) -> int:
-            async with client.session.get(client.server + path) as r:
-                return len((await r.json())["items"])
-
-        deadline = time.perf_counter() + 60
-        while await left():
-            if time.perf_counter() > deadline:
-                raise TimeoutError(f"{path} not emptied")
-            await asyncio.sleep(0.1)
 
 
 @dataclass
@@ -468,10 +463,11 @@ async def stop(task: asyncio.Task[None]) -> None:
         await task
 
 
-async def delete_all(client: Client, path: str) -> None:
+async def delete_all(client: Client, path: str, limit: float = 120) -> None:
+    """Delete every object at ``path`` and wait until none is left (at most ``limit`` seconds)."""
     async with client.session.delete(client.server + path, params={"gracePeriodSeconds": "0"}) as r:
         r.raise_for_status()
-    deadline = time.perf_counter() + 120
+    deadline = time.perf_counter() + limit
     while True:
         async with client.session.get(client.server + path) as r:
             if not (await r.json())["items"]:

@@ -29,7 +29,7 @@ import time
 import httpx
 
 from flowkube_devstack.cluster import LocalCluster
-from flowkube_devstack.stubmodel import StubModel
+from flowkube_devstack.stubmodel import Rules, StubModel
 from tests.benchmarks.bench_conversation import Watch, container_state, floor_pod, http_client, named
 from tests.benchmarks.bench_feedback_warm import RESOURCES
 from tests.benchmarks.realstack import real_stack
@@ -104,7 +104,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
-    with real_stack("cold", RULES, NS) as (cluster, stub):
+    with real_stack("cold", Rules.from_json(RULES), NS) as (cluster, stub, _):
         floors, runs = run(cluster, stub, args.runs)
     p50 = statistics.median
     imported, floor50 = p50(f[0] for f in floors), p50(f[1] for f in floors)

@@ -35,7 +35,6 @@ import json
 import math
 import ssl
 import statistics
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -48,11 +47,11 @@ import yaml
 
 from flowkube_api import constants as c
 from flowkube_api.report import Usage
-from flowkube_devstack.cluster import LocalCluster, wait_for
+from flowkube_devstack.cluster import LocalCluster
 from flowkube_devstack.operator import ChartOperator
 from flowkube_devstack.stubmodel import Rules, StubModel, ledger_usage
 from flowkube_operator.resources import CONTAINER_SECURITY
-from tests.benchmarks.realstack import RUNNER_ENV
+from tests.benchmarks.realstack import RUNNER_ENV, real_stack
 from tests.integration.realrunner import MODEL
 
 NS = "bench-conversation"
@@ -546,28 +545,9 @@ def main() -> None:
     parser.add_argument("--warm-messages", type=int, default=50,
                         help="messages to a second, warm conversation after the cold one (default 50; 0: none)")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="flowkube-bench-conv-") as tmp:
-        t0 = time.monotonic()
-        cluster = LocalCluster(Path(tmp)).start()
-        print(f"local cluster started in {time.monotonic() - t0:.0f} s", flush=True)
-        try:
-            with StubModel(rules(max(args.messages, args.warm_messages)), host=cluster.host_ip) as stub:
-                url = cluster.host_service("stub-model", "flowkube-dev", stub.port)
-                op = ChartOperator(cluster, runner_env={"OPENAI_BASE_URL": f"{url}/v1", **RUNNER_ENV},
-                                   values=["log.level=WARNING"])
-                try:
-                    t0 = time.monotonic()
-                    op.start()
-                    print(f"operator installed in {time.monotonic() - t0:.0f} s", flush=True)
-                    cluster.kubectl("create", "namespace", NS)
-                    wait_for(lambda: cluster.kubectl("get", "sa", "default", "-n", NS, check=False).returncode == 0,
-                             30, "the namespace's ServiceAccount")
-                    res = conversation_run(cluster, stub, op, args.messages, args.floors)
-                    warm = warm_run(cluster, stub, args.warm_messages) if args.warm_messages else None
-                finally:
-                    op.stop()
-        finally:
-            cluster.stop()
+    with real_stack("conv", rules(max(args.messages, args.warm_messages)), NS) as (cluster, stub, op):
+        res = conversation_run(cluster, stub, op, args.messages, args.floors)
+        warm = warm_run(cluster, stub, args.warm_messages) if args.warm_messages else None
     report(res, args.messages)
     if warm is not None:
         warm_report(warm, res)

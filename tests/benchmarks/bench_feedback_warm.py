@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 
 from flowkube_devstack.cluster import LocalCluster, wait_for
-from flowkube_devstack.stubmodel import StubModel
+from flowkube_devstack.stubmodel import Rules, StubModel
 from tests.benchmarks.bench_conversation import Watch, http_client, named, rank
 from tests.benchmarks.realstack import real_stack
 from tests.integration.test_e2e_runner import RULES, review_definition
@@ -93,7 +93,7 @@ def run(cluster: LocalCluster, stub: StubModel, n_warm: int, n_cold: int, resume
                 running, last, done = out[kind][-1]
                 print(f"  {name}: resumed step running {running * 1000:.0f} ms, its last call answered "
                       f"{last * 1000:.0f} ms, Succeeded {done * 1000:.0f} ms after the patch", flush=True)
-        if logs is not None:  # what the warm runners and the operator logged, for a look at the timeline
+        if logs is not None:  # what each warm runner logged (httpx stamps every request): its timeline
             logs.mkdir(parents=True, exist_ok=True)
             for name in names["warm"]:
                 out_log = cluster.kubectl("logs", "-n", NS, f"{name}-0", check=False)
@@ -111,7 +111,7 @@ def main() -> None:
     parser.add_argument("--resumed", choices=("one-call", "agent"), default="one-call")
     parser.add_argument("--logs", type=Path, help="save each warm runner pod's log in this directory")
     args = parser.parse_args()
-    with real_stack("fbw", RULES, NS) as (cluster, stub):
+    with real_stack("fbw", Rules.from_json(RULES), NS) as (cluster, stub, _):
         res = run(cluster, stub, args.warm, args.cold, args.resumed, args.logs)
     print(f"\nfeedback patch returned -> (resumed step's first model call | last call answered | Flow "
           f"Succeeded), real runner, resumed part: {args.resumed}:")

@@ -4,10 +4,10 @@ model on this host behind a Service, the operator from its chart, and one namesp
 from __future__ import annotations
 
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 from flowkube_devstack.cluster import LocalCluster, wait_for
 from flowkube_devstack.operator import ChartOperator
@@ -17,21 +17,25 @@ RUNNER_ENV = {"OPENAI_API_KEY": "stub", "CREWAI_TRACING_ENABLED": "false"}
 
 
 @contextmanager
-def real_stack(name: str, rules: dict[str, Any], namespace: str) -> Iterator[tuple[LocalCluster, StubModel]]:
+def real_stack(name: str, rules: Rules, namespace: str) -> Iterator[tuple[LocalCluster, StubModel, ChartOperator]]:
     with tempfile.TemporaryDirectory(prefix=f"flowkube-bench-{name}-") as tmp:
+        t0 = time.monotonic()
         cluster = LocalCluster(Path(tmp)).start()
+        print(f"local cluster started in {time.monotonic() - t0:.0f} s", flush=True)
         try:
-            with StubModel(Rules.from_json(rules), host=cluster.host_ip) as stub:
+            with StubModel(rules, host=cluster.host_ip) as stub:
                 url = cluster.host_service("stub-model", "flowkube-dev", stub.port)
                 op = ChartOperator(cluster, runner_env={"OPENAI_BASE_URL": f"{url}/v1", **RUNNER_ENV},
                                    values=["log.level=WARNING"])
                 try:
+                    t0 = time.monotonic()
                     op.start()
+                    print(f"operator installed in {time.monotonic() - t0:.0f} s", flush=True)
                     cluster.kubectl("create", "namespace", namespace)
                     wait_for(lambda: cluster.kubectl("get", "sa", "default", "-n", namespace,
                                                      check=False).returncode == 0,
                              30, "the namespace's ServiceAccount")
-                    yield cluster, stub
+                    yield cluster, stub, op
                 finally:
                     op.stop()
         finally:
