@@ -106,6 +106,7 @@ def _print_usage(root: Path) -> None:
           f"a real node (kubelet, containerd, kube-proxy, CoreDNS), the operator installed by its Helm chart\n"
           f"(metrics: {info['metrics']}, with the bearer token in {info['metrics_token_file']}),\n"
           f"the stub model {info['stub']}.\n"
+          f"The web console: {info.get('console', '-')} (sign in with a token: kubectl create token NAME).\n"
           f"Point kubectl at it:\n\n"
           f"  export KUBECONFIG={info['kubeconfig']}\n"
           f"  export PATH={Path(info['bins']['kubectl']).parent}:$PATH\n\n"

@@ -77,7 +77,7 @@ BASE_VERSION = "3"  # bump to rebuild the base with the same package list (e.g. 
 
 # The build context the project's Dockerfiles use (their .dockerignore allow-list).
 CONTEXT = ("pyproject.toml", "README.md", "api/flowkube_api", "operator/flowkube_operator", "runner/flowkube_runner",
-           "kubectl/flowkube_kubectl")
+           "kubectl/flowkube_kubectl", "console/flowkube_console")
 EXAMPLE_CONTEXT = ("Dockerfile", "pyproject.toml", "myflows")
 DEVSTACK_FILES = {"stubmodel.py": "devstack/flowkube_devstack/stubmodel.py",
                   "fakerunner.py": "tests/integration/fakerunner.py"}

@@ -392,6 +392,13 @@ class ChartOperator(_Operator):
         """The name of the pod holding the Lease ("" when none does)."""
         return str(self.lease().get("holderIdentity") or "")
 
+    def console_url(self) -> str:
+        """The chart's web console through its Service (this host routes to ClusterIPs), as a user's
+        browser reaches it through an Ingress or `kubectl port-forward`."""
+        ip = self.cluster.kubectl("get", "service", f"{self.fullname}-console", "-n", self.namespace,
+                                  "-o", "jsonpath={.spec.clusterIP}").stdout.strip()
+        return f"http://{ip}"
+
     def pod_ip(self, name: str) -> str:
         return self.cluster.kubectl("get", "pod", name, "-n", self.namespace,
                                     "-o", "jsonpath={.status.podIP}").stdout.strip()

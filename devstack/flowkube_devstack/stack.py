@@ -82,4 +82,4 @@ def dev_stack(root: Path, rules: dict[str, Any] | None = None) -> Iterator[dict[
         token.write_text(operator.metrics_token())
         token.chmod(0o600)
         yield {**cluster.describe(), "stub": stub, "metrics": f"http://{operator.metrics_target}/metrics",
-               "metrics_token_file": str(token)}
+               "metrics_token_file": str(token), "console": operator.console_url()}

@@ -5,6 +5,7 @@
     kubectl flow feedback NAME TEXT [--request-id ID]  answer a pending feedback request
     kubectl flow say NAME TEXT [--timeout SECONDS]     send one message to a conversation, print the reply
     kubectl flow chat NAME [--timeout SECONDS]         talk to a conversation, one message per line
+    kubectl flow console [--port PORT] [--no-browser]  the web console on this machine, with your kubeconfig
 
 Flags go anywhere on the line; `--` ends them (for a TEXT that starts with `-`). kubectl's own
 -n/--namespace, --context, --kubeconfig, --cluster, --user, --as, --as-group, --request-timeout,
@@ -17,11 +18,16 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
+import shutil
+import socket
 import subprocess
 import sys
 import time
+import webbrowser
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from flowkube_api.constants import PLURAL, SINGULAR, Phase, Reason
@@ -39,7 +45,9 @@ _COMMANDS: dict[str, tuple[str, int, frozenset[str]]] = {
     "feedback": ("NAME TEXT", 2, frozenset({"--request-id"})),
     "say": ("NAME TEXT", 2, frozenset({"--timeout"})),
     "chat": ("NAME", 1, frozenset({"--timeout"})),
+    "console": ("", 0, frozenset({"--port", "--no-browser"})),
 }
+_BOOL_COMMAND_FLAGS = frozenset({"--no-browser"})
 _COMMAND_FLAGS = frozenset().union(*(spec[2] for spec in _COMMANDS.values()))
 
 
@@ -92,6 +100,8 @@ def _take_flag(a: Args, tok: str, argv: list[str], i: int) -> int:
         a.all_namespaces = value.lower() not in ("false", "0")
     elif flag in _KUBE_BOOL_FLAGS:
         a.kube.append(tok)
+    elif flag in _BOOL_COMMAND_FLAGS:
+        a.opts[flag] = value or "true"
     elif flag in _KUBE_VALUE_FLAGS or flag in _COMMAND_FLAGS:
         if not eq:
             if i == len(argv):
@@ -113,7 +123,7 @@ def _check(a: Args) -> None:
     if a.cmd not in _COMMANDS:
         raise UsageError(f"unknown command {a.cmd!r}: one of {', '.join(_COMMANDS)}")
     usage, least, flags = _COMMANDS[a.cmd]
-    if not least <= len(a.pos) <= len(usage.split()):
+    if not least <= len(a.pos) <= len((usage or "").split()):
         raise UsageError(f"usage: kubectl flow {a.cmd} {usage} (got {len(a.pos)} arguments: {a.pos})")
     for flag in a.opts:
         if flag not in flags:
@@ -125,6 +135,8 @@ def _check(a: Args) -> None:
             raise ValueError
     except ValueError:
         raise UsageError(f"--timeout needs a number of seconds, got {a.opts['--timeout']!r}") from None
+    if not a.opts.get("--port", "0").isdigit() or int(a.opts.get("--port", "0")) > 65535:
+        raise UsageError(f"--port needs a port number, got {a.opts['--port']!r}")
 
 
 def _kubectl(args: list[str], kube: list[str]) -> subprocess.CompletedProcess[str]:
@@ -348,7 +360,55 @@ def chat(name: str, kube: list[str], timeout: float) -> int:
             return rc
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _console_command() -> list[str]:
+    """flowkube-console beside this plugin (the same installation), or on PATH."""
+    here = Path(sys.argv[0]).resolve().parent / "flowkube-console"
+    found = str(here) if here.exists() else shutil.which("flowkube-console")
+    if not found:
+        raise UsageError("the console is not installed here: pip install 'flowkube[console]' "
+                         "(it provides flowkube-console)")
+    return [found]
+
+
+def console(a: Args) -> int:
+    """`kubectl proxy` with your kubeconfig's credentials on a loopback port, the console in local
+    mode behind it on another, and the browser opened on a one-time sign-in link."""
+    proxy = subprocess.Popen([os.environ.get("KUBECTL", "kubectl"), "proxy", "--port=0", "--address=127.0.0.1",
+                              *a.kube], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proxy.stdout is not None
+    first = proxy.stdout.readline()  # "Starting to serve on 127.0.0.1:PORT"
+    if "127.0.0.1:" not in first:
+        proxy.wait(timeout=10)
+        raise KubectlError(subprocess.CompletedProcess(proxy.args, proxy.returncode or 1, first,
+                                                       proxy.stderr.read() if proxy.stderr else ""))
+    api = "http://127.0.0.1:" + first.rsplit(":", 1)[1].strip()
+    port, key = int(a.opts.get("--port") or _free_port()), secrets.token_urlsafe(24)
+    server = subprocess.Popen([*_console_command(), "--mode", "local", "--api-server", api, "--host", "127.0.0.1",
+                               "--port", str(port)], env={**os.environ, "FLOWKUBE_CONSOLE_LAUNCH_KEY": key})
+    url = f"http://127.0.0.1:{port}/auth/local?key={key}"
+    print(f"flowkube console: {url}\n(Ctrl-C stops it)", flush=True)
+    if a.opts.get("--no-browser", "false").lower() in ("false", "0"):
+        webbrowser.open(url)
+    try:
+        return server.wait()
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        for p in (server, proxy):
+            p.terminate()
+            p.wait(timeout=10)
+
+
 def _run(a: Args) -> int:
+    if a.cmd == "console":
+        return console(a)
     timeout = float(a.opts.get("--timeout", 300))
     if a.cmd == "feedback":
         out = _patch(a.pos[0], feedback_patch(a.pos[1], a.opts.get("--request-id")), a.kube)

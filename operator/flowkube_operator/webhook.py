@@ -100,8 +100,21 @@ def _response_problem(old_st: Body | None, new_st: Body | None, username: str) -
         return shape
     raw_req = ((old_st or {}).get("feedback") or {}).get("request")
     req = FeedbackRequest.model_validate(raw_req) if raw_req else None
-    problem = validate_response(req, resp.get("text"), resp.get("requestId"))
+    problem = _answered_already(req, inbox_response(old_st)) or validate_response(
+        req, resp.get("text"), resp.get("requestId"))
     return f"status.feedback.response refused: {problem}" if problem else None
+
+
+def _answered_already(req: FeedbackRequest | None, earlier: dict[str, Any] | None) -> str | None:
+    """A second answer to the same request, written before the operator applied the first (two
+    people answering at once): refused, so the first answer is the one applied, and the second
+    person is told so."""
+    if req is None or not earlier or not isinstance(earlier.get("text"), str) or not earlier["text"].strip():
+        return None
+    if earlier.get("requestId") not in (None, "", req.id):
+        return None
+    who = f" by {earlier['respondedBy']}" if earlier.get("respondedBy") else ""
+    return f"request {req.id!r} was answered already{who}; the operator is applying that answer"
 
 
 def _message_problem(old_st: Body | None, new_st: Body | None, username: str) -> str | None:

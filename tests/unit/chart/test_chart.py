@@ -49,10 +49,12 @@ def named(objs: list[Obj], kind: str, name: str) -> Obj:
     return found[0]
 
 
-def containers(objs: list[Obj]) -> Iterator[Obj]:
+def containers(objs: list[Obj], everywhere: bool = False) -> Iterator[Obj]:
+    """The operator pod's containers (every Deployment's with ``everywhere``: the console's too)."""
     for o in of_kind(objs, "Deployment"):
-        spec = o["spec"]["template"]["spec"]
-        yield from spec.get("initContainers", []) + spec["containers"]
+        if everywhere or o["metadata"]["labels"].get("app.kubernetes.io/component") == "operator":
+            spec = o["spec"]["template"]["spec"]
+            yield from spec.get("initContainers", []) + spec["containers"]
 
 
 def env_of(container: Obj) -> dict[str, str]:
@@ -149,10 +151,11 @@ def test_render_is_restricted_and_least_privilege(helm: Path, values: Path) -> N
                                           "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
-    for ctr in containers(objs):
+    for ctr in containers(objs, everywhere=True):
         sc = ctr["securityContext"]
-        # The validator sidecar runs as another user than the operator (none of its files).
-        uid = {"operator": 65532}.get(ctr["name"], 65533)
+        # The validator sidecar runs as another user than the operator (none of its files); the
+        # console is the operator image's other program.
+        uid = {"operator": 65532, "console": 65532}.get(ctr["name"], 65533)
         assert sc["runAsNonRoot"] is True and sc["runAsUser"] == uid, ctr["name"]
         assert sc["readOnlyRootFilesystem"] is True, ctr["name"]
         assert sc["allowPrivilegeEscalation"] is False, ctr["name"]
@@ -165,6 +168,23 @@ def test_render_is_restricted_and_least_privilege(helm: Path, values: Path) -> N
                 assert "*" not in rule.get(key, []), (role["metadata"]["name"], rule)
             assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"]), rule
     _assert_no_per_flow_rbac_and_least_configmap_access(objs)
+
+
+def test_the_console_is_on_by_default_behind_a_service_and_holds_no_credentials(helm: Path) -> None:
+    objs = render(helm)
+    deploy = named(objs, "Deployment", "flowkube-console")
+    pod = deploy["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False and "serviceAccountName" not in pod
+    assert not any("serviceAccountToken" in str(v) for v in pod.get("volumes", []))
+    (ctr,) = pod["containers"]
+    assert ctr["command"] == ["flowkube-console"] and ctr["image"] == named(objs, "Deployment", "flowkube")[
+        "spec"]["template"]["spec"]["containers"][0]["image"]
+    env = {e["name"]: e for e in ctr["env"]}
+    assert env["FLOWKUBE_CONSOLE_SESSION_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "flowkube-console"
+    service = named(objs, "Service", "flowkube-console")
+    assert service["spec"]["selector"]["app.kubernetes.io/component"] == "console"
+    assert service["spec"]["ports"][0]["targetPort"] == "http"
+    assert not [o for o in render(helm, "--set", "console.enabled=false") if "console" in o["metadata"]["name"]]
 
 
 def _operator_rules(objs: list[Obj]) -> list[Obj]:
@@ -574,7 +594,7 @@ def test_dockerfiles_are_hadolint_clean(dockerfile: str) -> None:
 def test_dockerfiles_install_the_right_extra_as_non_root(component: str, extra: str) -> None:
     text = (REPO / component / "Dockerfile").read_text()
     final = text.rsplit("\nFROM ", 1)[1]
-    assert f"[{extra}]" in final
+    assert f"[{extra}]" in final or f"[{extra}," in final
     assert "USER 65532:65532" in final
     assert f'ENTRYPOINT ["flowkube-{component}"]' in final
     assert "--no-cache-dir" in final
@@ -626,7 +646,7 @@ def test_a_stopping_operator_pod_keeps_serving_until_its_endpoint_is_gone(helm: 
 def test_the_validator_sidecar_holds_no_credentials_and_none_of_the_operators_files(helm: Path) -> None:
     """It loads tenants' definitions with crewAI: no API token, another UID, a /tmp of its own."""
     objs = render(helm)
-    (deployment,) = of_kind(objs, "Deployment")
+    deployment = named(objs, "Deployment", "flowkube")
     pod = deployment["spec"]["template"]["spec"]
     operator, validator = containers(objs)
     assert pod["automountServiceAccountToken"] is False

@@ -97,3 +97,16 @@ def test_responded_by_cannot_be_forged() -> None:
     assert problem is not None and "recorded by flowkube" in problem
     honest = with_response({"text": "ok", "respondedBy": "mallory"})  # as the mutating webhook sets it
     assert review_status_write(PENDING, honest, by_operator=False, username="mallory") is None
+
+
+def test_a_second_answer_before_the_first_is_applied_is_refused_and_names_the_first() -> None:
+    """Two reviewers answer at once (two consoles): the second patch reaches the API server while the
+    first answer still waits for the operator. It is refused; the first answer stands."""
+    first = with_response({"text": "approved", "requestId": "r1", "respondedBy": "alice"})
+    second = with_response({"text": "rejected", "requestId": "r1"}, first)
+    problem = review_status_write(first, second, by_operator=False, username="bob")
+    assert problem and "answered already by alice" in problem
+    # An answer left over for an earlier request does not block the pending one.
+    stale = with_response({"text": "old", "requestId": "r0", "respondedBy": "alice"})
+    assert review_status_write(stale, with_response({"text": "new", "requestId": "r1"}, stale),
+                               by_operator=False, username="bob") is None

@@ -1,0 +1,420 @@
+"""The console's HTTP side: pages rendered on the server, live parts over server-sent events.
+
+Every page is rendered by Jinja2 with autoescaping on: whatever a flow produced is text on the page,
+never markup. The Content-Security-Policy allows scripts, styles and connections from the console
+itself only (one small script, no inline code), so even a template mistake could not run a flow's
+script. See docs/console.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from importlib import resources
+from typing import Any
+from urllib.parse import quote, urlencode
+
+import aiohttp
+import jinja2
+from aiohttp import web
+
+from flowkube_console import views
+from flowkube_console.auth import Auth, Credential, is_tls, same_origin
+from flowkube_console.kube import ApiError, Kube, flows_path
+from flowkube_console.live import Feeds
+from flowkube_console.settings import Settings
+
+log = logging.getLogger("flowkube.console")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
+       "form-action 'self'; frame-ancestors 'none'; base-uri 'none'")
+HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", "Referrer-Policy": "same-origin",
+           "X-Frame-Options": "DENY", "Cache-Control": "no-store"}
+KEEPALIVE_SECONDS = 15.0
+FORM_LIMIT = 256 * 1024  # bytes of a posted form (a message is at most 64 Ki characters)
+PUBLIC = frozenset({"/login", "/healthz", "/auth/local", "/favicon.ico"})
+
+SETTINGS: web.AppKey[Settings] = web.AppKey("settings", Settings)
+KUBE: web.AppKey[Kube] = web.AppKey("kube", Kube)
+FEEDS: web.AppKey[Feeds] = web.AppKey("feeds", Feeds)
+AUTH: web.AppKey[Auth] = web.AppKey("auth", Auth)
+TEMPLATES: web.AppKey[jinja2.Environment] = web.AppKey("templates", jinja2.Environment)
+CACHE: web.AppKey[dict[tuple[str, ...], tuple[float, Any]]] = web.AppKey("cache", dict)
+CRED: web.RequestKey[Credential] = web.RequestKey("credential", Credential)
+USER: web.RequestKey[str] = web.RequestKey("user", str)
+
+
+def templates() -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.PackageLoader("flowkube_console", "templates"),
+                             autoescape=True, trim_blocks=True, lstrip_blocks=True)
+    env.globals["age"] = views.age
+    env.filters["q"] = lambda s: quote(str(s), safe="")
+    return env
+
+
+def render(request: web.Request, name: str, status: int = 200, **context: Any) -> web.Response:
+    cred = request.get(CRED)
+    context.setdefault("user", request.get(USER, ""))
+    context.setdefault("csrf", request.app[AUTH].csrf(cred.key) if cred else "")
+    context.setdefault("now", datetime.now(UTC))
+    context.setdefault("signed_in_via", cred.via if cred else "")
+    html = request.app[TEMPLATES].get_template(name).render(**context)
+    return web.Response(text=html, content_type="text/html", status=status)
+
+
+# ------------------------------------------------------------------------------------- middlewares
+
+
+@web.middleware
+async def security(request: web.Request, handler: Handler) -> web.StreamResponse:
+    settings = request.app[SETTINGS]
+    if settings.mode == "local" and request.host.rsplit(":", 1)[0] not in ("127.0.0.1", "localhost", "[::1]"):
+        return web.Response(status=421, text="this console answers only on its loopback address")
+    if request.method == "POST" and not same_origin(request):
+        return web.Response(status=403, text="refused: the form was posted from another site")
+    started = time.perf_counter()
+    try:
+        response = await handler(request)
+    except web.HTTPException as e:
+        _harden(request, e)
+        raise
+    except (OSError, TimeoutError, aiohttp.ClientError) as e:
+        log.warning("%s %s: the API server did not answer: %s", request.method, request.path, e)
+        response = web.Response(status=502, text=f"the API server did not answer: {e}")
+    _harden(request, response)
+    if not response.prepared:  # a stream (server-sent events) has sent its headers already
+        response.headers["Server-Timing"] = f"app;dur={(time.perf_counter() - started) * 1000:.1f}"
+    return response
+
+
+def _harden(request: web.Request, response: web.StreamResponse) -> None:
+    for k, v in HEADERS.items():
+        response.headers.setdefault(k, v)
+    if is_tls(request):
+        response.headers.setdefault("Strict-Transport-Security", "max-age=31536000")
+
+
+@web.middleware
+async def signed_in(request: web.Request, handler: Handler) -> web.StreamResponse:
+    if request.path in PUBLIC or request.path.startswith("/static/"):
+        return await handler(request)
+    auth = request.app[AUTH]
+    cred = auth.credential(request)
+    if cred is None:
+        if request.method == "GET" and not request.path.startswith("/events/"):
+            raise web.HTTPSeeOther("/login?" + urlencode({"next": request.path_qs}))
+        raise web.HTTPUnauthorized(text="sign in first")
+    request[CRED] = cred
+    if request.method == "POST":
+        form = await request.post()
+        if not auth.csrf_ok(cred.key, str(form.get("csrf") or "")):
+            raise web.HTTPForbidden(text="refused: the form's CSRF token does not match your session; reload the page")
+    try:
+        request[USER] = await cached(request, ("whoami", cred.key), 60, lambda: request.app[KUBE].whoami(cred.token))
+    except ApiError as e:
+        if e.status == 401:
+            response = web.HTTPSeeOther("/login?" + urlencode({"expired": "1"}))
+            auth.sign_out(response)
+            raise response from None
+        request[USER] = "?"
+    return await handler(request)
+
+
+async def cached(request: web.Request, key: tuple[str, ...], seconds: float,
+                 fetch: Callable[[], Awaitable[Any]]) -> Any:
+    """An answer of the API server for this credential, kept ``seconds`` (who you are, what you may do)."""
+    cache = request.app[CACHE]
+    now = time.monotonic()
+    hit = cache.get(key)
+    if hit is not None and hit[0] > now:
+        return hit[1]
+    value = await fetch()
+    if len(cache) > 10_000:
+        cache.clear()
+    cache[key] = (now + seconds, value)
+    return value
+
+
+def cred_of(request: web.Request) -> Credential:
+    return request[CRED]
+
+
+async def may_answer(request: web.Request, namespace: str) -> bool:
+    cred = cred_of(request)
+    return bool(await cached(request, ("patch", cred.key, namespace), 30,
+                             lambda: request.app[KUBE].can(cred.token, "patch", namespace, "status")))
+
+
+# ------------------------------------------------------------------------------------------ sign-in
+
+
+async def login_page(request: web.Request) -> web.Response:
+    settings = request.app[SETTINGS]
+    # One nonce per browser until it signs in: another tab (or a favicon request sent here) keeps it.
+    nonce = request.cookies.get("flowkube_login") or secrets.token_urlsafe(16)
+    response = render(request, "login.html", mode=settings.mode, error="", next=_next(request),
+                      expired=bool(request.query.get("expired")), login_csrf=request.app[AUTH].csrf(nonce))
+    response.set_cookie("flowkube_login", nonce, httponly=True, samesite="Strict", secure=is_tls(request),
+                        path="/login")
+    return response
+
+
+def _next(request: web.Request, form: Any = None) -> str:
+    target = str((form or {}).get("next") or request.query.get("next") or "/")
+    return target if target.startswith("/") and not target.startswith("//") else "/"
+
+
+async def login(request: web.Request) -> web.Response:
+    auth, form = request.app[AUTH], await request.post()
+    nonce = request.cookies.get("flowkube_login", "")
+    if not nonce or not auth.csrf_ok(nonce, str(form.get("csrf") or "")):
+        raise web.HTTPForbidden(text="refused: reload the sign-in page and try again")
+    token = "".join(str(form.get("token") or "").split())
+    error = ""
+    if not token:
+        error = "Paste a token."
+    else:
+        try:
+            await request.app[KUBE].whoami(token)
+        except ApiError as e:
+            error = f"The API server did not accept this token: {e.message}"
+    if error:
+        return render(request, "login.html", status=401, mode=request.app[SETTINGS].mode, error=error,
+                      next=_next(request, form), expired=False, login_csrf=auth.csrf(nonce))
+    response = web.HTTPSeeOther(_next(request, form))
+    auth.sign_in(response, request, token)
+    response.del_cookie("flowkube_login", path="/login")
+    raise response
+
+
+async def launch(request: web.Request) -> web.Response:
+    """Local mode: the URL `kubectl flow console` opens carries the launch key once."""
+    auth = request.app[AUTH]
+    if request.app[SETTINGS].mode != "local" or not auth.launch_ok(request.query.get("key", "")):
+        raise web.HTTPForbidden(text="this link is not (or no longer) valid; run `kubectl flow console` again")
+    response = web.HTTPSeeOther("/")
+    auth.sign_in(response, request, None)
+    raise response
+
+
+async def logout(request: web.Request) -> web.Response:
+    response = web.HTTPSeeOther("/login")
+    request.app[AUTH].sign_out(response)
+    raise response
+
+
+async def healthz(_: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
+async def favicon(_: web.Request) -> web.Response:
+    return web.Response(status=204)
+
+
+# -------------------------------------------------------------------------------------- inbox, list
+
+
+def _filters(request: web.Request) -> views.Filters:
+    return views.Filters(namespace=request.query.get("namespace", ""), definition=request.query.get("definition", ""))
+
+
+def _collection(request: web.Request, feed_summaries: list[views.Summary], template: str, **more: Any) -> str:
+    filters = _filters(request)
+    pick = views.inbox if template == "_inbox.html" else views.listing
+    return request.app[TEMPLATES].get_template(template).render(
+        items=pick(feed_summaries, filters), now=datetime.now(UTC), **more)
+
+
+def wanted(request: web.Request) -> set[str]:
+    """Namespaces to follow when the user may not list Flows cluster-wide: the one the page filters
+    on, and a ServiceAccount's own."""
+    user = request.get(USER, "")
+    own = user.split(":")[2] if user.startswith("system:serviceaccount:") and user.count(":") == 3 else ""
+    return {ns for ns in (request.query.get("namespace", ""), own) if ns}
+
+
+async def collection_page(request: web.Request, page: str, fragment: str, live: str) -> web.Response:
+    feeds = request.app[FEEDS]
+    async with feeds.use(cred_of(request).token, wanted(request)) as feed:
+        summaries = feed.summaries()
+        namespaces, definitions = views.choices(summaries)
+        body = _collection(request, summaries, fragment)
+        return render(request, page, body=body, filters=_filters(request), namespaces=namespaces,
+                      definitions=definitions, problems=dict(feed.problems), scope=feed.scope,
+                      live=live + (f"?{request.query_string}" if request.query_string else ""))
+
+
+async def inbox_page(request: web.Request) -> web.Response:
+    return await collection_page(request, "inbox.html", "_inbox.html", "/events/inbox")
+
+
+async def flows_page(request: web.Request) -> web.Response:
+    return await collection_page(request, "flows.html", "_flows.html", "/events/flows")
+
+
+async def sse(request: web.Request, updates: Callable[[], Any]) -> web.StreamResponse:
+    """Server-sent events: ``update`` with a fragment of HTML each time ``updates`` yields a new one."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store",
+                                           "X-Accel-Buffering": "no", **HEADERS})
+    await response.prepare(request)
+    last = None
+    with contextlib.suppress(ConnectionResetError, asyncio.CancelledError):
+        async for html in updates():
+            if html is None:
+                await response.write(b": keepalive\n\n")
+                continue
+            if html != last:
+                last = html
+                data = "".join(f"data: {ln}\n" for ln in html.split("\n"))
+                await response.write(f"event: update\n{data}\n".encode())
+    return response
+
+
+async def collection_events(request: web.Request) -> web.StreamResponse:
+    fragment = "_inbox.html" if request.match_info["what"] == "inbox" else "_flows.html"
+
+    async def updates() -> Any:
+        async with request.app[FEEDS].use(cred_of(request).token, wanted(request)) as feed:
+            seen = -1
+            while True:
+                version = await feed.changed(seen, KEEPALIVE_SECONDS) if seen >= 0 else feed.version
+                yield _collection(request, feed.summaries(), fragment) if version != seen else None
+                seen = version
+
+    return await sse(request, updates)
+
+
+# ------------------------------------------------------------------------------------------ one Flow
+
+
+async def _flow_context(request: web.Request, flow: dict[str, Any]) -> dict[str, Any]:
+    d = views.detail(flow)
+    ns, name = d.summary.namespace, d.summary.name
+    events: list[dict[str, Any]] = []
+    with contextlib.suppress(ApiError):
+        events = views.event_rows(await request.app[KUBE].events(cred_of(request).token, ns, d.summary.uid))
+    grafana = request.app[SETTINGS].grafana_url
+    return {"d": d, "events": events, "may_answer": await may_answer(request, ns),
+            "grafana": grafana.format(namespace=quote(ns), name=quote(name)) if grafana else ""}
+
+
+async def _get_flow(request: web.Request) -> dict[str, Any]:
+    ns, name = request.match_info["namespace"], request.match_info["name"]
+    try:
+        return await request.app[KUBE].get_flow(cred_of(request).token, ns, name)
+    except ApiError as e:
+        raise web.HTTPNotFound(text=f"Flow {ns}/{name}: {e.message}") if e.status == 404 else _shown(e) from None
+
+
+def _shown(e: ApiError) -> web.HTTPException:
+    return web.HTTPForbidden(text=e.message) if e.status == 403 else web.HTTPBadGateway(text=e.message)
+
+
+async def flow_page(request: web.Request, *, error: str = "", status: int = 200, sent: str = "",
+                    draft: str = "") -> web.Response:
+    flow = await _get_flow(request)
+    context = await _flow_context(request, flow)
+    live = await render_live(request, context, draft=draft)
+    return render(request, "flow.html", status=status, live=live, error=error,
+                  sent=sent or request.query.get("sent", ""),
+                  live_url=f"/events/flows/{quote(request.match_info['namespace'])}/{quote(request.match_info['name'])}",
+                  **context)
+
+
+async def render_live(request: web.Request, context: dict[str, Any], *, draft: str = "") -> str:
+    cred = cred_of(request)
+    return request.app[TEMPLATES].get_template("_flow_live.html").render(
+        now=datetime.now(UTC), csrf=request.app[AUTH].csrf(cred.key), draft=draft, **context)
+
+
+async def flow_events(request: web.Request) -> web.StreamResponse:
+    kube, token = request.app[KUBE], cred_of(request).token
+    ns, name = request.match_info["namespace"], request.match_info["name"]
+
+    async def updates() -> Any:
+        selector = {"fieldSelector": f"metadata.name={name}"}
+        while True:
+            rv = ""
+            async for item in kube.list_all(flows_path(ns), token, **selector):
+                if "_list" in item:
+                    rv = str(item["_list"].get("resourceVersion") or "")
+                else:
+                    yield await render_live(request, await _flow_context(request, item))
+            try:
+                async for event in kube.watch(flows_path(ns), token, rv, **selector):
+                    if event.get("type") in ("ADDED", "MODIFIED"):
+                        yield await render_live(request, await _flow_context(request, event["object"]))
+            except ApiError as e:
+                if e.status != 410:
+                    return
+            yield None
+
+    return await sse(request, updates)
+
+
+async def _answer(request: web.Request, patch: dict[str, Any], what: str, draft: str) -> web.Response:
+    ns, name = request.match_info["namespace"], request.match_info["name"]
+    try:
+        await request.app[KUBE].patch_status(cred_of(request).token, ns, name, patch)
+    except ApiError as e:
+        return await flow_page(request, error=f"The API server refused {what}: {e.message}",
+                               status=e.status if 400 <= e.status < 500 else 502, draft=draft)
+    raise web.HTTPSeeOther(f"/flows/{quote(ns)}/{quote(name)}?" + urlencode({"sent": what}))
+
+
+async def answer_feedback(request: web.Request) -> web.Response:
+    form = await request.post()
+    text, outcome = str(form.get("text") or "").strip(), str(form.get("outcome") or "").strip()
+    if outcome:
+        text = f"{outcome}. {text}" if text else outcome
+    if not text:
+        return await flow_page(request, error="Write an answer or choose an outcome.", status=422)
+    return await _answer(request, views.feedback_patch(text, str(form.get("request_id") or "")), "your answer",
+                         str(form.get("text") or ""))
+
+
+async def send_message(request: web.Request) -> web.Response:
+    form = await request.post()
+    text = str(form.get("text") or "").strip()
+    if not text:
+        return await flow_page(request, error="Write a message.", status=422)
+    return await _answer(request, views.message_patch(text), "your message", text)
+
+
+# ---------------------------------------------------------------------------------------------- app
+
+
+def make_app(settings: Settings) -> web.Application:
+    app = web.Application(middlewares=[security, signed_in], client_max_size=FORM_LIMIT)
+    kube = Kube(settings.api_server, settings.ca_file)
+    app[SETTINGS], app[KUBE], app[AUTH] = settings, kube, Auth(settings)
+    app[FEEDS] = Feeds(kube, settings.namespaces)
+    app[TEMPLATES], app[CACHE] = templates(), {}
+    static = resources.files("flowkube_console") / "static"
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/favicon.ico", favicon)
+    app.router.add_get("/login", login_page)
+    app.router.add_post("/login", login)
+    app.router.add_get("/auth/local", launch)
+    app.router.add_post("/logout", logout)
+    app.router.add_get("/", inbox_page)
+    app.router.add_get("/flows", flows_page)
+    app.router.add_get("/events/{what:inbox|flows}", collection_events)
+    app.router.add_get("/flows/{namespace}/{name}", flow_page)
+    app.router.add_get("/events/flows/{namespace}/{name}", flow_events)
+    app.router.add_post("/flows/{namespace}/{name}/feedback", answer_feedback)
+    app.router.add_post("/flows/{namespace}/{name}/message", send_message)
+    app.router.add_static("/static/", str(static))
+
+    async def cleanup(_: web.Application) -> None:
+        await app[FEEDS].close()
+        await kube.close()
+
+    app.on_cleanup.append(cleanup)
+    return app

@@ -1,0 +1,105 @@
+"""Who the browser is: the user's own Kubernetes credential, carried by a session cookie or a header.
+
+- ``Authorization: Bearer`` (or ``token_header``) from an auth proxy in front of the console;
+- a token pasted on the sign-in page, kept only in the session cookie: encrypted and authenticated
+  (Fernet) with the console's key, HttpOnly, SameSite=Strict, Secure over TLS, and expiring;
+- ``local`` mode (`kubectl flow console`): the cookie the launch URL's one-time key sets; the API
+  server is `kubectl proxy`, which adds the kubeconfig's credentials.
+
+Nothing is stored server-side. Every form carries a CSRF token bound to the credential
+(an HMAC with the console's key), and a POST from another origin is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+from dataclasses import dataclass
+
+import orjson
+from aiohttp import web
+from cryptography.fernet import Fernet, InvalidToken
+
+from flowkube_console.settings import Settings
+
+COOKIE = "flowkube_console"
+TOKEN_LIMIT = 16384  # bytes of a bearer token (OIDC tokens with many groups stay well below)
+
+
+@dataclass(frozen=True)
+class Credential:
+    token: str | None  # None: local mode, the proxy adds the credentials
+    via: str  # "header" | "session" | "local"
+
+    @property
+    def key(self) -> str:
+        return hashlib.sha256((self.token or "local").encode()).hexdigest()
+
+
+class Auth:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._fernet = Fernet(settings.fernet_key)
+
+    def credential(self, request: web.Request) -> Credential | None:
+        s = self.settings
+        if s.mode != "local":
+            for header in ("Authorization", s.token_header):
+                value = request.headers.get(header, "") if header else ""
+                if header == "Authorization":
+                    scheme, _, value = value.partition(" ")
+                    value = value if scheme.lower() == "bearer" else ""
+                value = value.strip()
+                if value and len(value) <= TOKEN_LIMIT:
+                    return Credential(value, "header")
+        session = self._session(request.cookies.get(COOKIE, ""))
+        if session is None:
+            return None
+        if s.mode == "local":
+            return Credential(None, "local") if session.get("local") else None
+        token = session.get("token")
+        return Credential(str(token), "session") if token and s.mode != "local" else None
+
+    def _session(self, cookie: str) -> dict[str, object] | None:
+        if not cookie or len(cookie) > 3 * TOKEN_LIMIT:
+            return None
+        try:
+            raw = self._fernet.decrypt(cookie, ttl=int(self.settings.session_hours * 3600))
+            doc = orjson.loads(raw)
+        except (InvalidToken, orjson.JSONDecodeError, ValueError):
+            return None
+        return doc if isinstance(doc, dict) else None
+
+    def sign_in(self, response: web.StreamResponse, request: web.Request, token: str | None) -> None:
+        doc = {"local": True} if token is None else {"token": token}
+        value = self._fernet.encrypt(orjson.dumps({**doc, "at": int(time.time())})).decode()
+        response.set_cookie(COOKIE, value, httponly=True, samesite="Strict", secure=is_tls(request), path="/",
+                            max_age=int(self.settings.session_hours * 3600))
+
+    @staticmethod
+    def sign_out(response: web.StreamResponse) -> None:
+        response.del_cookie(COOKIE, path="/")
+
+    def csrf(self, subject: str) -> str:
+        """The CSRF token of a credential (``Credential.key``), or of a sign-in page (its nonce)."""
+        return hmac.new(self.settings.session_key, f"csrf:{subject}".encode(), hashlib.sha256).hexdigest()
+
+    def csrf_ok(self, subject: str, given: str) -> bool:
+        return hmac.compare_digest(self.csrf(subject), given or "")
+
+    def launch_ok(self, key: str) -> bool:
+        return bool(self.settings.launch_key) and hmac.compare_digest(self.settings.launch_key, key or "")
+
+
+def is_tls(request: web.Request) -> bool:
+    return request.secure or request.headers.get("X-Forwarded-Proto", "").lower() == "https"
+
+
+def same_origin(request: web.Request) -> bool:
+    """A POST's Origin (when the browser sends one, as every current one does) is this console."""
+    origin = request.headers.get("Origin")
+    if origin is None or origin == "null":
+        return origin is None
+    host = origin.split("://", 1)[-1].rstrip("/")
+    return host == request.host

@@ -1,0 +1,227 @@
+"""The web console on the local stack, in a real browser (Debian's chromium, headless).
+
+The chart installs the console beside the operator; the browser reaches it through its Service.
+Reviewers sign in with ServiceAccount tokens, as a person pastes an OIDC or ServiceAccount token;
+RBAC decides what each sees and may answer. Flows run the REAL runner against the stub model,
+whose ledger is what the usage must equal.
+"""
+
+from __future__ import annotations
+
+import http.cookiejar
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from flowkube_devstack.cluster import LocalCluster, wait_for
+from tests.integration.browser import Browser, browser, chromium_available
+from tests.integration.conftest import Flows
+from tests.integration.realrunner import RealRunnerStack, real_runner_stack
+from tests.integration.test_conversation import RULES as CHAT_RULES
+from tests.integration.test_conversation import SUPPORT, answered
+from tests.integration.test_e2e_runner import PUBLISHED, RULES, RUN_TIMEOUT, review_definition, usage_of
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not chromium_available(), reason="needs Debian's chromium and chromedriver")]
+
+HOSTILE = '<script>alert("flow")</script><img src=x onerror=alert(1)> [docs](javascript:alert(2))'
+
+
+@pytest.fixture(scope="module")
+def stack(cluster: LocalCluster) -> Iterator[RealRunnerStack]:
+    rules = {"default": RULES["default"], "rules": [*RULES["rules"], *CHAT_RULES["rules"]]}
+    with real_runner_stack(cluster, rules, "console") as s:
+        url = s.operator.console_url()
+        wait_for(lambda: answers(url + "/healthz"), 60, "the console's Service to answer")
+        yield s
+
+
+def answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False
+
+
+def person(cluster: LocalCluster, ns: str, name: str, verbs: list[str], answer: bool) -> str:
+    """A ServiceAccount with a Role on Flows in ``ns`` (and on flows/status when it may ``answer``):
+    its token, as a person would paste one."""
+    cluster.kubectl("create", "serviceaccount", name, "-n", ns)
+    token = cluster.kubectl("create", "token", name, "-n", ns, "--duration=1h").stdout.strip()
+    if not verbs:
+        return token
+    rules = [{"apiGroups": ["flowkube.io"], "resources": ["flows"], "verbs": verbs}]
+    if answer:
+        rules.append({"apiGroups": ["flowkube.io"], "resources": ["flows/status"], "verbs": ["patch"]})
+    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": name, "namespace": ns},
+            "rules": rules}
+    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+               "metadata": {"name": name, "namespace": ns},
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+               "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ns}]}
+    both = {"apiVersion": "v1", "kind": "List", "items": [role, binding]}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(both))
+    return token
+
+
+def sign_in(b: Browser, url: str, token: str) -> str:
+    b.open(url + "/login")
+    b.type("#token", token)
+    b.click("#sign-in")
+    return b.wait(lambda: b.text("#user") if b.has("#user") else "", 30, "the signed-in page")
+
+
+def as_user(url: str, token: str) -> tuple[int, str]:
+    """A page read with a bearer token in the Authorization header, as an auth proxy passes it."""
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_a_reviewer_sees_the_request_live_answers_it_and_a_second_answer_is_refused(
+        stack: RealRunnerStack, flows: Flows, tmp_path: Path) -> None:
+    cluster, ns, url = stack.cluster, flows.ns, stack.operator.console_url()
+    alice = person(cluster, ns, "alice", ["get", "list", "watch"], answer=True)
+    bob = person(cluster, ns, "bob", ["get", "list", "watch"], answer=True)
+    carol = person(cluster, ns, "carol", ["get", "list", "watch"], answer=False)
+    dave = person(cluster, ns, "dave", [], answer=False)
+    mark = len(stack.stub.ledger())
+    # Bob's browser runs no scripts: his page is the one he loaded, its form still there when Alice
+    # has answered (as a slow or script-blocking browser shows it). Carl's page follows the flow live.
+    with browser(tmp_path, "alice") as a, browser(tmp_path, "bob", javascript=False) as b, \
+            browser(tmp_path, "carl") as c:
+        assert sign_in(a, url, alice) == f"system:serviceaccount:{ns}:alice"
+        a.wait(lambda: a.has("#inbox-empty"), 30, "an empty inbox")
+
+        flows.apply("review", {"definition": review_definition(), "feedback": {"timeoutSeconds": 3600}})
+        row = f'li[data-flow="{ns}/review"]'
+        a.wait(lambda: a.has(row), RUN_TIMEOUT, "the paused flow in the open inbox, without a reload")
+        paused = flows.status("review")
+        assert paused["phase"] == "AwaitingFeedback"
+        assert "Publish this draft?" in a.text(row) and "approved, rejected" in a.text(row)
+
+        # Bob and Carl open the same request before Alice answers.
+        for other in (b, c):
+            sign_in(other, url, bob)
+            other.open(f"{url}/flows/{ns}/review")
+            assert other.has('button[data-outcome="rejected"]'), "the answer form"
+
+        a.click(f"{row} a.title")
+        a.wait(lambda: a.has('button[data-outcome="approved"]'), 30, "the answer form")
+        assert a.text("#review") == paused["feedback"]["request"]["output"]
+        a.click('button[data-outcome="approved"]')
+        a.wait(lambda: a.has("#sent"), 30, "the answer taken")
+
+        c.wait(lambda: not c.has("#answer"), 60, "the answered request to leave carl's open page")
+        b.click('button[data-outcome="rejected"]')
+        refusal = b.wait(lambda: b.text("#error") if b.has("#error") else "", 30, "bob's refusal")
+        assert "refused" in refusal and ("answered already" in refusal or "no feedback request is pending" in refusal)
+
+        # Alice's page follows the flow to its end by itself.
+        a.wait(lambda: a.text("#phase") == "Succeeded", RUN_TIMEOUT, "the page to show Succeeded live")
+        a.screenshot("answered")
+        assert a.text("#result") == PUBLISHED
+        assert f"system:serviceaccount:{ns}:alice" in a.text("tr.history .by")
+        a.open(url + "/")
+        a.wait(lambda: a.has("#inbox-empty"), 30, "the inbox empty again")
+        assert not a.alert_shown()
+
+    st = flows.status("review")
+    (answer,) = st["feedback"]["history"]
+    assert answer["respondedBy"] == f"system:serviceaccount:{ns}:alice" and answer["outcome"] == "approved"
+    assert usage_of(st) == stack.usage_since(mark), "the console's answer resumes once: usage is the ledger's"
+
+    # Carol may read but not answer; Dave may not read. The console asks the API server, not itself.
+    flows.apply("review-2", {"definition": review_definition()})
+    flows.wait_phase("review-2", "AwaitingFeedback", timeout=RUN_TIMEOUT)
+    code, page = as_user(f"{url}/flows/{ns}/review-2", carol)
+    assert code == 200 and 'id="read-only"' in page and 'id="answer"' not in page and "Publish this draft?" in page
+    code, page = as_user(f"{url}/flows/{ns}/review-2", dave)
+    assert code == 403 and "forbidden" in page
+    code, page = as_user(f"{url}/?namespace={ns}", dave)
+    assert code == 200 and "review-2" not in page and "forbidden" in page
+
+
+def test_a_chat_of_three_messages_and_hostile_output_renders_as_text(
+        stack: RealRunnerStack, flows: Flows, tmp_path: Path) -> None:
+    cluster, ns, url = stack.cluster, flows.ns, stack.operator.console_url()
+    ana = person(cluster, ns, "ana", ["get", "list", "watch"], answer=True)
+    mark = len(stack.stub.ledger())
+    flows.apply("support", {"definition": SUPPORT, "conversation": {"keepWarmSeconds": 600}})
+    flows.wait_phase("support", "AwaitingMessage", timeout=RUN_TIMEOUT)
+    hostile = {"schema": "crewai.flow/v1", "name": "Hostile",
+               "methods": {"say": {"start": True, "do": {"call": "expression", "expr": json.dumps(HOSTILE)}}}}
+    flows.apply("hostile", {"definition": hostile})
+    with browser(tmp_path, "ana") as b:
+        sign_in(b, url, ana)
+        b.open(f"{url}/flows/{ns}/support")
+        for turn, text in enumerate(["Hello, my name is Ana", "What is my name?", "Thanks, bye"], start=1):
+            b.wait(lambda: b.has("#send-message") and b.driver.find_element(
+                "css selector", "#send-message").is_enabled(), RUN_TIMEOUT, f"the send box before message {turn}")
+            b.type("#message-text", text)
+            b.click("#send-message")
+            def replied(meta: str = f"· {turn} turns") -> bool:
+                return meta in b.text("#chat .meta")
+
+            b.wait(replied, RUN_TIMEOUT, f"the reply to message {turn}, live")
+        transcript = b.text("#transcript")
+        assert "Nice to meet you." in transcript and "Your name is Ana." in transcript
+        b.screenshot("chat")
+
+        flows.wait_phase("hostile", "Succeeded", timeout=RUN_TIMEOUT)
+        b.open(f"{url}/flows/{ns}/hostile")
+        assert b.text("#result") == HOSTILE, "the flow's output is shown as the text it is"
+        assert not b.alert_shown() and not b.has("#result script") and not b.has("#result img")
+        links = b.driver.find_elements("css selector", "a[href^='javascript']")
+        assert not links
+    st = answered(flows, "support", 3)
+    senders = {m.get("sender") for m in st["conversation"]["messages"] if m["role"] == "user"}
+    assert senders == {f"system:serviceaccount:{ns}:ana"}
+    assert usage_of(st) == stack.usage_since(mark), "three turns, each call once (the hostile flow calls no model)"
+
+
+def test_kubectl_flow_console_serves_the_kubeconfigs_user_on_loopback(
+        stack: RealRunnerStack, flows: Flows, tmp_path: Path) -> None:
+    """`kubectl flow console`: kubectl proxy with the kubeconfig's credentials (a client certificate
+    here, which no browser could paste), the console in local mode behind it, a one-time link."""
+    cluster = stack.cluster
+    flows.apply("local-review", {"definition": review_definition()})
+    plugin = Path(sys.executable).parent / "kubectl-flow"
+    proc = subprocess.Popen([str(plugin), "console", "--no-browser", "--kubeconfig", str(cluster.kubeconfig)],
+                            stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "KUBECTL": str(cluster.bins["kubectl"])})
+    try:
+        assert proc.stdout is not None
+        link = proc.stdout.readline().split("flowkube console: ", 1)[1].strip()
+        base = link.split("/auth/local", 1)[0]
+        wait_for(lambda: answers(base + "/healthz"), 30, "the local console")
+        jar = http.cookiejar.CookieJar()
+        opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
+        with urllib.request.urlopen(base + "/", timeout=10) as r:  # no link followed: the sign-in page
+            assert "Open the link it printed" in r.read().decode()
+        with opener.open(link, timeout=30) as r:
+            page = r.read().decode()
+        assert 'id="user"' in page and "system:serviceaccount" not in page
+        with opener.open(f"{base}/flows?namespace={flows.ns}", timeout=30) as r:
+            assert f'data-flow="{flows.ns}/local-review"' in r.read().decode()
+        # The key works once per browser only in the sense that it is secret: a wrong one is refused.
+        try:
+            urllib.request.urlopen(base + "/auth/local?key=guess", timeout=10)
+            raise AssertionError("a wrong launch key signed in")
+        except urllib.error.HTTPError as e:
+            assert e.code == 403
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=20)

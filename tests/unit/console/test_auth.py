@@ -1,0 +1,82 @@
+"""The console's doors, without a cluster: who is let in, which forms are refused, which headers
+every page carries. (Signing in with a real token against a real API server is in
+tests/integration/test_console.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp.test_utils import TestClient, TestServer
+
+from flowkube_console.app import make_app
+from flowkube_console.auth import COOKIE, Auth
+from flowkube_console.settings import Settings
+
+SETTINGS = Settings(api_server="http://127.0.0.1:9", session_key=b"k" * 32)
+
+
+def run(settings: Settings, scenario: Callable[[TestClient[Any, Any]], Awaitable[None]]) -> None:
+    async def main() -> None:
+        async with TestClient(TestServer(make_app(settings))) as client:
+            await scenario(client)
+
+    asyncio.run(main())
+
+
+def test_pages_need_a_sign_in_and_carry_a_strict_policy() -> None:
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        r = await client.get("/", allow_redirects=False)
+        assert r.status == 303 and r.headers["Location"].startswith("/login")
+        r = await client.get("/login")
+        assert r.status == 200
+        csp = r.headers["Content-Security-Policy"]
+        assert "script-src 'self'" in csp and "default-src 'none'" in csp and "frame-ancestors 'none'" in csp
+        assert r.headers["X-Content-Type-Options"] == "nosniff"
+        assert "HttpOnly" in r.headers["Set-Cookie"] and "SameSite=Strict" in r.headers["Set-Cookie"]
+        r = await client.get("/events/inbox")
+        assert r.status == 401
+
+    run(SETTINGS, scenario)
+
+
+def test_forms_without_their_csrf_token_or_from_another_site_are_refused() -> None:
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        r = await client.post("/login", data={"token": "t"})
+        assert r.status == 403
+        r = await client.post("/login", data={"token": "t"}, headers={"Origin": "https://evil.example"})
+        assert r.status == 403 and "another site" in await r.text()
+        sealed = Auth(SETTINGS)
+        cookie = sealed._fernet.encrypt(b'{"token": "t"}').decode()
+        client.session.cookie_jar.update_cookies({COOKIE: cookie})
+        r = await client.post("/flows/ns/f/feedback", data={"text": "approved", "csrf": "forged"})
+        # Signed in (a sealed cookie), but the form's token is not this session's: refused before
+        # anything reaches the API server (whoami fails against the closed port and is not needed).
+        assert r.status == 403
+
+    run(SETTINGS, scenario)
+
+
+def test_a_cookie_not_sealed_by_this_console_is_no_session() -> None:
+    auth = Auth(SETTINGS)
+    other = Auth(Settings(session_key=b"x" * 32))
+    good = auth._fernet.encrypt(b'{"token": "abc"}').decode()
+    assert auth._session(good) == {"token": "abc"}
+    assert other._session(good) is None
+    assert auth._session(good[:-4] + "AAAA") is None
+    assert auth._session("not a cookie") is None
+
+
+def test_local_mode_answers_on_loopback_only_and_signs_in_with_the_launch_key() -> None:
+    local = Settings(api_server="http://127.0.0.1:9", session_key=b"k" * 32, mode="local", launch_key="secret")
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        r = await client.get("/login", headers={"Host": "attacker.example:8080"})
+        assert r.status == 421  # a DNS-rebound page cannot read the console
+        r = await client.get("/auth/local?key=wrong", allow_redirects=False)
+        assert r.status == 403
+        r = await client.get("/auth/local?key=secret", allow_redirects=False)
+        assert r.status == 303 and COOKIE in r.cookies
+
+    run(local, scenario)

@@ -1,0 +1,102 @@
+"""What the console's pages show of Flows, without a cluster: the inbox's choice and order, the
+rendering of hostile text, and the patches an answer sends."""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from flowkube_console import views
+from flowkube_console.app import templates
+
+NOW = datetime(2026, 11, 27, 12, 0, tzinfo=UTC)
+
+
+def flow(name: str, phase: str, *, ns: str = "team-a", requested: str = "2026-11-27T11:00:00Z",
+         definition: str = "review", **status: Any) -> dict[str, Any]:
+    st: dict[str, Any] = {"phase": phase, "definition": definition, **status}
+    if phase == "AwaitingFeedback":
+        st.setdefault("feedback", {"request": {"id": f"{name}-r1", "method": "review_draft", "message": "Approve?",
+                                               "emit": ["approved", "rejected"], "requestedAt": requested}})
+    return {"metadata": {"namespace": ns, "name": name, "uid": f"uid-{name}",
+                         "creationTimestamp": "2026-11-27T10:00:00Z"}, "spec": {}, "status": st}
+
+
+def test_the_inbox_holds_waiting_flows_only_newest_request_first_and_filters() -> None:
+    flows = [
+        flow("old", "AwaitingFeedback", requested="2026-11-27T09:00:00Z"),
+        flow("new", "AwaitingFeedback", requested="2026-11-27T11:30:00Z", ns="team-b", definition="triage"),
+        flow("busy", "Running"),
+        flow("chat", "AwaitingMessage", conversation={
+            "sessionId": "s", "idleSince": "2026-11-27T10:30:00Z",
+            "messages": [{"role": "assistant", "content": "Hi, how can I help?"}]}),
+        flow("chat-queued", "AwaitingMessage", conversation={"sessionId": "s", "inbox": {"text": "hello"}}),
+        flow("done", "Succeeded"),
+    ]
+    summaries = [views.summarise(f) for f in flows]
+    inbox = views.inbox(summaries, views.Filters())
+    assert [s.name for s in inbox] == ["new", "chat", "old"]
+    assert inbox[0].waiting == "feedback" and inbox[0].outcomes == ("approved", "rejected")
+    assert inbox[1].waiting == "message" and inbox[1].asked == "Hi, how can I help?"
+    assert [s.name for s in views.inbox(summaries, views.Filters(namespace="team-a"))] == ["chat", "old"]
+    assert [s.name for s in views.inbox(summaries, views.Filters(definition="triage"))] == ["new"]
+    assert views.choices(summaries) == (["team-a", "team-b"], ["review", "triage"])
+
+
+HOSTILE = ('<script>alert(1)</script><img src=x onerror=alert(2)> [click](javascript:alert(3)) '
+           '"><svg onload=alert(4)>')
+
+
+def test_what_a_flow_produced_is_escaped_everywhere_it_is_shown() -> None:
+    f = flow("evil", "AwaitingFeedback", message=HOSTILE, result={"output": HOSTILE},
+             feedback={"request": {"id": "r1", "method": HOSTILE, "message": HOSTILE, "output": HOSTILE,
+                                   "emit": [HOSTILE]},
+                       "history": [{"requestId": "r0", "method": "m", "response": HOSTILE, "respondedBy": HOSTILE}]},
+             conversation={"sessionId": "s", "messages": [{"role": "assistant", "content": HOSTILE}]})
+    f["spec"]["inputs"] = {"topic": HOSTILE}
+    env = templates()
+    d = views.detail(f)
+    html = env.get_template("_flow_live.html").render(d=d, events=[], may_answer=True, grafana="", now=NOW,
+                                                      csrf="c", draft=HOSTILE)
+    inbox = env.get_template("_inbox.html").render(items=[views.summarise(f)], now=NOW)
+    listing = env.get_template("_flows.html").render(items=[views.summarise(f)], now=NOW)
+    for page in (html, inbox, listing):
+        assert "<script>" not in page and "<img" not in page and "<svg" not in page
+        assert "&lt;script&gt;" in page
+    assert 'href="javascript' not in html
+
+
+def test_huge_text_is_cut_with_a_note_and_renders_fast() -> None:
+    big = "x" * (1 << 20)
+    f = flow("big", "AwaitingFeedback", result={"output": big})
+    f["status"]["feedback"]["request"]["output"] = big
+    started = time.perf_counter()
+    d = views.detail(f)
+    html = templates().get_template("_flow_live.html").render(d=d, events=[], may_answer=True, grafana="", now=NOW,
+                                                              csrf="c", draft="")
+    took = time.perf_counter() - started
+    assert d.result.cut == (1 << 20) - views.SHOWN_LIMIT
+    assert f"{(1 << 20) - views.SHOWN_LIMIT} more characters not shown" in html
+    assert len(html) < 3 * views.SHOWN_LIMIT
+    print(f"1 MiB output rendered in {took * 1000:.1f} ms")
+
+
+def test_an_answer_is_the_documented_status_patch() -> None:
+    assert views.feedback_patch("approved", "r1") == {
+        "status": {"feedback": {"response": {"text": "approved", "requestId": "r1"}}}}
+    assert views.message_patch("hello") == {"status": {"conversation": {"inbox": {"text": "hello"}}}}
+
+
+def test_a_reader_without_patch_sees_the_request_read_only() -> None:
+    d = views.detail(flow("f", "AwaitingFeedback"))
+    html = templates().get_template("_flow_live.html").render(d=d, events=[], may_answer=False, grafana="", now=NOW,
+                                                              csrf="c", draft="")
+    assert "Approve?" in html and 'id="read-only"' in html and 'id="answer"' not in html
+
+
+def test_ages_read_as_kubectl_prints_them() -> None:
+    assert views.age("2026-11-27T11:59:15Z", NOW) == "45s"
+    assert views.age("2026-11-27T11:00:00Z", NOW) == "60m"
+    assert views.age("2026-11-25T12:00:00Z", NOW) == "2d"
+    assert views.age(None, NOW) == "-"
