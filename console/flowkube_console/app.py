@@ -397,19 +397,16 @@ def make_app(settings: Settings) -> web.Application:
     app[FEEDS] = Feeds(kube, settings.namespaces)
     app[TEMPLATES], app[CACHE] = templates(), {}
     static = resources.files("flowkube_console") / "static"
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/favicon.ico", favicon)
-    app.router.add_get("/login", login_page)
-    app.router.add_post("/login", login)
-    app.router.add_get("/auth/local", launch)
-    app.router.add_post("/logout", logout)
-    app.router.add_get("/", inbox_page)
-    app.router.add_get("/flows", flows_page)
-    app.router.add_get("/events/{what:inbox|flows}", collection_events)
-    app.router.add_get("/flows/{namespace}/{name}", flow_page)
-    app.router.add_get("/events/flows/{namespace}/{name}", flow_events)
-    app.router.add_post("/flows/{namespace}/{name}/feedback", answer_feedback)
-    app.router.add_post("/flows/{namespace}/{name}/message", send_message)
+    app.add_routes([
+        web.get("/healthz", healthz), web.get("/favicon.ico", favicon),
+        web.get("/login", login_page), web.post("/login", login), web.get("/auth/local", launch),
+        web.post("/logout", logout),
+        web.get("/", inbox_page), web.get("/flows", flows_page),
+        web.get("/events/{what:inbox|flows}", collection_events),
+        web.get("/flows/{namespace}/{name}", flow_page), web.get("/events/flows/{namespace}/{name}", flow_events),
+        web.post("/flows/{namespace}/{name}/feedback", answer_feedback),
+        web.post("/flows/{namespace}/{name}/message", send_message),
+    ])
     app.router.add_static("/static/", str(static))
 
     async def cleanup(_: web.Application) -> None:

@@ -21,8 +21,9 @@ from flowkube_api import constants as c
 
 Body = dict[str, Any]
 FLOWS = f"/apis/{c.GROUP}/{c.VERSION}"
-PAGE = 500  # Flows per list page: a large namespace is decoded a page at a time, never at once
-ANSWER_LIMIT = 1 << 20  # bytes of one answer (a page of Flows is far below)
+PAGE = 100  # Flows per list page: a large namespace is decoded a page at a time, never at once
+ANSWER_LIMIT = 4 << 20  # bytes of one answer about one object (etcd keeps an object below 1.5 MiB)
+LIST_LIMIT = 64 << 20  # bytes of one page of a list
 WATCH_LINE_LIMIT = 4 << 20  # bytes of one watch event: a Flow's status is bounded well below
 
 
@@ -69,14 +70,14 @@ class Kube:
         return h
 
     async def request(self, method: str, path: str, token: str | None, body: Any = None,
-                      content_type: str = "application/json") -> Body:
+                      content_type: str = "application/json", limit: int = ANSWER_LIMIT) -> Body:
         data = orjson.dumps(body) if body is not None else None
         async with self.session().request(
                 method, self.server + path, data=data, timeout=self._timeout,
                 headers=self._headers(token, content_type if data is not None else None)) as r:
-            raw = await read_bounded(r.content, ANSWER_LIMIT)
-            if len(raw) > ANSWER_LIMIT:
-                raise ApiError(502, f"the API server's answer to {method} {path} is larger than {ANSWER_LIMIT} bytes")
+            raw = await read_bounded(r.content, limit)
+            if len(raw) > limit:
+                raise ApiError(502, f"the API server's answer to {method} {path} is larger than {limit} bytes")
             doc = _decode(raw)
             if r.status >= 400:
                 if isinstance(doc, dict):
@@ -92,7 +93,7 @@ class Kube:
         cont = ""
         while True:
             query = {"limit": str(PAGE), **params, **({"continue": cont} if cont else {})}
-            page = await self.request("GET", f"{path}?{urlencode(query)}", token)
+            page = await self.request("GET", f"{path}?{urlencode(query)}", token, limit=LIST_LIMIT)
             for item in page.get("items") or ():
                 yield item
             meta = page.get("metadata") or {}

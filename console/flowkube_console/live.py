@@ -114,13 +114,19 @@ class Feed:
                     await self._bump()
                     return
                 if e.status != 410:
-                    log.warning("flows in %s: %s", namespace or "all namespaces", e.message)
-                    await asyncio.sleep(RETRY_SECONDS[min(attempt, len(RETRY_SECONDS) - 1)])
+                    await self._retry(namespace, e.message, attempt)
                     attempt += 1
             except (OSError, TimeoutError, ValueError) as e:
-                log.warning("flows in %s: %s", namespace or "all namespaces", e)
-                await asyncio.sleep(RETRY_SECONDS[min(attempt, len(RETRY_SECONDS) - 1)])
+                await self._retry(namespace, str(e) or type(e).__name__, attempt)
                 attempt += 1
+
+    async def _retry(self, namespace: str | None, problem: str, attempt: int) -> None:
+        """Shown on the pages (which stop waiting for this scope) until a list succeeds; then again."""
+        log.warning("flows in %s: %s", namespace or "all namespaces", problem)
+        self.problems[namespace or ""] = f"not followed, retrying: {problem}"
+        self._ready[namespace].set()
+        await self._bump()
+        await asyncio.sleep(RETRY_SECONDS[min(attempt, len(RETRY_SECONDS) - 1)])
 
     def _in(self, namespace: str | None, key: Key) -> bool:
         return namespace is None or key[0] == namespace
@@ -180,7 +186,7 @@ class Feeds:
 
     @contextlib.asynccontextmanager
     async def use(self, token: str | None, wanted: set[str] | None = None,
-                  ready_within: float = 20.0) -> AsyncIterator[Feed]:
+                  ready_within: float = 10.0) -> AsyncIterator[Feed]:
         await self._evict()
         key = credential_key(token)
         feed = self._feeds.get(key)
@@ -191,8 +197,7 @@ class Feeds:
         feed.users += 1
         try:
             await feed.ready(ready_within)
-            if wanted:
-                feed.want(wanted)
+            if wanted and feed.want(wanted):
                 await feed.ready(ready_within)
             yield feed
         finally:

@@ -14,14 +14,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-from flowkube_devstack.cluster import LocalCluster, wait_for
+from flowkube_devstack.cluster import LocalCluster
 from tests.benchmarks.bench_apply import Client, until
-from tests.integration.conftest import scripted_operator
+from tests.benchmarks.realstack import scripted_stack
 
 NS = "bench-feedback"
 REVIEW = {"id": "r1", "method": "review", "message": "ok?", "emit": ["approved", "rejected"]}
@@ -76,18 +74,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--flows", type=int, default=50)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="flowkube-bench-fb-") as tmp:
-        cluster = LocalCluster(Path(tmp)).start()
-        op = scripted_operator(cluster, values=["log.level=WARNING"])
-        try:
-            op.start()
-            cluster.kubectl("create", "namespace", NS)
-            wait_for(lambda: cluster.kubectl("get", "sa", "default", "-n", NS, check=False).returncode == 0, 30,
-                     "the namespace's ServiceAccount")
-            lat = asyncio.run(run(cluster, args.flows))
-        finally:
-            op.stop()
-            cluster.stop()
+    with scripted_stack("fb", NS) as (cluster, _):
+        lat = asyncio.run(run(cluster, args.flows))
     print(f"feedback patch -> resume pod created, {len(lat)} answers: p50 {statistics.median(lat):.1f} ms, "
           f"p99 {lat[min(len(lat) - 1, int(len(lat) * 0.99))]:.1f} ms, max {lat[-1]:.1f} ms")
 

@@ -16,6 +16,29 @@ from flowkube_devstack.stubmodel import Rules, StubModel
 RUNNER_ENV = {"OPENAI_API_KEY": "stub", "CREWAI_TRACING_ENABLED": "false"}
 
 
+def namespace_ready(cluster: LocalCluster, namespace: str) -> None:
+    cluster.kubectl("create", "namespace", namespace)
+    wait_for(lambda: cluster.kubectl("get", "sa", "default", "-n", namespace, check=False).returncode == 0,
+             30, "the namespace's ServiceAccount")
+
+
+@contextmanager
+def scripted_stack(name: str, namespace: str) -> Iterator[tuple[LocalCluster, ChartOperator]]:
+    """A local cluster of the benchmark's own with the chart's operator running the scripted runner."""
+    from tests.integration.conftest import scripted_operator
+
+    with tempfile.TemporaryDirectory(prefix=f"flowkube-bench-{name}-") as tmp:
+        cluster = LocalCluster(Path(tmp)).start()
+        op = scripted_operator(cluster, values=["log.level=WARNING"])
+        try:
+            op.start()
+            namespace_ready(cluster, namespace)
+            yield cluster, op
+        finally:
+            op.stop()
+            cluster.stop()
+
+
 @contextmanager
 def real_stack(name: str, rules: Rules, namespace: str) -> Iterator[tuple[LocalCluster, StubModel, ChartOperator]]:
     with tempfile.TemporaryDirectory(prefix=f"flowkube-bench-{name}-") as tmp:
@@ -31,10 +54,7 @@ def real_stack(name: str, rules: Rules, namespace: str) -> Iterator[tuple[LocalC
                     t0 = time.monotonic()
                     op.start()
                     print(f"operator installed in {time.monotonic() - t0:.0f} s", flush=True)
-                    cluster.kubectl("create", "namespace", namespace)
-                    wait_for(lambda: cluster.kubectl("get", "sa", "default", "-n", namespace,
-                                                     check=False).returncode == 0,
-                             30, "the namespace's ServiceAccount")
+                    namespace_ready(cluster, namespace)
                     yield cluster, stub, op
                 finally:
                     op.stop()
