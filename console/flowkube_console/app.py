@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import secrets
 import time
@@ -141,6 +142,11 @@ async def cached(request: web.Request, key: tuple[str, ...], seconds: float,
     return value
 
 
+def digest(html: str) -> str:
+    """Names a rendered fragment: the event stream skips one the page already shows."""
+    return hashlib.sha256(html.encode()).hexdigest()[:20]
+
+
 def cred_of(request: web.Request) -> Credential:
     return request[CRED]
 
@@ -247,7 +253,7 @@ async def collection_page(request: web.Request, page: str, fragment: str, live: 
         body = _collection(request, summaries, fragment)
         return render(request, page, body=body, filters=_filters(request), namespaces=namespaces,
                       definitions=definitions, problems=dict(feed.problems), scope=feed.scope,
-                      live=live + (f"?{request.query_string}" if request.query_string else ""))
+                      live=live + "?" + urlencode({**request.query, "have": digest(body)}))
 
 
 async def inbox_page(request: web.Request) -> web.Response:
@@ -263,14 +269,14 @@ async def sse(request: web.Request, updates: Callable[[], Any]) -> web.StreamRes
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store",
                                            "X-Accel-Buffering": "no", **HEADERS})
     await response.prepare(request)
-    last = None
+    last = request.query.get("have")  # what the page already shows: not sent again (nor swapped in)
     with contextlib.suppress(ConnectionResetError, asyncio.CancelledError):
         async for html in updates():
             if html is None:
                 await response.write(b": keepalive\n\n")
                 continue
-            if html != last:
-                last = html
+            if digest(html) != last:
+                last = digest(html)
                 data = "".join(f"data: {ln}\n" for ln in html.split("\n"))
                 await response.write(f"event: update\n{data}\n".encode())
     return response
@@ -321,10 +327,10 @@ async def flow_page(request: web.Request, *, error: str = "", status: int = 200,
     flow = await _get_flow(request)
     context = await _flow_context(request, flow)
     live = await render_live(request, context, draft=draft)
+    events = f"/events/flows/{quote(request.match_info['namespace'])}/{quote(request.match_info['name'])}"
     return render(request, "flow.html", status=status, live=live, error=error,
                   sent=sent or request.query.get("sent", ""),
-                  live_url=f"/events/flows/{quote(request.match_info['namespace'])}/{quote(request.match_info['name'])}",
-                  **context)
+                  live_url=events + ("" if draft else f"?have={digest(live)}"), **context)
 
 
 async def render_live(request: web.Request, context: dict[str, Any], *, draft: str = "") -> str:
@@ -381,7 +387,7 @@ async def answer_feedback(request: web.Request) -> web.Response:
 
 async def send_message(request: web.Request) -> web.Response:
     form = await request.post()
-    text = str(form.get("text") or "").strip()
+    text = "exit" if form.get("end") else str(form.get("text") or "").strip()  # exit: crewAI's end command
     if not text:
         return await flow_page(request, error="Write a message.", status=422)
     return await _answer(request, views.message_patch(text), "your message", text)

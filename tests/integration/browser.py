@@ -51,13 +51,27 @@ class Browser:
     def has(self, css: str) -> bool:
         return bool(self.driver.find_elements(By.CSS_SELECTOR, css))
 
+    def _again(self, act: Callable[[], None]) -> None:
+        """``act`` on an element a live update may have replaced meanwhile: found again, as a person's
+        next click lands on what the page shows now."""
+        for attempt in range(5):
+            try:
+                act()
+                return
+            except StaleElementReferenceException:
+                if attempt == 4:
+                    raise
+
     def click(self, css: str) -> None:
-        self.driver.find_element(By.CSS_SELECTOR, css).click()
+        self._again(lambda: self.driver.find_element(By.CSS_SELECTOR, css).click())
 
     def type(self, css: str, text: str) -> None:
-        el = self.driver.find_element(By.CSS_SELECTOR, css)
-        el.clear()
-        el.send_keys(text)
+        def act() -> None:
+            el = self.driver.find_element(By.CSS_SELECTOR, css)
+            el.clear()
+            el.send_keys(text)
+
+        self._again(act)
 
     def wait(self, check: Callable[[], T], timeout: float, what: str) -> T:
         """The first true value of ``check`` (which reads the page), within ``timeout`` seconds."""

@@ -26,7 +26,7 @@ from tests.integration.browser import Browser, browser, chromium_available
 from tests.integration.conftest import Flows
 from tests.integration.realrunner import RealRunnerStack, real_runner_stack
 from tests.integration.test_conversation import RULES as CHAT_RULES
-from tests.integration.test_conversation import SUPPORT, answered
+from tests.integration.test_conversation import SUPPORT
 from tests.integration.test_e2e_runner import PUBLISHED, RULES, RUN_TIMEOUT, review_definition, usage_of
 
 pytestmark = [pytest.mark.slow,
@@ -179,6 +179,10 @@ def test_a_chat_of_three_messages_and_hostile_output_renders_as_text(
         transcript = b.text("#transcript")
         assert "Nice to meet you." in transcript and "Your name is Ana." in transcript
         b.screenshot("chat")
+        b.click("#end-conversation")
+        b.wait(lambda: "ended" in b.text("#chat .meta") and b.text("#phase") == "Succeeded", RUN_TIMEOUT,
+               "the conversation ended by its button (exit)")
+        assert not b.has("#send-message")
 
         flows.wait_phase("hostile", "Succeeded", timeout=RUN_TIMEOUT)
         b.open(f"{url}/flows/{ns}/hostile")
@@ -186,7 +190,8 @@ def test_a_chat_of_three_messages_and_hostile_output_renders_as_text(
         assert not b.alert_shown() and not b.has("#result script") and not b.has("#result img")
         links = b.driver.find_elements("css selector", "a[href^='javascript']")
         assert not links
-    st = answered(flows, "support", 3)
+    st = flows.status("support")
+    assert st["conversation"]["ended"] and st["conversation"]["turns"] >= 3
     senders = {m.get("sender") for m in st["conversation"]["messages"] if m["role"] == "user"}
     assert senders == {f"system:serviceaccount:{ns}:ana"}
     assert usage_of(st) == stack.usage_since(mark), "three turns, each call once (the hostile flow calls no model)"

@@ -122,6 +122,9 @@ def test_double_dash_ends_flags(kubectl: Kubectl) -> None:
     (["get", "chat", "-A"], "-A/--all-namespaces only applies"),
     (["say", "chat", "hi", "--all-namespaces"], "-A/--all-namespaces only applies"),
     (["say", "chat"], "usage: kubectl flow say NAME TEXT"),
+    (["console", "--port", "http"], "--port needs a port number"),
+    (["console", "chat"], "usage: kubectl flow console"),
+    (["console", "--timeout", "3"], "unknown flag --timeout for console"),
     (["frobnicate"], "unknown command 'frobnicate'"),
     ([], "missing command"),
 ])
@@ -130,6 +133,12 @@ def test_usage_errors_name_the_problem_and_run_nothing(kubectl: Kubectl, capsys:
     assert cli.main(argv) == 2
     assert expected in capsys.readouterr().err
     assert kubectl.calls() == []
+
+
+def test_console_takes_its_flags_and_kubectls_anywhere() -> None:
+    a = cli.parse(["--context", "prod", "console", "--no-browser", "--port=9000", "-n", "team-a"])
+    assert (a.cmd, a.pos, a.opts) == ("console", [], {"--no-browser": "true", "--port": "9000"})
+    assert a.kube == ["--context=prod", "--namespace=team-a"]
 
 
 def test_help_shows_the_usage_lines(capsys: pytest.CaptureFixture[str]) -> None:
