@@ -12,13 +12,14 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from importlib import resources
 from typing import Any
-from urllib.parse import quote, urlencode
+from urllib.parse import quote, unquote, urlencode, urlsplit
 
 import aiohttp
 import jinja2
@@ -38,7 +39,11 @@ CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self';
 HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", "Referrer-Policy": "same-origin",
            "X-Frame-Options": "DENY", "Cache-Control": "no-store"}
 KEEPALIVE_SECONDS = 15.0
-FORM_LIMIT = 256 * 1024  # bytes of a posted form (a message is at most 64 Ki characters)
+STREAM_LIMIT = 16  # live pages (event streams) one person may hold open
+DEBOUNCE_SECONDS = 0.1  # a live list re-renders at most this often, however many Flows change
+LINE_BREAK = re.compile(r"\r\n|\r|\n")
+FORM_LIMIT = 1 << 20  # bytes of a posted form (a 64 Ki-character message, URL-encoded, fits)
+SENT = {"answer": "your answer", "message": "your message"}
 PUBLIC = frozenset({"/login", "/healthz", "/auth/local", "/favicon.ico"})
 
 SETTINGS: web.AppKey[Settings] = web.AppKey("settings", Settings)
@@ -47,6 +52,7 @@ FEEDS: web.AppKey[Feeds] = web.AppKey("feeds", Feeds)
 AUTH: web.AppKey[Auth] = web.AppKey("auth", Auth)
 TEMPLATES: web.AppKey[jinja2.Environment] = web.AppKey("templates", jinja2.Environment)
 CACHE: web.AppKey[dict[tuple[str, ...], tuple[float, Any]]] = web.AppKey("cache", dict)
+STREAMS: web.AppKey[dict[str, int]] = web.AppKey("streams", dict)
 CRED: web.RequestKey[Credential] = web.RequestKey("credential", Credential)
 USER: web.RequestKey[str] = web.RequestKey("user", str)
 
@@ -88,6 +94,9 @@ async def security(request: web.Request, handler: Handler) -> web.StreamResponse
     except (OSError, TimeoutError, aiohttp.ClientError) as e:
         log.warning("%s %s: the API server did not answer: %s", request.method, request.path, e)
         response = web.Response(status=502, text=f"the API server did not answer: {e}")
+    except ApiError as e:
+        status = e.status if e.status in (401, 403, 404, 409, 422, 429, 503) else 502
+        response = web.Response(status=status, text=f"the API server said: {e.message}")
     _harden(request, response)
     if not response.prepared:  # a stream (server-sent events) has sent its headers already
         response.headers["Server-Timing"] = f"app;dur={(time.perf_counter() - started) * 1000:.1f}"
@@ -172,8 +181,15 @@ async def login_page(request: web.Request) -> web.Response:
 
 
 def _next(request: web.Request, form: Any = None) -> str:
+    """Where to go after signing in: a path of this console, nothing a browser could read as another site."""
     target = str((form or {}).get("next") or request.query.get("next") or "/")
-    return target if target.startswith("/") and not target.startswith("//") else "/"
+
+    def local(path: str) -> bool:
+        parts = urlsplit(path)
+        plain = path.isprintable() and not any(c in path for c in "\\ \t")
+        return plain and path.startswith("/") and not path.startswith("//") and not parts.scheme and not parts.netloc
+
+    return target if local(target) and local(unquote(target)) else "/"  # as written, and as decoded once
 
 
 async def login(request: web.Request) -> web.Response:
@@ -185,6 +201,9 @@ async def login(request: web.Request) -> web.Response:
     error = ""
     if not token:
         error = "Paste a token."
+    elif not auth.fits(token):
+        error = ("This token is too long to keep in a browser cookie (about 2,900 characters at most). "
+                 "Sign in through your auth proxy instead, which passes the token with each request.")
     else:
         try:
             await request.app[KUBE].whoami(token)
@@ -202,8 +221,9 @@ async def login(request: web.Request) -> web.Response:
 async def launch(request: web.Request) -> web.Response:
     """Local mode: the URL `kubectl flow console` opens carries the launch key once."""
     auth = request.app[AUTH]
-    if request.app[SETTINGS].mode != "local" or not auth.launch_ok(request.query.get("key", "")):
-        raise web.HTTPForbidden(text="this link is not (or no longer) valid; run `kubectl flow console` again")
+    if request.app[SETTINGS].mode != "local" or not auth.launch(request.query.get("key", "")):
+        raise web.HTTPForbidden(text="this link is not (or no longer) valid: it signs in one browser once; "
+                                     "run `kubectl flow console` again")
     response = web.HTTPSeeOther("/")
     auth.sign_in(response, request, None)
     raise response
@@ -264,21 +284,51 @@ async def flows_page(request: web.Request) -> web.Response:
     return await collection_page(request, "flows.html", "_flows.html", "/events/flows")
 
 
+def sse_event(html: str) -> bytes:
+    """One ``update`` event. Every line break a browser's event-stream parser knows (CR, LF, CRLF)
+    starts a new ``data:`` line: a flow's text with a bare CR cannot end the event or start another."""
+    data = "".join(f"data: {ln}\n" for ln in LINE_BREAK.split(html))
+    return f"event: update\n{data}\n".encode()
+
+
 async def sse(request: web.Request, updates: Callable[[], Any]) -> web.StreamResponse:
-    """Server-sent events: ``update`` with a fragment of HTML each time ``updates`` yields a new one."""
+    """Server-sent events: ``update`` with a fragment of HTML each time ``updates`` yields a new one
+    (None: nothing new). A comment every KEEPALIVE_SECONDS keeps proxies from cutting the stream and
+    finds a closed tab, whose watch then ends. At most STREAM_LIMIT streams per person."""
+    cred = cred_of(request)
+    streams = request.app[STREAMS]
+    if streams.get(cred.key, 0) >= STREAM_LIMIT:
+        raise web.HTTPTooManyRequests(text=f"at most {STREAM_LIMIT} live pages per person; close some tabs")
+    streams[cred.key] = streams.get(cred.key, 0) + 1
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store",
                                            "X-Accel-Buffering": "no", **HEADERS})
-    await response.prepare(request)
-    last = request.query.get("have")  # what the page already shows: not sent again (nor swapped in)
-    with contextlib.suppress(ConnectionResetError, asyncio.CancelledError):
-        async for html in updates():
-            if html is None:
+    source = updates().__aiter__()
+    pending: asyncio.Future[Any] | None = None
+    try:
+        await response.prepare(request)
+        last = request.query.get("have")  # what the page already shows: not sent again (nor swapped in)
+        while True:
+            pending = pending or asyncio.ensure_future(source.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=KEEPALIVE_SECONDS)
+            if not done:
                 await response.write(b": keepalive\n\n")
                 continue
-            if digest(html) != last:
+            html, pending = pending.result(), None
+            if html is not None and digest(html) != last:
                 last = digest(html)
-                data = "".join(f"data: {ln}\n" for ln in html.split("\n"))
-                await response.write(f"event: update\n{data}\n".encode())
+                await response.write(sse_event(html))
+    except (ConnectionResetError, asyncio.CancelledError, StopAsyncIteration):
+        pass
+    except ApiError as e:  # the person may no longer read this: the stream ends, the page says so on reload
+        log.info("live page %s ended: %s", request.path, e.message)
+    finally:
+        streams[cred.key] -= 1
+        if pending is not None:
+            pending.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await pending
+        with contextlib.suppress(Exception):
+            await source.aclose()
     return response
 
 
@@ -289,7 +339,10 @@ async def collection_events(request: web.Request) -> web.StreamResponse:
         async with request.app[FEEDS].use(cred_of(request).token, wanted(request)) as feed:
             seen = -1
             while True:
-                version = await feed.changed(seen, KEEPALIVE_SECONDS) if seen >= 0 else feed.version
+                if seen >= 0:
+                    await feed.changed(seen, KEEPALIVE_SECONDS)
+                    await asyncio.sleep(DEBOUNCE_SECONDS)  # a burst of changes is one render
+                version = feed.version
                 yield _collection(request, feed.summaries(), fragment) if version != seen else None
                 seen = version
 
@@ -329,7 +382,7 @@ async def flow_page(request: web.Request, *, error: str = "", status: int = 200,
     live = await render_live(request, context, draft=draft)
     events = f"/events/flows/{quote(request.match_info['namespace'])}/{quote(request.match_info['name'])}"
     return render(request, "flow.html", status=status, live=live, error=error,
-                  sent=sent or request.query.get("sent", ""),
+                  sent=sent or SENT.get(request.query.get("sent", ""), ""),
                   live_url=events + ("" if draft else f"?have={digest(live)}"), **context)
 
 
@@ -369,7 +422,7 @@ async def _answer(request: web.Request, patch: dict[str, Any], what: str, draft:
     try:
         await request.app[KUBE].patch_status(cred_of(request).token, ns, name, patch)
     except ApiError as e:
-        return await flow_page(request, error=f"The API server refused {what}: {e.message}",
+        return await flow_page(request, error=f"The API server refused {SENT[what]}: {e.message}",
                                status=e.status if 400 <= e.status < 500 else 502, draft=draft)
     raise web.HTTPSeeOther(f"/flows/{quote(ns)}/{quote(name)}?" + urlencode({"sent": what}))
 
@@ -381,7 +434,7 @@ async def answer_feedback(request: web.Request) -> web.Response:
         text = f"{outcome}. {text}" if text else outcome
     if not text:
         return await flow_page(request, error="Write an answer or choose an outcome.", status=422)
-    return await _answer(request, views.feedback_patch(text, str(form.get("request_id") or "")), "your answer",
+    return await _answer(request, views.feedback_patch(text, str(form.get("request_id") or "")), "answer",
                          str(form.get("text") or ""))
 
 
@@ -390,7 +443,7 @@ async def send_message(request: web.Request) -> web.Response:
     text = "exit" if form.get("end") else str(form.get("text") or "").strip()  # exit: crewAI's end command
     if not text:
         return await flow_page(request, error="Write a message.", status=422)
-    return await _answer(request, views.message_patch(text), "your message", text)
+    return await _answer(request, views.message_patch(text), "message", text)
 
 
 # ---------------------------------------------------------------------------------------------- app
@@ -398,10 +451,10 @@ async def send_message(request: web.Request) -> web.Response:
 
 def make_app(settings: Settings) -> web.Application:
     app = web.Application(middlewares=[security, signed_in], client_max_size=FORM_LIMIT)
-    kube = Kube(settings.api_server, settings.ca_file)
+    kube = Kube(settings.api_server, settings.ca_file, socket=settings.api_socket)
     app[SETTINGS], app[KUBE], app[AUTH] = settings, kube, Auth(settings)
     app[FEEDS] = Feeds(kube, settings.namespaces)
-    app[TEMPLATES], app[CACHE] = templates(), {}
+    app[TEMPLATES], app[CACHE], app[STREAMS] = templates(), {}, {}
     static = resources.files("flowkube_console") / "static"
     app.add_routes([
         web.get("/healthz", healthz), web.get("/favicon.ico", favicon),

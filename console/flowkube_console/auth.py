@@ -25,6 +25,7 @@ from flowkube_console.settings import Settings
 
 COOKIE = "flowkube_console"
 TOKEN_LIMIT = 16384  # bytes of a bearer token (OIDC tokens with many groups stay well below)
+COOKIE_LIMIT = 4000  # bytes of a cookie's value a browser keeps (4096 with its name and attributes)
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,9 @@ class Auth:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self._fernet = Fernet(settings.fernet_key)
+        self._launched = False
+        # Cookies ignore ports: two local consoles (kubectl flow console twice) keep theirs apart.
+        self.cookie = f"{COOKIE}_{settings.port}" if settings.mode == "local" else COOKIE
 
     def credential(self, request: web.Request) -> Credential | None:
         s = self.settings
@@ -53,7 +57,7 @@ class Auth:
                 value = value.strip()
                 if value and len(value) <= TOKEN_LIMIT:
                     return Credential(value, "header")
-        session = self._session(request.cookies.get(COOKIE, ""))
+        session = self._session(request.cookies.get(self.cookie, ""))
         if session is None:
             return None
         if s.mode == "local":
@@ -71,15 +75,21 @@ class Auth:
             return None
         return doc if isinstance(doc, dict) else None
 
-    def sign_in(self, response: web.StreamResponse, request: web.Request, token: str | None) -> None:
+    def _seal(self, token: str | None) -> str:
         doc = {"local": True} if token is None else {"token": token}
-        value = self._fernet.encrypt(orjson.dumps({**doc, "at": int(time.time())})).decode()
-        response.set_cookie(COOKIE, value, httponly=True, samesite="Strict", secure=is_tls(request), path="/",
+        return self._fernet.encrypt(orjson.dumps({**doc, "at": int(time.time())})).decode()
+
+    def fits(self, token: str) -> bool:
+        """Whether a session holding ``token`` fits in a cookie (browsers drop a bigger one silently)."""
+        return len(self._seal(token)) <= COOKIE_LIMIT
+
+    def sign_in(self, response: web.StreamResponse, request: web.Request, token: str | None) -> None:
+        value = self._seal(token)
+        response.set_cookie(self.cookie, value, httponly=True, samesite="Strict", secure=is_tls(request), path="/",
                             max_age=int(self.settings.session_hours * 3600))
 
-    @staticmethod
-    def sign_out(response: web.StreamResponse) -> None:
-        response.del_cookie(COOKIE, path="/")
+    def sign_out(self, response: web.StreamResponse) -> None:
+        response.del_cookie(self.cookie, path="/")
 
     def csrf(self, subject: str) -> str:
         """The CSRF token of a credential (``Credential.key``), or of a sign-in page (its nonce)."""
@@ -88,8 +98,12 @@ class Auth:
     def csrf_ok(self, subject: str, given: str) -> bool:
         return hmac.compare_digest(self.csrf(subject), given or "")
 
-    def launch_ok(self, key: str) -> bool:
-        return bool(self.settings.launch_key) and hmac.compare_digest(self.settings.launch_key, key or "")
+    def launch(self, key: str) -> bool:
+        """Local mode: the launch key signs in the first browser that brings it, and no other."""
+        ok = not self._launched and bool(self.settings.launch_key) and hmac.compare_digest(
+            self.settings.launch_key, key or "")
+        self._launched = self._launched or ok
+        return ok
 
 
 def is_tls(request: web.Request) -> bool:

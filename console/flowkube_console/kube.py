@@ -45,20 +45,29 @@ def flows_path(namespace: str | None, name: str | None = None) -> str:
 class Kube:
     """One HTTP session to the API server, shared by every user; each call names its credential."""
 
-    def __init__(self, server: str, ca_file: str | None = None, timeout: float = 15.0) -> None:
-        self.server = server.rstrip("/")
+    def __init__(self, server: str, ca_file: str | None = None, timeout: float = 15.0,
+                 socket: str | None = None) -> None:
+        self.server = "http://localhost" if socket else server.rstrip("/")
+        self._socket = socket  # `kubectl proxy --unix-socket`: only this user's processes reach it
         self._ssl: ssl.SSLContext | bool = ssl.create_default_context(cafile=ca_file) if ca_file else True
         self._timeout = aiohttp.ClientTimeout(total=timeout)
-        self._session: aiohttp.ClientSession | None = None
+        self._sessions: dict[str, aiohttp.ClientSession] = {}
 
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=self._ssl, limit=64))
-        return self._session
+    def _connector(self, limit: int) -> aiohttp.BaseConnector:
+        if self._socket:
+            return aiohttp.UnixConnector(path=self._socket, limit=limit)
+        return aiohttp.TCPConnector(ssl=self._ssl, limit=limit)
+
+    def session(self, kind: str = "requests") -> aiohttp.ClientSession:
+        """Requests share a pool; watches (long-lived, one per feed scope and live page) have their
+        own without a limit, so open pages never starve a sign-in or an answer."""
+        if kind not in self._sessions:
+            self._sessions[kind] = aiohttp.ClientSession(connector=self._connector(100 if kind == "requests" else 0))
+        return self._sessions[kind]
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        for session in self._sessions.values():
+            await session.close()
 
     @staticmethod
     def _headers(token: str | None, content_type: str | None = None) -> dict[str, str]:
@@ -109,8 +118,8 @@ class Kube:
         query = {"watch": "1", "resourceVersion": resource_version, "allowWatchBookmarks": "true",
                  "timeoutSeconds": "300", **params}
         timeout = aiohttp.ClientTimeout(total=None, sock_read=330)
-        async with self.session().get(f"{self.server}{path}?{urlencode(query)}", headers=self._headers(token),
-                                      timeout=timeout) as r:
+        async with self.session("watches").get(f"{self.server}{path}?{urlencode(query)}",
+                                               headers=self._headers(token), timeout=timeout) as r:
             if r.status >= 400:
                 doc = _decode(await read_bounded(r.content, ANSWER_LIMIT))
                 msg = doc.get("message") if isinstance(doc, dict) else doc

@@ -116,7 +116,9 @@ class Feed:
                 if e.status != 410:
                     await self._retry(namespace, e.message, attempt)
                     attempt += 1
-            except (OSError, TimeoutError, ValueError) as e:
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a feed never dies quietly: it says why and lists again
                 await self._retry(namespace, str(e) or type(e).__name__, attempt)
                 attempt += 1
 

@@ -18,6 +18,7 @@ class Settings:
     host: str = "0.0.0.0"  # noqa: S104 - a pod serves its Service on every address
     port: int = 8080
     api_server: str = "https://kubernetes.default.svc"
+    api_socket: str | None = None  # local mode: `kubectl proxy --unix-socket`
     ca_file: str | None = None
     # "token": users sign in with a bearer token (pasted, or a header an auth proxy adds);
     # "local": `kubectl flow console`: the API server is `kubectl proxy`, which adds the kubeconfig's
@@ -45,12 +46,22 @@ def _key(raw: str | None) -> bytes:
     return hashlib.sha256(raw.strip().encode()).digest()
 
 
+def in_cluster_server() -> str:
+    """What client libraries use in a pod: the API server's Service address from the environment."""
+    host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+    if not host:
+        return Settings.api_server
+    return f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
+
+
 def load(argv: list[str] | None = None) -> Settings:
     env = os.environ.get
     p = argparse.ArgumentParser(prog="flowkube-console", description="The flowkube web console.")
     p.add_argument("--host", default=env("FLOWKUBE_CONSOLE_HOST", Settings.host))
     p.add_argument("--port", type=int, default=int(env("FLOWKUBE_CONSOLE_PORT", str(Settings.port))))
-    p.add_argument("--api-server", default=env("FLOWKUBE_CONSOLE_API_SERVER", Settings.api_server))
+    p.add_argument("--api-server", default=env("FLOWKUBE_CONSOLE_API_SERVER", in_cluster_server()))
+    p.add_argument("--api-socket", default=env("FLOWKUBE_CONSOLE_API_SOCKET"),
+                   help="the API server through a unix socket (kubectl proxy --unix-socket)")
     p.add_argument("--ca-file", default=env("FLOWKUBE_CONSOLE_CA_FILE"))
     p.add_argument("--mode", choices=("token", "local"), default=env("FLOWKUBE_CONSOLE_MODE", Settings.mode))
     p.add_argument("--token-header", default=env("FLOWKUBE_CONSOLE_TOKEN_HEADER", ""))
@@ -65,7 +76,8 @@ def load(argv: list[str] | None = None) -> Settings:
     ca = a.ca_file or (IN_CLUSTER_CA if Path(IN_CLUSTER_CA).exists() else None)
     if a.mode == "local" and not a.launch_key:
         p.error("--mode local needs --launch-key")
-    return Settings(host=a.host, port=a.port, api_server=a.api_server, ca_file=ca, mode=a.mode,
+    return Settings(host=a.host, port=a.port, api_server=a.api_server, api_socket=a.api_socket, ca_file=ca,
+                    mode=a.mode,
                     token_header=a.token_header, session_key=_key(raw_key), session_hours=a.session_hours,
                     namespaces=tuple(n.strip() for n in a.namespaces.split(",") if n.strip()),
                     grafana_url=a.grafana_url, launch_key=a.launch_key)

@@ -23,6 +23,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import webbrowser
 from dataclasses import dataclass, field
@@ -378,32 +379,42 @@ def _console_command() -> list[str]:
 
 
 def console(a: Args) -> int:
-    """`kubectl proxy` with your kubeconfig's credentials on a loopback port, the console in local
-    mode behind it on another, and the browser opened on a one-time sign-in link."""
-    proxy = subprocess.Popen([os.environ.get("KUBECTL", "kubectl"), "proxy", "--port=0", "--address=127.0.0.1",
-                              *a.kube], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert proxy.stdout is not None
-    first = proxy.stdout.readline()  # "Starting to serve on 127.0.0.1:PORT"
-    if "127.0.0.1:" not in first:
-        proxy.wait(timeout=10)
-        raise KubectlError(subprocess.CompletedProcess(proxy.args, proxy.returncode or 1, first,
-                                                       proxy.stderr.read() if proxy.stderr else ""))
-    api = "http://127.0.0.1:" + first.rsplit(":", 1)[1].strip()
+    """`kubectl proxy` with your kubeconfig's credentials on a unix socket only you can open, the
+    console in local mode behind it on a loopback port, and the browser opened on a one-time link."""
+    command = _console_command()
     port, key = int(a.opts.get("--port") or _free_port()), secrets.token_urlsafe(24)
-    server = subprocess.Popen([*_console_command(), "--mode", "local", "--api-server", api, "--host", "127.0.0.1",
-                               "--port", str(port)], env={**os.environ, "FLOWKUBE_CONSOLE_LAUNCH_KEY": key})
-    url = f"http://127.0.0.1:{port}/auth/local?key={key}"
-    print(f"flowkube console: {url}\n(Ctrl-C stops it)", flush=True)
-    if a.opts.get("--no-browser", "false").lower() in ("false", "0"):
-        webbrowser.open(url)
+    with tempfile.TemporaryDirectory(prefix="flowkube-console-") as private:  # mode 0700
+        sock = str(Path(private) / "kube.sock")
+        proxy = subprocess.Popen([os.environ.get("KUBECTL", "kubectl"), "proxy", f"--unix-socket={sock}", *a.kube],
+                                 stdout=subprocess.PIPE, text=True)
+        procs: list[subprocess.Popen[Any]] = [proxy]
+        try:
+            assert proxy.stdout is not None
+            first = proxy.stdout.readline()  # "Starting to serve on /path/kube.sock"
+            if sock not in first:
+                return proxy.wait(timeout=30) or 1  # kubectl said why on stderr
+            procs.append(subprocess.Popen([*command, "--mode", "local", "--api-socket", sock, "--host", "127.0.0.1",
+                                           "--port", str(port)],
+                                          env={**os.environ, "FLOWKUBE_CONSOLE_LAUNCH_KEY": key}))
+            url = f"http://127.0.0.1:{port}/auth/local?key={key}"
+            print(f"flowkube console: {url}\n(the link signs in one browser, once; Ctrl-C stops it)", flush=True)
+            if a.opts.get("--no-browser", "false").lower() in ("false", "0"):
+                webbrowser.open(url)
+            return procs[1].wait()
+        except KeyboardInterrupt:
+            return 0
+        finally:
+            for p in reversed(procs):
+                _stop(p)
+
+
+def _stop(proc: subprocess.Popen[Any]) -> None:
+    proc.terminate()
     try:
-        return server.wait()
-    except KeyboardInterrupt:
-        return 0
-    finally:
-        for p in (server, proxy):
-            p.terminate()
-            p.wait(timeout=10)
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _run(a: Args) -> int:

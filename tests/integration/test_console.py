@@ -200,7 +200,8 @@ def test_a_chat_of_three_messages_and_hostile_output_renders_as_text(
 def test_kubectl_flow_console_serves_the_kubeconfigs_user_on_loopback(
         stack: RealRunnerStack, flows: Flows, tmp_path: Path) -> None:
     """`kubectl flow console`: kubectl proxy with the kubeconfig's credentials (a client certificate
-    here, which no browser could paste), the console in local mode behind it, a one-time link."""
+    here, which no browser could paste) on a private unix socket, the console in local mode behind
+    it, a one-time link."""
     cluster = stack.cluster
     flows.apply("local-review", {"definition": review_definition()})
     plugin = Path(sys.executable).parent / "kubectl-flow"
@@ -221,12 +222,13 @@ def test_kubectl_flow_console_serves_the_kubeconfigs_user_on_loopback(
         assert 'id="user"' in page and "system:serviceaccount" not in page
         with opener.open(f"{base}/flows?namespace={flows.ns}", timeout=30) as r:
             assert f'data-flow="{flows.ns}/local-review"' in r.read().decode()
-        # The key works once per browser only in the sense that it is secret: a wrong one is refused.
-        try:
-            urllib.request.urlopen(base + "/auth/local?key=guess", timeout=10)
-            raise AssertionError("a wrong launch key signed in")
-        except urllib.error.HTTPError as e:
-            assert e.code == 403
+        # The link signs in one browser, once; a guessed key never.
+        for url in (link, base + "/auth/local?key=guess"):
+            try:
+                urllib.request.urlopen(url, timeout=10)
+                raise AssertionError(f"{url} signed in a second browser")
+            except urllib.error.HTTPError as e:
+                assert e.code == 403
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=20)

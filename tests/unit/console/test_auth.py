@@ -58,6 +58,35 @@ def test_forms_without_their_csrf_token_or_from_another_site_are_refused() -> No
     run(SETTINGS, scenario)
 
 
+def test_an_event_carries_a_fragment_whatever_its_line_breaks() -> None:
+    """A flow's text with bare CRs (which end a line in an event stream) cannot end the event early
+    or inject another: every line of the fragment is a data line of one event."""
+    from flowkube_console.app import sse_event
+
+    hostile = "hi\r\rretry: 86400000\revent: update\rdata: SPOOF\r\n\nend"
+    lines = sse_event(f"<pre>{hostile}</pre>").decode().split("\n")
+    assert lines[0] == "event: update" and lines[-2:] == ["", ""]
+    body = [ln for ln in lines[1:-2]]
+    assert all(ln.startswith("data: ") for ln in body), body
+    assert "\r" not in "".join(body)
+
+
+def test_sign_in_goes_back_only_to_a_page_of_this_console() -> None:
+    from aiohttp.test_utils import make_mocked_request
+
+    from flowkube_console.app import _next
+
+    for bad in ("//evil.example", "/%09/evil.example", "/\t/evil.example", "https://evil.example/",
+                "/\\evil.example", "javascript:alert(1)"):
+        assert _next(make_mocked_request("GET", "/login"), {"next": bad}) == "/", bad
+    assert _next(make_mocked_request("GET", "/login"), {"next": "/flows/a/b?x=1"}) == "/flows/a/b?x=1"
+
+
+def test_a_token_too_long_for_a_cookie_is_told_apart() -> None:
+    auth = Auth(SETTINGS)
+    assert auth.fits("t" * 2000) and not auth.fits("t" * 3500)
+
+
 def test_a_cookie_not_sealed_by_this_console_is_no_session() -> None:
     auth = Auth(SETTINGS)
     other = Auth(Settings(session_key=b"x" * 32))
@@ -77,6 +106,8 @@ def test_local_mode_answers_on_loopback_only_and_signs_in_with_the_launch_key() 
         r = await client.get("/auth/local?key=wrong", allow_redirects=False)
         assert r.status == 403
         r = await client.get("/auth/local?key=secret", allow_redirects=False)
-        assert r.status == 303 and COOKIE in r.cookies
+        assert r.status == 303 and f"{COOKIE}_8080" in r.cookies  # cookies ignore ports: the name has it
+        r = await client.get("/auth/local?key=secret", allow_redirects=False)
+        assert r.status == 403, "the link signs in one browser, once"
 
     run(local, scenario)
