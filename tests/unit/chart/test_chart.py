@@ -185,6 +185,11 @@ def test_the_console_is_on_by_default_behind_a_service_and_holds_no_credentials(
     assert service["spec"]["selector"]["app.kubernetes.io/component"] == "console"
     assert service["spec"]["ports"][0]["targetPort"] == "http"
     assert not [o for o in render(helm, "--set", "console.enabled=false") if "console" in o["metadata"]["name"]]
+    own = render(helm, "--set", "console.existingSecret=my-key")
+    assert not [o for o in own if o["kind"] == "Secret" and o["metadata"]["name"] == "flowkube-console"]
+    ctr = named(own, "Deployment", "flowkube-console")["spec"]["template"]["spec"]["containers"][0]
+    key = next(e for e in ctr["env"] if e["name"] == "FLOWKUBE_CONSOLE_SESSION_KEY")
+    assert key["valueFrom"]["secretKeyRef"] == {"name": "my-key", "key": "session-key"}
 
 
 def _operator_rules(objs: list[Obj]) -> list[Obj]:
