@@ -25,6 +25,7 @@ import aiohttp
 import jinja2
 from aiohttp import web
 
+from flowkube_api.inbox import feedback_patch, message_patch
 from flowkube_console import views
 from flowkube_console.auth import Auth, Credential, is_tls, same_origin
 from flowkube_console.kube import ApiError, Kube, flows_path
@@ -44,6 +45,7 @@ DEBOUNCE_SECONDS = 0.1  # a live list re-renders at most this often, however man
 LINE_BREAK = re.compile(r"\r\n|\r|\n")
 FORM_LIMIT = 1 << 20  # bytes of a posted form (a 64 Ki-character message, URL-encoded, fits)
 SENT = {"answer": "your answer", "message": "your message"}
+LOGIN_COOKIE = "flowkube_login"  # the sign-in page's nonce, until the browser signs in
 PUBLIC = frozenset({"/login", "/healthz", "/auth/local", "/favicon.ico"})
 
 SETTINGS: web.AppKey[Settings] = web.AppKey("settings", Settings)
@@ -172,10 +174,10 @@ async def may_answer(request: web.Request, namespace: str) -> bool:
 async def login_page(request: web.Request) -> web.Response:
     settings = request.app[SETTINGS]
     # One nonce per browser until it signs in: another tab (or a favicon request sent here) keeps it.
-    nonce = request.cookies.get("flowkube_login") or secrets.token_urlsafe(16)
+    nonce = request.cookies.get(LOGIN_COOKIE) or secrets.token_urlsafe(16)
     response = render(request, "login.html", mode=settings.mode, error="", next=_next(request),
                       expired=bool(request.query.get("expired")), login_csrf=request.app[AUTH].csrf(nonce))
-    response.set_cookie("flowkube_login", nonce, httponly=True, samesite="Strict", secure=is_tls(request),
+    response.set_cookie(LOGIN_COOKIE, nonce, httponly=True, samesite="Strict", secure=is_tls(request),
                         path="/login")
     return response
 
@@ -194,7 +196,7 @@ def _next(request: web.Request, form: Any = None) -> str:
 
 async def login(request: web.Request) -> web.Response:
     auth, form = request.app[AUTH], await request.post()
-    nonce = request.cookies.get("flowkube_login", "")
+    nonce = request.cookies.get(LOGIN_COOKIE, "")
     if not nonce or not auth.csrf_ok(nonce, str(form.get("csrf") or "")):
         raise web.HTTPForbidden(text="refused: reload the sign-in page and try again")
     token = "".join(str(form.get("token") or "").split())
@@ -214,7 +216,7 @@ async def login(request: web.Request) -> web.Response:
                       next=_next(request, form), expired=False, login_csrf=auth.csrf(nonce))
     response = web.HTTPSeeOther(_next(request, form))
     auth.sign_in(response, request, token)
-    response.del_cookie("flowkube_login", path="/login")
+    response.del_cookie(LOGIN_COOKIE, path="/login")
     raise response
 
 
@@ -250,11 +252,15 @@ def _filters(request: web.Request) -> views.Filters:
     return views.Filters(namespace=request.query.get("namespace", ""), definition=request.query.get("definition", ""))
 
 
-def _collection(request: web.Request, feed_summaries: list[views.Summary], template: str, **more: Any) -> str:
-    filters = _filters(request)
-    pick = views.inbox if template == "_inbox.html" else views.listing
+# The two live lists: their fragment template and which Flows they show, in which order.
+COLLECTIONS: dict[str, tuple[str, Callable[[list[views.Summary], views.Filters], list[views.Summary]]]] = {
+    "inbox": ("_inbox.html", views.inbox), "flows": ("_flows.html", views.listing)}
+
+
+def _collection(request: web.Request, feed_summaries: list[views.Summary], what: str) -> str:
+    template, pick = COLLECTIONS[what]
     return request.app[TEMPLATES].get_template(template).render(
-        items=pick(feed_summaries, filters), now=datetime.now(UTC), **more)
+        items=pick(feed_summaries, _filters(request)), now=datetime.now(UTC))
 
 
 def wanted(request: web.Request) -> set[str]:
@@ -265,23 +271,23 @@ def wanted(request: web.Request) -> set[str]:
     return {ns for ns in (request.query.get("namespace", ""), own) if ns}
 
 
-async def collection_page(request: web.Request, page: str, fragment: str, live: str) -> web.Response:
+async def collection_page(request: web.Request, what: str) -> web.Response:
     feeds = request.app[FEEDS]
-    async with feeds.use(cred_of(request).token, wanted(request)) as feed:
+    async with feeds.use(cred_of(request), wanted(request)) as feed:
         summaries = feed.summaries()
         namespaces, definitions = views.choices(summaries)
-        body = _collection(request, summaries, fragment)
-        return render(request, page, body=body, filters=_filters(request), namespaces=namespaces,
+        body = _collection(request, summaries, what)
+        return render(request, f"{what}.html", body=body, filters=_filters(request), namespaces=namespaces,
                       definitions=definitions, problems=dict(feed.problems), scope=feed.scope,
-                      live=live + "?" + urlencode({**request.query, "have": digest(body)}))
+                      live=f"/events/{what}?" + urlencode({**request.query, "have": digest(body)}))
 
 
 async def inbox_page(request: web.Request) -> web.Response:
-    return await collection_page(request, "inbox.html", "_inbox.html", "/events/inbox")
+    return await collection_page(request, "inbox")
 
 
 async def flows_page(request: web.Request) -> web.Response:
-    return await collection_page(request, "flows.html", "_flows.html", "/events/flows")
+    return await collection_page(request, "flows")
 
 
 def sse_event(html: str) -> bytes:
@@ -314,8 +320,9 @@ async def sse(request: web.Request, updates: Callable[[], Any]) -> web.StreamRes
                 await response.write(b": keepalive\n\n")
                 continue
             html, pending = pending.result(), None
-            if html is not None and digest(html) != last:
-                last = digest(html)
+            name = digest(html) if html is not None else last
+            if name != last:
+                last = name
                 await response.write(sse_event(html))
     except (ConnectionResetError, asyncio.CancelledError, StopAsyncIteration):
         pass
@@ -333,17 +340,17 @@ async def sse(request: web.Request, updates: Callable[[], Any]) -> web.StreamRes
 
 
 async def collection_events(request: web.Request) -> web.StreamResponse:
-    fragment = "_inbox.html" if request.match_info["what"] == "inbox" else "_flows.html"
+    what = request.match_info["what"]
 
     async def updates() -> Any:
-        async with request.app[FEEDS].use(cred_of(request).token, wanted(request)) as feed:
+        async with request.app[FEEDS].use(cred_of(request), wanted(request)) as feed:
             seen = -1
             while True:
                 if seen >= 0:
                     await feed.changed(seen, KEEPALIVE_SECONDS)
                     await asyncio.sleep(DEBOUNCE_SECONDS)  # a burst of changes is one render
                 version = feed.version
-                yield _collection(request, feed.summaries(), fragment) if version != seen else None
+                yield _collection(request, feed.summaries(), what) if version != seen else None
                 seen = version
 
     return await sse(request, updates)
@@ -363,21 +370,10 @@ async def _flow_context(request: web.Request, flow: dict[str, Any]) -> dict[str,
             "grafana": grafana.format(namespace=quote(ns), name=quote(name)) if grafana else ""}
 
 
-async def _get_flow(request: web.Request) -> dict[str, Any]:
-    ns, name = request.match_info["namespace"], request.match_info["name"]
-    try:
-        return await request.app[KUBE].get_flow(cred_of(request).token, ns, name)
-    except ApiError as e:
-        raise web.HTTPNotFound(text=f"Flow {ns}/{name}: {e.message}") if e.status == 404 else _shown(e) from None
-
-
-def _shown(e: ApiError) -> web.HTTPException:
-    return web.HTTPForbidden(text=e.message) if e.status == 403 else web.HTTPBadGateway(text=e.message)
-
-
 async def flow_page(request: web.Request, *, error: str = "", status: int = 200, sent: str = "",
                     draft: str = "") -> web.Response:
-    flow = await _get_flow(request)
+    flow = await request.app[KUBE].get_flow(cred_of(request).token, request.match_info["namespace"],
+                                            request.match_info["name"])  # a refusal: the middleware says it
     context = await _flow_context(request, flow)
     live = await render_live(request, context, draft=draft)
     events = f"/events/flows/{quote(request.match_info['namespace'])}/{quote(request.match_info['name'])}"
@@ -434,7 +430,7 @@ async def answer_feedback(request: web.Request) -> web.Response:
         text = f"{outcome}. {text}" if text else outcome
     if not text:
         return await flow_page(request, error="Write an answer or choose an outcome.", status=422)
-    return await _answer(request, views.feedback_patch(text, str(form.get("request_id") or "")), "answer",
+    return await _answer(request, feedback_patch(text, str(form.get("request_id") or "")), "answer",
                          str(form.get("text") or ""))
 
 
@@ -443,7 +439,7 @@ async def send_message(request: web.Request) -> web.Response:
     text = "exit" if form.get("end") else str(form.get("text") or "").strip()  # exit: crewAI's end command
     if not text:
         return await flow_page(request, error="Write a message.", status=422)
-    return await _answer(request, views.message_patch(text), "message", text)
+    return await _answer(request, message_patch(text), "message", text)
 
 
 # ---------------------------------------------------------------------------------------------- app

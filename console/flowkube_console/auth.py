@@ -16,6 +16,7 @@ import hashlib
 import hmac
 import time
 from dataclasses import dataclass
+from functools import cached_property
 
 import orjson
 from aiohttp import web
@@ -33,8 +34,9 @@ class Credential:
     token: str | None  # None: local mode, the proxy adds the credentials
     via: str  # "header" | "session" | "local"
 
-    @property
+    @cached_property
     def key(self) -> str:
+        """Names the credential (feeds, caches, CSRF tokens, stream counts) without holding it twice."""
         return hashlib.sha256((self.token or "local").encode()).hexdigest()
 
 
@@ -63,7 +65,7 @@ class Auth:
         if s.mode == "local":
             return Credential(None, "local") if session.get("local") else None
         token = session.get("token")
-        return Credential(str(token), "session") if token and s.mode != "local" else None
+        return Credential(str(token), "session") if token else None
 
     def _session(self, cookie: str) -> dict[str, object] | None:
         if not cookie or len(cookie) > 3 * TOKEN_LIMIT:

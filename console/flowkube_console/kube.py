@@ -30,11 +30,10 @@ WATCH_LINE_LIMIT = 4 << 20  # bytes of one watch event: a Flow's status is bound
 class ApiError(Exception):
     """The API server's refusal, with its own message (shown to the user as it is)."""
 
-    def __init__(self, status: int, message: str, reason: str = "") -> None:
+    def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
-        self.reason = reason
 
 
 def flows_path(namespace: str | None, name: str | None = None) -> str:
@@ -90,7 +89,7 @@ class Kube:
             doc = _decode(raw)
             if r.status >= 400:
                 if isinstance(doc, dict):
-                    raise ApiError(r.status, str(doc.get("message") or r.reason), str(doc.get("reason") or ""))
+                    raise ApiError(r.status, str(doc.get("message") or r.reason))
                 raise ApiError(r.status, str(doc or r.reason)[:1000])
             if not isinstance(doc, dict):
                 raise ApiError(502, f"the API server answered {method} {path} with something other than JSON")

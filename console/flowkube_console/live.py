@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from flowkube_console.auth import Credential
 from flowkube_console.kube import ApiError, Kube, cancel, flows_path
 from flowkube_console.views import Summary, summarise
 
@@ -23,10 +23,6 @@ log = logging.getLogger("flowkube.console.live")
 Key = tuple[str, str]
 RETRY_SECONDS = (0.5, 1, 2, 5, 10)
 NAMESPACE_LIMIT = 64  # namespaces one feed follows one by one
-
-
-def credential_key(token: str | None) -> str:
-    return hashlib.sha256((token or "").encode()).hexdigest()
 
 
 class Feed:
@@ -187,15 +183,15 @@ class Feeds:
                 await feed.close()
 
     @contextlib.asynccontextmanager
-    async def use(self, token: str | None, wanted: set[str] | None = None,
+    async def use(self, cred: Credential, wanted: set[str] | None = None,
                   ready_within: float = 10.0) -> AsyncIterator[Feed]:
         await self._evict()
-        key = credential_key(token)
+        key = cred.key
         feed = self._feeds.get(key)
         if feed is None:
             if len(self._feeds) >= self.limit:
                 raise ApiError(503, "the console follows as many users as it may; try again shortly")
-            feed = self._feeds[key] = Feed(self.kube, token, self.namespaces).start()
+            feed = self._feeds[key] = Feed(self.kube, cred.token, self.namespaces).start()
         feed.users += 1
         try:
             await feed.ready(ready_within)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import hashlib
 import os
 import secrets
 from dataclasses import dataclass
@@ -41,8 +42,6 @@ def _key(raw: str | None) -> bytes:
     then end when the console restarts, and replicas do not share them (the chart sets one)."""
     if not raw:
         return secrets.token_bytes(32)
-    import hashlib
-
     return hashlib.sha256(raw.strip().encode()).digest()
 
 
@@ -71,8 +70,8 @@ def load(argv: list[str] | None = None) -> Settings:
     p.add_argument("--launch-key", default=env("FLOWKUBE_CONSOLE_LAUNCH_KEY", ""))
     a = p.parse_args(argv)
     key_file = env("FLOWKUBE_CONSOLE_SESSION_KEY_FILE")
-    from_file = key_file and Path(key_file).exists()
-    raw_key = Path(key_file).read_text() if key_file and from_file else env("FLOWKUBE_CONSOLE_SESSION_KEY")
+    raw_key = (Path(key_file).read_text() if key_file and Path(key_file).exists()
+               else env("FLOWKUBE_CONSOLE_SESSION_KEY"))
     ca = a.ca_file or (IN_CLUSTER_CA if Path(IN_CLUSTER_CA).exists() else None)
     if a.mode == "local" and not a.launch_key:
         p.error("--mode local needs --launch-key")

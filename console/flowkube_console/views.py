@@ -8,7 +8,7 @@ Text a flow produced is passed on as text: the templates escape it, and nothing 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from decimal import Decimal, InvalidOperation
 from typing import Any
@@ -167,7 +167,6 @@ class Detail:
     """A Flow's page: what it is, where it stands, what it asks, what it cost."""
 
     summary: Summary
-    resource_version: str
     inputs: Shown
     request: Body | None
     request_output: Shown
@@ -181,7 +180,6 @@ class Detail:
     usage: Body
     pending_message: Body | None = None
     queued_message: Body | None = None
-    events: list[Body] = field(default_factory=list)
 
 
 def _pretty(value: Any) -> str:
@@ -203,8 +201,7 @@ def detail(flow: Body) -> Detail:
                            tokens=tokens, cost=cost))
     usage = st.get("usage") or {}
     return Detail(
-        summary=s, resource_version=str((flow.get("metadata") or {}).get("resourceVersion") or ""),
-        inputs=shown(_pretty(spec.get("inputs"))), request=req,
+        summary=s, inputs=shown(_pretty(spec.get("inputs"))), request=req,
         request_output=shown((req or {}).get("output")), result=shown((st.get("result") or {}).get("output")),
         history=list(reversed(fb.get("history") or [])), conversation=conv,
         transcript=list((conv or {}).get("messages") or []),
@@ -225,11 +222,3 @@ def event_rows(events: list[Body], limit: int = 30) -> list[Body]:
     rows.sort(key=lambda r: str(r["time"]), reverse=True)
     return rows[:limit]
 
-
-def feedback_patch(text: str, request_id: str) -> Body:
-    """The answer, as docs/api.md documents it (and `kubectl flow feedback` sends it)."""
-    return {"status": {"feedback": {"response": {"text": text, "requestId": request_id}}}}
-
-
-def message_patch(text: str) -> Body:
-    return {"status": {"conversation": {"inbox": {"text": text}}}}

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from flowkube_api.constants import PLURAL, SINGULAR, Phase, Reason
+from flowkube_api.inbox import feedback_patch, message_patch
 
 POLL_INTERVAL = 0.3  # seconds between reads of a Flow while `say` waits for its reply
 HISTORY = 6  # messages `chat` shows when it starts
@@ -155,17 +156,6 @@ def _json(args: list[str], kube: list[str]) -> dict[str, Any]:
 def _patch(name: str, patch: dict[str, Any], kube: list[str]) -> subprocess.CompletedProcess[str]:
     return _kubectl(["patch", SINGULAR, name, "--subresource=status", "--type=merge", "-p",
                      json.dumps(patch, separators=(",", ":"))], kube)
-
-
-def feedback_patch(text: str, request_id: str | None) -> dict[str, Any]:
-    response: dict[str, Any] = {"text": text}
-    if request_id:
-        response["requestId"] = request_id
-    return {"status": {"feedback": {"response": response}}}
-
-
-def message_patch(text: str) -> dict[str, Any]:
-    return {"status": {"conversation": {"inbox": {"text": text}}}}
 
 
 def _short(text: str, width: int = 100) -> str:

@@ -7,6 +7,7 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
+from flowkube_api.inbox import feedback_patch, message_patch
 from flowkube_console import views
 from flowkube_console.app import templates
 
@@ -83,9 +84,9 @@ def test_huge_text_is_cut_with_a_note_and_renders_fast() -> None:
 
 
 def test_an_answer_is_the_documented_status_patch() -> None:
-    assert views.feedback_patch("approved", "r1") == {
+    assert feedback_patch("approved", "r1") == {
         "status": {"feedback": {"response": {"text": "approved", "requestId": "r1"}}}}
-    assert views.message_patch("hello") == {"status": {"conversation": {"inbox": {"text": "hello"}}}}
+    assert message_patch("hello") == {"status": {"conversation": {"inbox": {"text": "hello"}}}}
 
 
 def test_a_reader_without_patch_sees_the_request_read_only() -> None:
