@@ -11,7 +11,12 @@ from pathlib import Path
 from typing import TypeVar
 
 from selenium import webdriver
-from selenium.common.exceptions import NoAlertPresentException, StaleElementReferenceException, WebDriverException
+from selenium.common.exceptions import (
+    NoAlertPresentException,
+    NoSuchElementException,
+    StaleElementReferenceException,
+    WebDriverException,
+)
 from selenium.webdriver.chrome.options import Options
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
@@ -77,7 +82,9 @@ class Browser:
         """The first true value of ``check`` (which reads the page), within ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         while True:
-            with contextlib.suppress(StaleElementReferenceException):
+            # A page being replaced (a live update, or the next page of a posted form still loading)
+            # is not the page waited for yet.
+            with contextlib.suppress(StaleElementReferenceException, NoSuchElementException):
                 value = check()
                 if value:
                     return value

@@ -87,6 +87,20 @@ def test_a_token_too_long_for_a_cookie_is_told_apart() -> None:
     assert auth.fits("t" * 2000) and not auth.fits("t" * 3500)
 
 
+def test_a_form_bigger_than_the_bound_is_refused_before_it_is_read() -> None:
+    from flowkube_console.app import FORM_LIMIT
+
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        page = await client.get("/login")
+        csrf = (await page.text()).split('name="csrf" value="', 1)[1].split('"', 1)[0]
+        r = await client.post("/login", data={"csrf": csrf, "token": "t" * (FORM_LIMIT + 1)})
+        assert r.status == 413
+        # a 64 Ki-character message of 3-byte characters, URL-encoded (9 bytes each), still fits
+        assert len(("€" * 65536).encode()) * 3 < FORM_LIMIT
+
+    run(SETTINGS, scenario)
+
+
 def test_a_cookie_not_sealed_by_this_console_is_no_session() -> None:
     auth = Auth(SETTINGS)
     other = Auth(Settings(session_key=b"x" * 32))
