@@ -25,6 +25,11 @@ MANAGED_BY = "flowkube"
 COMPONENT_RUNNER = "runner"
 COMPONENT_STATE = "state"
 
+# A Secret the operator may use for notifications carries this label (any value); the value `defaults`
+# makes it a sink for every Flow of its namespace.
+LABEL_NOTIFICATIONS = f"{PREFIX}/notifications"
+NOTIFICATION_DEFAULTS = "defaults"
+
 class Phase(StrEnum):
     PENDING = "Pending"
     RUNNING = "Running"
@@ -44,6 +49,26 @@ class ConditionType(StrEnum):
     AWAITING_FEEDBACK = "AwaitingFeedback"
     AWAITING_MESSAGE = "AwaitingMessage"
     SUCCEEDED = "Succeeded"
+
+
+class NotificationEvent(StrEnum):
+    """What a notification sink may ask to be told of (spec.notifications[].events)."""
+
+    FEEDBACK_REQUESTED = "FeedbackRequested"
+    MESSAGE_AWAITED = "MessageAwaited"
+    FEEDBACK_TIMED_OUT = "FeedbackTimedOut"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    BUDGET_EXCEEDED = "BudgetExceeded"
+
+
+# A sink that names no events hears of these: the ones where a person has something to do.
+DEFAULT_NOTIFICATION_EVENTS = (
+    NotificationEvent.FEEDBACK_REQUESTED, NotificationEvent.FEEDBACK_TIMED_OUT, NotificationEvent.FAILED,
+    NotificationEvent.BUDGET_EXCEEDED,
+)
+NOTIFICATION_SINKS_LIMIT = 8  # entries of spec.notifications
+NOTIFICATION_HANDLED_KEPT = 16  # event ids status.notifications[].handled keeps per sink
 
 
 class Trigger(StrEnum):

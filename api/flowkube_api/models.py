@@ -18,7 +18,10 @@ from flowkube_api.constants import (
     ENV_LIMIT,
     ENV_PREFIX,
     MESSAGE_LIMIT,
+    NOTIFICATION_HANDLED_KEPT,
+    NOTIFICATION_SINKS_LIMIT,
     ConditionType,
+    NotificationEvent,
     Phase,
     RunResult,
     Trigger,
@@ -191,6 +194,40 @@ class Budget(Model):
         return f"{total_tokens} tokens used of budget.maxTotalTokens={self.max_total_tokens}"
 
 
+_SECRET_KEY = r"^[-._a-zA-Z0-9]+$"  # noqa: S105 - the pattern of a key in a Secret
+
+
+class NotificationSecretRef(Model):
+    """A Secret of the Flow's namespace labelled flowkube.io/notifications (URLs carry tokens)."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    url_key: str = Field(default="url", max_length=253, pattern=_SECRET_KEY,
+                         description="Key of the URL (http or https) in the Secret.")
+    signing_key_key: str = Field(
+        default="signingKey", max_length=253, pattern=_SECRET_KEY,
+        description="Key of the HMAC-SHA256 signing key; when the Secret has it, every request carries "
+        "X-Flowkube-Signature (docs/api.md says how a receiver checks it).")
+    ca_key: str = Field(default="ca", max_length=253, pattern=_SECRET_KEY,
+                        description="Key of a PEM CA bundle that an https receiver's certificate must chain to; "
+                        "without it, the system's CAs.")
+
+
+class NotificationSink(Model):
+    """Where to tell people about this Flow, and what."""
+
+    name: str = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+                      description="The sink's name in status.notifications; a namespace default of the same "
+                      "name is replaced by this one.")
+    events: list[NotificationEvent] | None = Field(
+        default=None, min_length=1, max_length=len(NotificationEvent),
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+        description="What to send; unset: FeedbackRequested, FeedbackTimedOut, Failed and BudgetExceeded.")
+    format: Literal["cloudevents", "slack"] = Field(
+        default="cloudevents", description="cloudevents: a CloudEvents 1.0 JSON body (structured mode); "
+        "slack: a Slack incoming-webhook body (text and blocks).")
+    secret_ref: NotificationSecretRef
+
+
 class FlowDefinitionSpec(Model):
     """The inline definition: `name` is checked here; the rest by crewAI's own FlowDefinition model."""
 
@@ -250,6 +287,11 @@ class FlowSpec(Model):
     budget: Budget | None = None
     ttl_seconds_after_finished: int | None = Field(default=None, ge=0)
     suspend: bool | None = Field(default=None, description="true stops creating runner pods.")
+    notifications: list[NotificationSink] | None = Field(
+        default=None, max_length=NOTIFICATION_SINKS_LIMIT,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+        description="Sinks told when the flow needs a person or ends, besides its namespace's defaults "
+        "(Secrets labelled flowkube.io/notifications=defaults).")
 
 
 # -------------------------------------------------------------------------------------------- status
@@ -357,6 +399,27 @@ class Result(Model):
     output: str | None = None
 
 
+class NotificationRecord(Model):
+    """``status.notifications[]``: a sink's last delivery, and the events it is done with."""
+
+    name: str
+    event: NotificationEvent | None = None
+    event_id: str | None = Field(default=None, description="The id the receiver saw (CloudEvents id).")
+    time: Time | None = Field(default=None, description="When the last attempt ended.")
+    outcome: Literal["Delivered", "Failed"] | None = None
+    reason: str | None = Field(
+        default=None, description="Delivered; Rejected (the receiver answered 4xx or a redirect); GaveUp (5xx, "
+        "timeouts or connection errors until the retry time ran out); Refused (the destination is not allowed); "
+        "Misconfigured (the Secret or its URL).")
+    attempts: int = 0
+    code: int | None = Field(default=None, description="The receiver's last HTTP status.")
+    message: str | None = None
+    handled: list[str] | None = Field(
+        default=None, max_length=NOTIFICATION_HANDLED_KEPT,
+        description=f"Ids of the last {NOTIFICATION_HANDLED_KEPT} events this sink is done with, delivered or "
+        "not: an operator restart or a new leader sends none of them again.")
+
+
 class FlowStatus(Model):
     phase: Phase | None = None
     conditions: list[Condition] | None = None
@@ -371,6 +434,7 @@ class FlowStatus(Model):
     conversation: ConversationStatus | None = None
     usage: Usage | None = None
     result: Result | None = None
+    notifications: list[NotificationRecord] | None = None
 
 
 class Flow(Model):
@@ -398,6 +462,9 @@ __all__ = [
     "FlowStatus",
     "MessageInbox",
     "Model",
+    "NotificationRecord",
+    "NotificationSecretRef",
+    "NotificationSink",
     "PendingFeedback",
     "PendingMessage",
     "PodTemplate",

@@ -38,6 +38,7 @@ from flowkube_operator.controller import Controller
 from flowkube_operator.kube import Kube
 from flowkube_operator.leader import LeaderElector, LeaseConfig
 from flowkube_operator.metrics import FlowMetrics
+from flowkube_operator.notifier import Notifier
 from flowkube_operator.reviews import MetricsAuth
 from flowkube_operator.settings import Settings
 from flowkube_operator.stateapi import StateApi
@@ -92,8 +93,11 @@ class App:
         self.username = ""  # who the operator is to the API server (its own status writes pass the webhook)
         self.metrics = FlowMetrics(per_flow=settings.metrics_per_flow)
         self.elector = LeaderElector(lambda: self.kube, lease_config(settings)) if settings.leader_election else None
+        # Outcomes of deliveries are folded into status by the controller's next reconcile of their Flow.
+        self.notifier = Notifier(settings, wake=lambda key: self.controller.notified(key)) \
+            if settings.notifications_enabled else None
         self.controller = Controller(
-            settings, listeners=[self.metrics.update],
+            settings, listeners=[self.metrics.update], notifier=self.notifier,
             fence=self.elector.still_leading if self.elector is not None else lambda: True,
             state_ca=serving.ca_pem.decode() if serving is not None else "")
         self.state_api = StateApi(lambda: self.kube, self.controller)
@@ -182,6 +186,8 @@ class App:
         if kube is not None:
             await kube.close()
         await self.validator.close()
+        if self.notifier is not None:
+            await self.notifier.close()
         for runner in self._servers:
             await runner.cleanup()
         self._servers.clear()

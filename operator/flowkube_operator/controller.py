@@ -31,8 +31,9 @@ from flowkube_api import constants as c
 from flowkube_api.base import now as now_utc
 from flowkube_api.base import parse_time
 from flowkube_api.report import RunReport
-from flowkube_operator import resources, selfmetrics
+from flowkube_operator import notify, resources, selfmetrics
 from flowkube_operator.cache import FlowCache, FlowListener, Key
+from flowkube_operator.informer import Informer
 from flowkube_operator.kube import (
     ApiError,
     Kube,
@@ -43,6 +44,7 @@ from flowkube_operator.kube import (
     ns_path,
 )
 from flowkube_operator.meta import PodView, owner_uid
+from flowkube_operator.notifier import Notifier
 from flowkube_operator.reconcile import Plan, RunIntent, late_pods, plan
 from flowkube_operator.settings import Settings
 
@@ -128,12 +130,15 @@ class Controller(FlowCache):
 
     ``listeners`` hear every change of a cached Flow (the per-flow metrics); ``fence`` is asked
     before every write (the leader elector's `still_leading`; always yes without election);
-    ``state_ca`` is the PEM runner pods trust for the state API.
+    ``state_ca`` is the PEM runner pods trust for the state API; ``notifier`` sends the notifications
+    the Flows it reconciles hold (none without one).
     """
 
     def __init__(self, settings: Settings, listeners: Sequence[FlowListener] = (), *,
-                 fence: Callable[[], bool] = lambda: True, state_ca: str = "") -> None:
+                 fence: Callable[[], bool] = lambda: True, state_ca: str = "",
+                 notifier: Notifier | None = None) -> None:
         super().__init__(listeners)
+        self.notifier = notifier
         self.settings = settings
         self.kube: Kube | None = None
         self.queue = WorkQueue()
@@ -169,6 +174,16 @@ class Controller(FlowCache):
             self._warm[key] = report
             self.queue.add(key)
         return True
+
+    def informers(self, kube: Callable[[], Kube | None], namespaces: list[str]) -> list[Informer]:
+        """The caches' watches, and the notifier's Secrets."""
+        extra = self.notifier.informers(kube, namespaces) if self.notifier is not None else []
+        return super().informers(kube, namespaces) + extra
+
+    def notified(self, key: Key) -> None:
+        """A delivery of the Flow's ended: reconcile it, which records the outcome in its status."""
+        if self.leading and key in self.flows:
+            self.queue.add(key)
 
     def _read_warm_report(self, key: Key) -> None:
         """A warm pod waits on something the status does not show yet (the leader changed, or the
@@ -207,6 +222,8 @@ class Controller(FlowCache):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
+        if self.notifier is not None:
+            await self.notifier.stop()
 
     async def _recheck_pods_forever(self) -> None:
         while True:
@@ -287,7 +304,10 @@ class Controller(FlowCache):
         assert self.kube is not None
         cached = self.flows.get(key)
         body = orjson.loads(cached[2]) if cached is not None else None
+        delivered = self.notifier.take(key) if self.notifier is not None else []
         if body is None or body.get("metadata", {}).get("deletionTimestamp"):
+            if self.notifier is not None:
+                self.notifier.recorded(key, delivered)  # nowhere to record them any more
             return
         uid = body["metadata"]["uid"]
         # Pods of an earlier Flow with the same name are not this Flow's, however named.
@@ -312,8 +332,14 @@ class Controller(FlowCache):
         if p.need_report and active is not None:
             report = await self._load_report(*key, uid, active, pods.get(active))
             p = plan(body, pods, report, backoff_cap=cap, report_checked=True, late=late)
-        await self._apply(key, body, p)
+        if delivered:
+            p.events += notify.record(p.status, delivered)
+        body = await self._apply(key, body, p)
         self._forget_late(key, taken)
+        if self.notifier is not None:
+            self.notifier.recorded(key, delivered)
+            if not p.delete_flow:
+                self.notifier.offer(key, body)
         if hinted and key in self._warm and self._warm[key] is hint:
             del self._warm[key]  # a newer one that came meanwhile stays for the next reconcile
 
@@ -385,9 +411,10 @@ class Controller(FlowCache):
         if not self.fence():
             raise NotLeadingError
 
-    async def _apply(self, key: Key, body: Body, p: Plan) -> None:
+    async def _apply(self, key: Key, body: Body, p: Plan) -> Body:
         """Make the plan so: the pod and the one status write (in the order the intent says), old
-        reports pruned, pods stopped, Events posted, the Flow deleted (TTL) or looked at again later."""
+        reports pruned, pods stopped, Events posted, the Flow deleted (TTL) or looked at again later.
+        Returns the Flow as written."""
         assert self.kube is not None
         ns, name = key
         old_status = body.get("status") or {}
@@ -418,6 +445,7 @@ class Controller(FlowCache):
             await self.kube.delete(flow_path(ns, name), delete_if_same(body["metadata"]["uid"]))
         elif p.requeue_after is not None:
             self.queue.add_after(key, p.requeue_after)
+        return body
 
     async def _create_first(self, key: Key, body: Body, p: Plan, intent: RunIntent) -> None:
         """A kickoff's or retry's pod, before the status write that records its run with the pod's

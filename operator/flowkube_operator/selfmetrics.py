@@ -48,3 +48,17 @@ TURN_SECONDS = Histogram(
     ["namespace", "definition"], registry=REGISTRY,
     buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300),
 )
+
+# Notifications (notifier.py): counted by the leader that ended the delivery.
+NOTIFICATIONS = Counter(
+    "flowkube_notifications_total",
+    "Notification deliveries ended, by result: Delivered, Rejected (4xx, a redirect), GaveUp (retries ran out), "
+    "Refused (destination policy), Misconfigured (the Secret or its URL).",
+    ["result"], registry=REGISTRY,
+)
+NOTIFICATION_SECONDS = Histogram(
+    "flowkube_notification_delivery_seconds",
+    "Time from the event in the Flow's status (a request made, a flow ended) to its receiver's 2xx.",
+    ["event"], registry=REGISTRY,
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900),
+)

@@ -12,6 +12,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from flowkube_api.prices import PriceOverrides
+from flowkube_operator.notify import DEFAULT_DENIED, Policy
 
 
 class Settings(BaseSettings):
@@ -139,6 +140,30 @@ class Settings(BaseSettings):
         default="", description="URL of the definition validator (runner image sidecar); empty: none."
     )
 
+    notifications_enabled: bool = Field(
+        default=True, description="Send notifications (spec.notifications, namespace defaults): the operator "
+        "watches the Secrets labelled flowkube.io/notifications. false: no notification is sent.")
+    notifications_allowed_cidrs: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Address ranges a receiver may be in although they are denied "
+        "(comma-separated CIDRs), e.g. an in-cluster receiver's Service IP. Allowed wins over denied.")
+    notifications_denied_cidrs: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: list(DEFAULT_DENIED), description="Address ranges no receiver may be in "
+        "(comma-separated CIDRs): by default the private ranges, where the cluster's pods, Services and nodes "
+        "are. Loopback, link-local (cloud metadata), multicast and unspecified addresses are always denied.")
+    notifications_timeout_seconds: float = Field(
+        default=10.0, gt=0, le=300, description="Deadline of one delivery attempt (connect, send, answer).")
+    notifications_retry_seconds: float = Field(
+        default=600.0, ge=0, le=86400, description="How long a delivery is tried again after 5xx, 408, 429, "
+        "timeouts and connection errors (backoff 1, 2, 4 ... 60 s); then it is recorded as GaveUp.")
+    notifications_max_in_flight: int = Field(
+        default=64, ge=1, le=4096, description="Deliveries in flight at once, across receivers.")
+    notifications_per_host: int = Field(
+        default=4, ge=1, le=256, description="Deliveries in flight at once to one receiver (host and port): a "
+        "receiver that hangs holds only these.")
+    console_url: str = Field(
+        default="", description="The console's external URL (https://flowkube.example.com): notifications "
+        "link to a Flow's page there. Empty: no link.")
+
     log_format: Literal["json", "text"] = Field(default="json", description="Log lines as JSON or as text.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(default="INFO", description="Lowest level logged.")
 
@@ -153,7 +178,8 @@ class Settings(BaseSettings):
         return f"https://{host}:{self.state_port}"
 
     @field_validator("watch_namespaces", "runner_priority_class_names", "runner_toleration_keys",
-                     "runner_secret_names", "runner_images", mode="before")
+                     "runner_secret_names", "runner_images", "notifications_allowed_cidrs",
+                     "notifications_denied_cidrs", mode="before")
     @classmethod
     def _split_commas(cls, v: Any) -> Any:
         return [p.strip() for p in v.split(",") if p.strip()] if isinstance(v, str) else v
@@ -162,6 +188,11 @@ class Settings(BaseSettings):
     @classmethod
     def _split_words(cls, v: Any) -> Any:
         return shlex.split(v) if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _cidrs(self) -> Settings:
+        Policy.of(self.notifications_allowed_cidrs, self.notifications_denied_cidrs)  # ValueError names the bad one
+        return self
 
     @model_validator(mode="after")
     def _lease_timing(self) -> Settings:

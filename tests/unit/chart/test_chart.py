@@ -261,6 +261,9 @@ EXPECTED_OPERATOR_GRANTS = {
     ("", "configmaps"): {"get", "create", "patch", "delete"},
     ("", "events"): {"create", "patch"},
     ("events.k8s.io", "events"): {"create", "patch"},
+    # Notifications: only list/watch, which the operator sends with the flowkube.io/notifications
+    # label selector; no get, so no Flow can point it at another Secret.
+    ("", "secrets"): {"list", "watch"},
 }
 CLUSTER_GRANTS = {
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
@@ -296,6 +299,19 @@ def test_operator_rbac_cluster_scope(helm: Path) -> None:
     env = {e["name"]: e.get("value") for e in named(objs, "Deployment", "flowkube")["spec"]["template"]["spec"][
         "containers"][0]["env"]}
     assert env["FLOWKUBE_TLS_SECRET"] == "flowkube-system/flowkube-ca"
+
+
+def test_notifications_off_take_the_secret_grant_away_and_the_values_reach_the_operator(helm: Path) -> None:
+    on = render(helm, "--set", "notifications.allowedCIDRs={10.96.0.10/32,10.244.0.0/16}",
+                "--set", "console.externalURL=https://flows.example.com")
+    env = env_of(next(containers(on)))
+    assert env["FLOWKUBE_NOTIFICATIONS_ENABLED"] == "true"
+    assert env["FLOWKUBE_NOTIFICATIONS_ALLOWED_CIDRS"] == "10.96.0.10/32,10.244.0.0/16"
+    assert env["FLOWKUBE_NOTIFICATIONS_DENIED_CIDRS"].startswith("10.0.0.0/8,172.16.0.0/12,")
+    assert env["FLOWKUBE_CONSOLE_URL"] == "https://flows.example.com"
+    off = render(helm, "--set", "notifications.enabled=false")
+    assert env_of(next(containers(off)))["FLOWKUBE_NOTIFICATIONS_ENABLED"] == "false"
+    assert ("", "secrets") not in _grants(named(off, "ClusterRole", "flowkube-operator")["rules"])
 
 
 def _assert_leader_election_role(role: Obj) -> None:

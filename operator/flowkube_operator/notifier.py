@@ -1,0 +1,286 @@
+"""Notifications, the sending: the leader's delivery queue, the Secrets it reads, and the HTTP client
+that will only call where the destination policy allows. What to send and how it is recorded is
+`notify`'s (pure); the controller offers each Flow it reconciles and folds the outcomes into status.
+
+A delivery never holds up a reconcile: each (Flow, sink, event) is a task of its own, bounded by a
+limit on deliveries in flight and a smaller one per receiver (host and port), so a receiver that hangs
+holds only its own slots. Each attempt has a deadline; 5xx, 408, 429, timeouts and connection errors
+are tried again after 1, 2, 4 ... 60 s until ``notifications_retry_seconds`` have passed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import functools
+import ipaddress
+import logging
+import socket
+import ssl
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+from aiohttp.abc import AbstractResolver, ResolveResult
+
+from flowkube_api import constants as c
+from flowkube_api.base import now as now_utc
+from flowkube_operator import notify, selfmetrics
+from flowkube_operator.informer import Informer
+from flowkube_operator.kube import Kube, ns_path
+from flowkube_operator.notify import Notice, Outcome, Policy, Sink
+from flowkube_operator.settings import Settings
+
+Body = dict[str, Any]
+Key = tuple[str, str]
+Job = tuple[str, str]  # (sink, event id)
+log = logging.getLogger("flowkube.notifier")
+
+ANSWER_READ = 1024  # bytes of a receiver's answer read (into status.notifications[].message), at most
+
+
+class RefusedError(Exception):
+    """The destination policy refuses the address a receiver's name resolves to."""
+
+
+class UndeliverableError(Exception):
+    """The sink cannot be sent to as it is: ``again`` when that may change (a Secret not there yet)."""
+
+    def __init__(self, reason: str, message: str, again: bool = False) -> None:
+        super().__init__(message)
+        self.reason, self.message, self.again = reason, message, again
+
+
+class PolicyResolver(AbstractResolver):
+    """Name resolution that refuses a name with any address the policy does not allow: the addresses
+    checked are the ones connected to (a name that resolves differently later is checked again)."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self._inner = aiohttp.ThreadedResolver()
+
+    async def resolve(self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+                      ) -> list[ResolveResult]:
+        found = await self._inner.resolve(host, port, family)
+        for r in found:
+            why = self.policy.refusal(r["host"])
+            if why:
+                raise RefusedError(f"{host} resolves to {why}")
+        return found
+
+    async def close(self) -> None:
+        await self._inner.close()
+
+
+@dataclass
+class SecretView:
+    defaults: bool
+    data: dict[str, bytes]
+
+
+class Secrets:
+    """The Secrets labelled flowkube.io/notifications, as their watch last showed them."""
+
+    def __init__(self) -> None:
+        self.items: dict[Key, SecretView] = {}
+
+    def event(self, etype: str, body: Body) -> None:
+        meta = body.get("metadata") or {}
+        key = (meta.get("namespace", ""), meta.get("name", ""))
+        label = (meta.get("labels") or {}).get(c.LABEL_NOTIFICATIONS)
+        if etype == "DELETED" or label is None:
+            self.items.pop(key, None)
+            return
+        data = {}
+        for k, v in (body.get("data") or {}).items():
+            try:
+                data[k] = base64.b64decode(v or "", validate=True)
+            except (binascii.Error, ValueError):
+                continue
+        self.items[key] = SecretView(label == c.NOTIFICATION_DEFAULTS, data)
+
+    def defaults(self, namespace: str) -> list[Sink]:
+        out = []
+        for (ns, name), view in self.items.items():
+            if ns == namespace and view.defaults:
+                sink = notify.default_sink(name, view.data)
+                if sink is None:
+                    log.warning("notification defaults Secret %s/%s names an unknown format or event; ignored",
+                                ns, name)
+                else:
+                    out.append(sink)
+        return out
+
+
+class Notifier:
+    """The leader's deliveries. ``wake(key)`` asks for a reconcile of the Flow whose delivery ended
+    (it folds the outcome into status, see `take` and `recorded`)."""
+
+    def __init__(self, settings: Settings, wake: Callable[[Key], None]) -> None:
+        self.settings = settings
+        self.wake = wake
+        self.secrets = Secrets()
+        self.policy = Policy.of(settings.notifications_allowed_cidrs, settings.notifications_denied_cidrs)
+        self._tasks: dict[tuple[Key, Job], asyncio.Task[None]] = {}
+        self._done: dict[Key, dict[Job, Outcome]] = {}  # ended, not yet in status
+        self._slots = asyncio.Semaphore(settings.notifications_max_in_flight)
+        self._per_host: dict[str, asyncio.Semaphore] = {}
+        self._session: aiohttp.ClientSession | None = None
+
+    def informers(self, kube: Callable[[], Kube | None], namespaces: list[str]) -> list[Informer]:
+        return [Informer(kube, ns_path(ns, "secrets") if ns else "/api/v1/secrets", "v1", "Secret",
+                         self.secrets.event, label_selector=c.LABEL_NOTIFICATIONS) for ns in namespaces or [""]]
+
+    # -- what the controller calls ------------------------------------------------------------------
+
+    def offer(self, key: Key, flow: Body) -> None:
+        """Start a delivery for every (sink, event) of the Flow that is not handled in its status, not
+        under way, and not ended and waiting to be recorded."""
+        sinks = notify.sinks_of(flow.get("spec") or {}, self.secrets.defaults(key[0]))
+        done = self._done.get(key, {})
+        for sink, notice in notify.due(flow, sinks, self.settings.console_url):
+            job = (sink.name, notice.id)
+            if (key, job) in self._tasks or job in done:
+                continue
+            task = asyncio.create_task(self._deliver(key, sink, notice))
+            self._tasks[(key, job)] = task
+            task.add_done_callback(functools.partial(self._ended, (key, job)))
+
+    def _ended(self, job: tuple[Key, Job], _task: asyncio.Task[None]) -> None:
+        self._tasks.pop(job, None)
+
+    def take(self, key: Key) -> list[Outcome]:
+        """The deliveries of the Flow that ended and are not in its status yet."""
+        return list(self._done.get(key, {}).values())
+
+    def recorded(self, key: Key, outcomes: list[Outcome]) -> None:
+        """These outcomes are in the Flow's status now (or the Flow is gone)."""
+        done = self._done.get(key)
+        if done is None:
+            return
+        for o in outcomes:
+            if done.get((o.sink, o.notice_id)) is o:
+                del done[(o.sink, o.notice_id)]
+        if not done:
+            del self._done[key]
+
+    async def stop(self) -> None:
+        """No longer the leader: every delivery under way stops (the next leader sends what its status
+        does not record), and what ended unrecorded is forgotten for the same reason."""
+        tasks = list(self._tasks.values())
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks.clear()
+        self._done.clear()
+
+    async def close(self) -> None:
+        await self.stop()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # -- one delivery -------------------------------------------------------------------------------
+
+    async def _deliver(self, key: Key, sink: Sink, notice: Notice) -> None:
+        started, attempts = time.monotonic(), 0
+        payload, content_type = notify.body(sink, notice)
+        while True:
+            attempts += 1
+            code, reason, message, again = await self._attempt(key[0], sink, notice, payload, content_type)
+            wait = notify.backoff(attempts)
+            if again and time.monotonic() - started + wait <= self.settings.notifications_retry_seconds:
+                log.info("notification %s to %s/%s sink %s: %s (attempt %d); trying again in %.0fs",
+                         notice.type, *key, sink.name, message, attempts, wait)
+                await asyncio.sleep(wait)  # the backoff itself, not a wait for a condition
+                continue
+            if again:
+                reason = "GaveUp"
+            break
+        delivered = reason == "Delivered"
+        outcome = Outcome(sink.name, notice.id, notice.type, delivered, reason, attempts, now_utc(), code, message)
+        selfmetrics.NOTIFICATIONS.labels(reason).inc()
+        if delivered and notice.time is not None:
+            selfmetrics.NOTIFICATION_SECONDS.labels(str(notice.type)).observe(
+                max(0.0, (outcome.time - notice.time).total_seconds()))
+        elif not delivered:
+            log.warning("notification %s to %s/%s sink %s failed: %s after %d attempt(s): %s",
+                        notice.type, *key, sink.name, reason, attempts, message)
+        self._done.setdefault(key, {})[(sink.name, notice.id)] = outcome
+        self.wake(key)
+
+    async def _attempt(self, namespace: str, sink: Sink, notice: Notice, payload: bytes,
+                       content_type: str) -> tuple[int | None, str, str, bool]:
+        """One POST: (HTTP status or None, reason, message, whether to try again)."""
+        try:
+            url, secret, tls, hostport = self._target(namespace, sink)
+        except UndeliverableError as e:
+            return None, e.reason, e.message, e.again
+        headers = {"Content-Type": content_type, "User-Agent": "flowkube-operator",
+                   notify.EVENT_ID_HEADER: notice.id}
+        key = secret.data.get(sink.signing_key_key)
+        if key:
+            headers[notify.SIGNATURE_HEADER] = notify.sign(key, payload, int(time.time()))
+        per_host = self._per_host.setdefault(hostport, asyncio.Semaphore(self.settings.notifications_per_host))
+        async with per_host, self._slots:
+            try:
+                async with self._client().post(url, data=payload, headers=headers, ssl=tls,
+                                               allow_redirects=False) as resp:
+                    answer = (await resp.content.read(ANSWER_READ)).decode(errors="replace").strip()
+                    resp.close()  # the rest of a long answer is not read
+                    code = resp.status
+            except RefusedError as e:
+                return None, "Refused", str(e), False
+            except (aiohttp.ClientError, OSError, TimeoutError) as e:
+                return None, "Unreachable", f"{type(e).__name__}: {e}"[:notify.MESSAGE_LIMIT], True
+        if 200 <= code < 300:
+            return code, "Delivered", f"{code}", False
+        if 300 <= code < 400:
+            return code, "Rejected", f"{code}: redirects are not followed", False
+        return code, "Rejected", f"{code}: {answer}", notify.retryable(code)
+
+    def _target(self, namespace: str, sink: Sink) -> tuple[str, SecretView, ssl.SSLContext | bool, str]:
+        """(URL, Secret, TLS, host:port) of the sink, or UndeliverableError. The URL itself is never
+        repeated in a message: a Secret's value stays out of status and Events."""
+        secret = self.secrets.items.get((namespace, sink.secret))
+        if secret is None:
+            raise UndeliverableError("Misconfigured", f"no Secret {sink.secret} labelled {c.LABEL_NOTIFICATIONS} "
+                                     f"in namespace {namespace}", again=True)
+        raw_url = secret.data.get(sink.url_key)
+        if not raw_url:
+            raise UndeliverableError("Misconfigured", f"Secret {sink.secret} has no key {sink.url_key}", again=True)
+        url = raw_url.decode(errors="replace").strip()
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise UndeliverableError("Misconfigured", f"key {sink.url_key} of Secret {sink.secret} is not an "
+                                     "http(s) URL")
+        try:
+            ipaddress.ip_address(parts.hostname)
+        except ValueError:
+            pass  # a name: its addresses are checked as it is resolved (PolicyResolver)
+        else:
+            why = self.policy.refusal(parts.hostname)
+            if why:
+                raise UndeliverableError("Refused", why)
+        tls: ssl.SSLContext | bool = True
+        ca = secret.data.get(sink.ca_key)
+        if ca and parts.scheme == "https":
+            try:
+                tls = ssl.create_default_context(cadata=ca.decode(errors="replace"))
+            except (ssl.SSLError, ValueError) as e:
+                raise UndeliverableError("Misconfigured", f"key {sink.ca_key} of Secret {sink.secret} is no PEM "
+                                         f"CA: {e}") from e
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        return url, secret, tls, f"{parts.hostname}:{port}"
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(resolver=PolicyResolver(self.policy), limit=0, ttl_dns_cache=10)
+            self._session = aiohttp.ClientSession(
+                connector=connector, timeout=aiohttp.ClientTimeout(total=self.settings.notifications_timeout_seconds),
+                trust_env=False)
+        return self._session

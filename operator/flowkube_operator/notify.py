@@ -1,0 +1,383 @@
+"""Notifications, the pure part: which events a Flow's status holds for which sink, the bodies sent
+(CloudEvents 1.0, Slack), the signature, the retry schedule, the destination policy, and how a
+delivery is recorded in ``status.notifications``. The sending is `notifier`'s.
+
+Events are read off the status, level-based, like everything else the operator does: a Flow that
+waits for an answer *has* a FeedbackRequested event (its id names the request), whoever looks. Each
+sink's record keeps the ids it is done with (`handled`), so an operator restart or a new leader sends
+what is not recorded there, once, and nothing that is. The gap left is the moment between a
+receiver's 2xx and the status write that records it: a crash there sends that one event again, with
+the same id (at least once; receivers deduplicate by id).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import hmac
+import ipaddress
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote
+
+import orjson
+
+from flowkube_api import constants as c
+from flowkube_api.base import parse_time
+from flowkube_api.constants import NotificationEvent as E
+from flowkube_api.constants import Phase, Reason
+from flowkube_api.models import FlowStatus, NotificationRecord
+
+Body = dict[str, Any]
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+SIGNATURE_HEADER = "X-Flowkube-Signature"
+EVENT_ID_HEADER = "X-Flowkube-Event-Id"
+TEXT_LIMIT = 3000  # characters of one text in a body (Slack's limit for a section's text)
+MESSAGE_LIMIT = 1024  # characters of status.notifications[].message
+
+
+# -- sinks ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sink:
+    """One place to send to: a Flow's spec.notifications[] entry, or a namespace default (a Secret
+    labelled flowkube.io/notifications=defaults, whose data names its events and format)."""
+
+    name: str
+    secret: str
+    events: frozenset[E] = frozenset(c.DEFAULT_NOTIFICATION_EVENTS)
+    format: str = "cloudevents"
+    url_key: str = "url"
+    signing_key_key: str = "signingKey"
+    ca_key: str = "ca"
+
+
+def default_sink(name: str, data: Mapping[str, bytes]) -> Sink | None:
+    """A namespace default from its Secret's data (`url`, `format`, `events`, `signingKey`, `ca`);
+    None when ``format`` or ``events`` name something unknown (the Secret is ignored and logged)."""
+    fmt = data.get("format", b"cloudevents").decode(errors="replace").strip() or "cloudevents"
+    names = [e.strip() for e in data.get("events", b"").decode(errors="replace").split(",") if e.strip()]
+    if fmt not in ("cloudevents", "slack") or any(n not in E.__members__.values() for n in names):
+        return None
+    events = frozenset(E(n) for n in names) or frozenset(c.DEFAULT_NOTIFICATION_EVENTS)
+    return Sink(name=name, secret=name, events=events, format=fmt)
+
+
+def sinks_of(spec: Body, defaults: Iterable[Sink]) -> list[Sink]:
+    """The Flow's sinks: its namespace's defaults, each replaced by a spec entry of the same name."""
+    out = {s.name: s for s in defaults}
+    for entry in spec.get("notifications") or []:
+        ref = entry.get("secretRef") or {}
+        out[entry["name"]] = Sink(
+            name=entry["name"], secret=ref.get("name", ""),
+            events=frozenset(E(e) for e in entry.get("events") or c.DEFAULT_NOTIFICATION_EVENTS),
+            format=entry.get("format") or "cloudevents", url_key=ref.get("urlKey") or "url",
+            signing_key_key=ref.get("signingKeyKey") or "signingKey", ca_key=ref.get("caKey") or "ca")
+    return sorted(out.values(), key=lambda s: s.name)
+
+
+# -- events -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Notice:
+    """One event of one Flow, as every sink that wants it is told of it."""
+
+    id: str  # <flow uid>/<request id | turn-N | run-N>/<type>: stable across restarts and leaders
+    type: E
+    namespace: str
+    flow: str
+    time: dt.datetime | None  # when the status says it happened
+    data: Body = field(compare=False)
+
+
+def _failure_reason(status: Body) -> str:
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == c.ConditionType.SUCCEEDED and cond.get("status") == "False":
+            return str(cond.get("reason") or "")
+    return ""
+
+
+def _cut(value: Any, limit: int = TEXT_LIMIT) -> str:
+    text = "" if value is None else str(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def notices(flow: Body, console_url: str = "") -> list[Notice]:
+    """The events the Flow's status holds now: the request that waits for an answer, the message a
+    conversation waits for, the latest timed-out request, the end. (One that is over before it was
+    sent, such as a request answered already, is not sent: nobody needs it any more.)"""
+    meta, status = flow.get("metadata") or {}, flow.get("status") or {}
+    uid, ns, name = meta.get("uid", ""), meta.get("namespace", ""), meta.get("name", "")
+    phase = status.get("phase")
+    runs = status.get("runs") or []
+    usage = status.get("usage") or {}
+    base: Body = {
+        "flow": {"namespace": ns, "name": name, "uid": uid, "definition": status.get("definition") or ""},
+        "phase": phase, "message": _cut(status.get("message")),
+        "usage": {"totalTokens": usage.get("totalTokens", 0), "cost": usage.get("cost")},
+    }
+    if console_url:
+        base["consoleUrl"] = f"{console_url.rstrip('/')}/flows/{quote(ns, safe='')}/{quote(name, safe='')}"
+    out = []
+
+    def add(key: str, etype: E, time: Any, **extra: Any) -> None:
+        out.append(Notice(f"{uid}/{key}/{etype}", etype, ns, name, parse_time(time),
+                          {**base, "event": str(etype), **extra}))
+
+    fb = status.get("feedback") or {}
+    req = fb.get("request")
+    if req and phase not in c.TERMINAL_PHASES:
+        add(str(req.get("id")), E.FEEDBACK_REQUESTED, req.get("requestedAt"), request=_request(req))
+    history = fb.get("history") or []
+    if history and history[-1].get("timedOut"):
+        h = history[-1]
+        add(str(h.get("requestId")), E.FEEDBACK_TIMED_OUT, h.get("respondedAt"),
+            request={"id": h.get("requestId"), "method": h.get("method"), "outcome": h.get("outcome")})
+    conv = status.get("conversation") or {}
+    if phase == Phase.AWAITING_MESSAGE and not conv.get("ended"):
+        turns = int(conv.get("turns") or 0)
+        add(f"turn-{turns}", E.MESSAGE_AWAITED, conv.get("idleSince"),
+            conversation={"turns": turns, "lastReply": _cut(conv.get("lastReply"))})
+    if phase in c.TERMINAL_PHASES:
+        run = f"run-{max(len(runs) - 1, 0)}"
+        reason = _failure_reason(status)
+        if phase == Phase.SUCCEEDED:
+            add(run, E.SUCCEEDED, status.get("finishedAt"), output=_cut((status.get("result") or {}).get("output")))
+        else:
+            add(run, E.FAILED, status.get("finishedAt"), reason=reason)
+            if reason == Reason.BUDGET_EXCEEDED:
+                add(run, E.BUDGET_EXCEEDED, status.get("finishedAt"), reason=reason)
+    return out
+
+
+def _request(req: Body) -> Body:
+    return {"id": req.get("id"), "method": req.get("method"), "message": _cut(req.get("message")),
+            "outcomes": req.get("emit") or [], "defaultOutcome": req.get("defaultOutcome"),
+            "deadline": req.get("deadline"), "output": _cut(req.get("output"))}
+
+
+def wanted(sink: Sink, found: Sequence[Notice]) -> list[Notice]:
+    """What ``sink`` is told of ``found``: a Flow that failed on its budget is BudgetExceeded to a sink
+    that asks for that, Failed to one that does not."""
+    types = {n.type for n in found}
+    out = []
+    for n in found:
+        if n.type not in sink.events:
+            continue
+        if n.type == E.FAILED and E.BUDGET_EXCEEDED in types and E.BUDGET_EXCEEDED in sink.events:
+            continue
+        out.append(n)
+    return out
+
+
+def due(flow: Body, sinks: Sequence[Sink], console_url: str = "") -> list[tuple[Sink, Notice]]:
+    """(sink, event) pairs not yet handled according to the Flow's status."""
+    if not sinks:
+        return []
+    found = notices(flow, console_url)
+    if not found:
+        return []
+    records = {r.get("name"): r for r in (flow.get("status") or {}).get("notifications") or []}
+    out = []
+    for sink in sinks:
+        handled = set((records.get(sink.name) or {}).get("handled") or [])
+        out += [(sink, n) for n in wanted(sink, found) if n.id not in handled]
+    return out
+
+
+# -- bodies -----------------------------------------------------------------------------------------------
+
+TITLES = {
+    E.FEEDBACK_REQUESTED: "needs feedback", E.MESSAGE_AWAITED: "waits for a message",
+    E.FEEDBACK_TIMED_OUT: "stopped waiting for feedback", E.SUCCEEDED: "succeeded", E.FAILED: "failed",
+    E.BUDGET_EXCEEDED: "ran out of budget",
+}
+
+
+def _rfc3339(t: dt.datetime | None) -> str | None:
+    return t.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ") if t else None
+
+
+def cloudevent(n: Notice) -> bytes:
+    """CloudEvents 1.0, structured mode (Content-Type application/cloudevents+json)."""
+    subject = n.id.split("/", 2)[1] if n.id.count("/") >= 2 else None
+    event: Body = {
+        "specversion": "1.0", "id": n.id, "type": f"io.flowkube.flow.{n.type}",
+        "source": f"/apis/{c.API_VERSION}/namespaces/{n.namespace}/flows/{n.flow}",
+        "subject": subject, "time": _rfc3339(n.time), "datacontenttype": "application/json", "data": n.data,
+    }
+    return orjson.dumps({k: v for k, v in event.items() if v is not None})
+
+
+def mrkdwn_escape(text: str) -> str:
+    """Slack's three control characters: with them escaped, no text can make a link or a mention."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def slack(n: Notice) -> bytes:
+    """A Slack incoming-webhook body. Every text a flow (or its model) wrote is plain_text, which
+    Slack renders as it is: no links, no mentions, no formatting."""
+    d = n.data
+    flow = f"{n.namespace}/{n.flow}"
+    title = f"Flow {flow} {TITLES[n.type]}"
+    blocks: list[Body] = [{"type": "header", "text": {"type": "plain_text", "text": _cut(title, 150)}}]
+
+    def text(t: str) -> None:
+        if t:
+            blocks.append({"type": "section", "text": {"type": "plain_text", "text": _cut(t), "emoji": False}})
+
+    facts = [f"definition: {d['flow'].get('definition') or '-'}"]
+    req = d.get("request") or {}
+    if n.type == E.FEEDBACK_REQUESTED:
+        text(req.get("message") or "")
+        text(req.get("output") or "")
+        if req.get("outcomes"):
+            facts.append("outcomes: " + ", ".join(str(o) for o in req["outcomes"]))
+        if req.get("deadline"):
+            facts.append(f"deadline: {req['deadline']}")
+        facts.append(f"method: {req.get('method')}")
+    elif n.type == E.FEEDBACK_TIMED_OUT:
+        facts.append(f"request {req.get('id')} ({req.get('method')}): outcome {req.get('outcome') or 'none'}")
+    elif n.type == E.MESSAGE_AWAITED:
+        text((d.get("conversation") or {}).get("lastReply") or "")
+    elif n.type == E.SUCCEEDED:
+        text(d.get("output") or "")
+    else:
+        text(d.get("message") or "")
+        facts.append(f"reason: {d.get('reason') or '-'}")
+    facts.append(f"tokens: {d['usage'].get('totalTokens', 0)}")
+    blocks.append({"type": "context", "elements": [{"type": "plain_text", "text": _cut(" · ".join(facts), 2000)}]})
+    if d.get("consoleUrl"):
+        waits = n.type in (E.FEEDBACK_REQUESTED, E.MESSAGE_AWAITED)
+        label = "Answer in the console" if waits else "Open in the console"
+        blocks.append({"type": "actions", "elements": [
+            {"type": "button", "text": {"type": "plain_text", "text": label}, "url": d["consoleUrl"]}]})
+    return orjson.dumps({"text": mrkdwn_escape(title), "blocks": blocks})
+
+
+def body(sink: Sink, n: Notice) -> tuple[bytes, str]:
+    """(the body, its Content-Type) in the sink's format."""
+    if sink.format == "slack":
+        return slack(n), "application/json"
+    return cloudevent(n), "application/cloudevents+json"
+
+
+# -- signatures -------------------------------------------------------------------------------------------
+
+
+def sign(key: bytes, payload: bytes, timestamp: int) -> str:
+    """``t=<unix seconds>,v1=<hex HMAC-SHA256 of "<t>." + body>``: the timestamp is signed with the body,
+    so a receiver that refuses old timestamps refuses replays."""
+    mac = hmac.new(key, str(timestamp).encode() + b"." + payload, hashlib.sha256).hexdigest()
+    return f"t={timestamp},v1={mac}"
+
+
+def verify(key: bytes, payload: bytes, header: str, now: float, tolerance: float = 300.0) -> bool:
+    """The receiver's check, as docs/api.md writes it: the signature over the raw body, and a timestamp
+    no further than ``tolerance`` seconds from the receiver's clock."""
+    parts = dict(p.split("=", 1) for p in header.split(",") if "=" in p)
+    try:
+        t = int(parts.get("t", ""))
+    except ValueError:
+        return False
+    if abs(now - t) > tolerance:
+        return False
+    expected = sign(key, payload, t).split("v1=", 1)[1]
+    return hmac.compare_digest(expected, parts.get("v1", ""))
+
+
+# -- retries ----------------------------------------------------------------------------------------------
+
+BACKOFF_FIRST = 1.0
+BACKOFF_CAP = 60.0
+
+
+def backoff(attempt: int, first: float = BACKOFF_FIRST, cap: float = BACKOFF_CAP) -> float:
+    """Seconds before the try after ``attempt`` (1-based) failed: 1, 2, 4, ... 60, 60."""
+    return float(min(cap, first * 2 ** (attempt - 1)))
+
+
+def retryable(code: int | None) -> bool:
+    """A timeout or a connection error (None), a 5xx, 408 or 429 is tried again; any other answer is final."""
+    return code is None or code >= 500 or code in (408, 429)
+
+
+# -- where the operator may send --------------------------------------------------------------------------
+
+# Never a receiver, whatever a Flow's Secret says: this host, link-local (cloud metadata endpoints
+# live there), unspecified, multicast and reserved addresses. Only `allowedCIDRs` lets one through.
+ALWAYS_DENIED = tuple(ipaddress.ip_network(n) for n in (
+    "0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4", "240.0.0.0/4",
+    "::/128", "::1/128", "fe80::/10", "ff00::/8",
+))
+# Denied by default (`notifications.deniedCIDRs`): the private ranges, where a cluster's pods,
+# Services and nodes live, and other private networks a tenant should not reach through the operator.
+DEFAULT_DENIED = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "fc00::/7")
+
+
+@dataclass(frozen=True)
+class Policy:
+    allowed: tuple[IPNetwork, ...] = ()
+    denied: tuple[IPNetwork, ...] = tuple(ipaddress.ip_network(n) for n in DEFAULT_DENIED)
+
+    @classmethod
+    def of(cls, allowed: Iterable[str], denied: Iterable[str]) -> Policy:
+        return cls(tuple(ipaddress.ip_network(n, strict=False) for n in allowed),
+                   tuple(ipaddress.ip_network(n, strict=False) for n in denied))
+
+    def refusal(self, address: str) -> str | None:
+        """Why the operator may not connect to ``address`` (an IP), or None when it may."""
+        try:
+            ip: IPAddress = ipaddress.ip_address(address.split("%", 1)[0])
+        except ValueError:
+            return f"{address!r} is not an IP address"
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        if any(ip in n for n in self.allowed if n.version == ip.version):
+            return None
+        for nets, why in ((ALWAYS_DENIED, "never allowed"), (self.denied, "denied by notifications.deniedCIDRs")):
+            for net in nets:
+                if net.version == ip.version and ip in net:
+                    return f"{ip} is in {net}, {why} (notifications.allowedCIDRs allows a range)"
+        return None
+
+
+# -- the record in status ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one event's delivery to one sink ended."""
+
+    sink: str
+    notice_id: str
+    event: E
+    delivered: bool
+    reason: str  # Delivered, Rejected, GaveUp, Refused, Misconfigured
+    attempts: int
+    time: dt.datetime
+    code: int | None = None
+    message: str = ""
+
+
+def record(status: FlowStatus, outcomes: Iterable[Outcome]) -> list[tuple[str, str, str]]:
+    """Fold finished deliveries into ``status.notifications``; returns the Events to post for them."""
+    records = {r.name: r for r in status.notifications or []}
+    events = []
+    for o in outcomes:
+        r = records.get(o.sink) or NotificationRecord(name=o.sink)
+        handled = [i for i in (r.handled or []) if i != o.notice_id] + [o.notice_id]
+        records[o.sink] = NotificationRecord(
+            name=o.sink, event=o.event, event_id=o.notice_id, time=o.time,
+            outcome="Delivered" if o.delivered else "Failed", reason=o.reason, attempts=o.attempts, code=o.code,
+            message=_cut(o.message, MESSAGE_LIMIT) or None, handled=handled[-c.NOTIFICATION_HANDLED_KEPT:])
+        if not o.delivered:
+            events.append(("Warning", "NotificationFailed",
+                           f"{o.event} to sink {o.sink}: {o.reason} after {o.attempts} attempt(s): {o.message}"))
+    status.notifications = [records[k] for k in sorted(records)] or None
+    return events

@@ -1,0 +1,266 @@
+"""Notifications without a cluster: which events a status holds, the bodies, the signature, the retry
+schedule, the destination policy, the record; and the sender against a real local HTTP server."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import datetime as dt
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from flowkube_api.constants import NotificationEvent as E
+from flowkube_api.models import FlowStatus
+from flowkube_operator import notify
+from flowkube_operator.notifier import Notifier
+from flowkube_operator.notify import Outcome, Policy, Sink
+from flowkube_operator.settings import Settings
+
+NOW = dt.datetime(2026, 11, 27, 12, 0, tzinfo=dt.UTC)
+HOSTILE = '<script>alert(1)</script> <!channel> <http://evil.example|click> & more'
+
+
+def flow(status: dict[str, Any], spec: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"metadata": {"name": "review", "namespace": "team", "uid": "u-1"},
+            "spec": spec or {"flowRef": "a:B"}, "status": status}
+
+
+def paused(request_id: str = "r1") -> dict[str, Any]:
+    return flow({"phase": "AwaitingFeedback", "definition": "reviewer", "usage": {"totalTokens": 42},
+                 "feedback": {"request": {"id": request_id, "method": "review", "message": HOSTILE,
+                                          "emit": ["approved", "rejected"], "output": "draft",
+                                          "requestedAt": "2026-11-27T11:59:00Z",
+                                          "deadline": "2026-11-28T11:59:00Z"}}})
+
+
+SINK = Sink(name="team", secret="team-hook")
+
+
+def test_a_paused_flow_holds_one_feedback_requested_event_with_a_stable_id() -> None:
+    (n,) = notify.notices(paused(), "https://console.example/")
+    assert n.id == "u-1/r1/FeedbackRequested" and n.type == E.FEEDBACK_REQUESTED
+    assert n.data["consoleUrl"] == "https://console.example/flows/team/review"
+    assert n.data["request"]["outcomes"] == ["approved", "rejected"]
+    assert notify.notices(paused()) == [n]  # the same event, whoever looks, whenever
+
+
+def test_endings_timeouts_and_conversations() -> None:
+    failed = flow({"phase": "Failed", "runs": [{"pod": "review-0"}, {"pod": "review-1"}],
+                   "conditions": [{"type": "Succeeded", "status": "False", "reason": "BudgetExceeded"}],
+                   "feedback": {"history": [{"requestId": "r1", "method": "m", "timedOut": True,
+                                             "respondedAt": "2026-11-27T11:00:00Z"}]}})
+    ids = {n.id for n in notify.notices(failed)}
+    assert ids == {"u-1/run-1/Failed", "u-1/run-1/BudgetExceeded", "u-1/r1/FeedbackTimedOut"}
+    # A sink that asks for BudgetExceeded hears that instead of Failed; one that does not, Failed.
+    both = Sink("a", "s", frozenset({E.FAILED, E.BUDGET_EXCEEDED}))
+    assert [n.type for n in notify.wanted(both, notify.notices(failed))] == [E.BUDGET_EXCEEDED]
+    only_failed = Sink("b", "s", frozenset({E.FAILED}))
+    assert [n.type for n in notify.wanted(only_failed, notify.notices(failed))] == [E.FAILED]
+    chat = flow({"phase": "AwaitingMessage", "conversation": {"turns": 3, "lastReply": "hi"}})
+    assert [n.id for n in notify.notices(chat)] == ["u-1/turn-3/MessageAwaited"]
+    # The default sink does not hear of every turn of a chat, nor of successes.
+    assert notify.due(chat, [SINK]) == []
+
+
+def test_due_skips_what_the_status_records_as_handled_and_record_keeps_the_newest_ids() -> None:
+    f = paused()
+    assert [(s.name, n.id) for s, n in notify.due(f, [SINK])] == [("team", "u-1/r1/FeedbackRequested")]
+    status = FlowStatus.model_validate(f["status"])
+    for i in range(20):
+        events = notify.record(status, [Outcome("team", f"u-1/r{i}/FeedbackRequested", E.FEEDBACK_REQUESTED,
+                                                i != 5, "Delivered" if i != 5 else "Rejected", 1, NOW, 200)])
+        assert bool(events) == (i == 5)
+    assert status.notifications is not None
+    (rec,) = status.notifications
+    assert rec.handled is not None and len(rec.handled) == 16 and rec.handled[-1] == "u-1/r19/FeedbackRequested"
+    f["status"] = status.dump()
+    f["status"]["feedback"]["request"]["id"] = "r19"
+    assert notify.due(f, [SINK]) == []  # handled: a restart sends nothing again
+
+
+def test_spec_sinks_replace_namespace_defaults_of_the_same_name() -> None:
+    defaults = [Sink("team", "ns-default"), Sink("ops", "ops-hook")]
+    spec = {"notifications": [{"name": "team", "secretRef": {"name": "mine", "urlKey": "u"},
+                               "events": ["Succeeded"], "format": "slack"}]}
+    team, ops = sorted(notify.sinks_of(spec, defaults), key=lambda s: s.name != "team")
+    assert (team.secret, team.url_key, team.format, team.events) == ("mine", "u", "slack", frozenset({E.SUCCEEDED}))
+    assert ops.secret == "ops-hook"
+    assert notify.default_sink("d", {"url": b"x", "events": b"Failed, Succeeded", "format": b"slack"}) == \
+        Sink("d", "d", frozenset({E.FAILED, E.SUCCEEDED}), "slack")
+    assert notify.default_sink("d", {"events": b"Failed,Nope"}) is None
+
+
+def test_cloudevent_attributes() -> None:
+    (n,) = notify.notices(paused())
+    body, ctype = notify.body(SINK, n)
+    ev = json.loads(body)
+    assert ctype == "application/cloudevents+json"
+    assert {k: ev[k] for k in ("specversion", "id", "type", "source", "subject", "time", "datacontenttype")} == {
+        "specversion": "1.0", "id": "u-1/r1/FeedbackRequested", "type": "io.flowkube.flow.FeedbackRequested",
+        "source": "/apis/flowkube.io/v1alpha1/namespaces/team/flows/review", "subject": "r1",
+        "time": "2026-11-27T11:59:00Z", "datacontenttype": "application/json"}
+    assert ev["data"]["request"]["message"] == HOSTILE  # JSON carries the text as it is
+    assert ev["data"]["flow"] == {"namespace": "team", "name": "review", "uid": "u-1", "definition": "reviewer"}
+
+
+def test_slack_blocks_carry_flow_text_as_plain_text_only() -> None:
+    (n,) = notify.notices(paused(), "https://console.example")
+    body, ctype = notify.body(Sink("s", "s", format="slack"), n)
+    msg = json.loads(body)
+    assert ctype == "application/json"
+    assert msg["text"] == "Flow team/review needs feedback"
+    texts = [b["text"] for b in msg["blocks"] if b["type"] in ("section", "header")]
+    assert {"type": "plain_text", "text": HOSTILE, "emoji": False} in texts
+    assert all(t["type"] == "plain_text" for t in texts)  # never mrkdwn: no link, no mention from a model
+    (ctx,) = [b for b in msg["blocks"] if b["type"] == "context"]
+    assert "outcomes: approved, rejected" in ctx["elements"][0]["text"]
+    (actions,) = [b for b in msg["blocks"] if b["type"] == "actions"]
+    assert actions["elements"][0]["url"] == "https://console.example/flows/team/review"
+    assert notify.mrkdwn_escape(HOSTILE).count("<") == 0
+
+
+def test_signature_recipe() -> None:
+    key, payload = b"s3cret", b'{"id":"x"}'
+    header = notify.sign(key, payload, 1_700_000_000)
+    assert header.startswith("t=1700000000,v1=")
+    assert notify.verify(key, payload, header, now=1_700_000_100)
+    assert not notify.verify(key, payload + b" ", header, now=1_700_000_100)  # the body changed
+    assert not notify.verify(b"other", payload, header, now=1_700_000_100)
+    assert not notify.verify(key, payload, header, now=1_700_000_000 + 301)  # a replay, too late
+    forged = header.replace("t=1700000000", "t=1700000300")  # a fresh timestamp on an old signature
+    assert not notify.verify(key, payload, forged, now=1_700_000_300)
+
+
+def test_retry_schedule() -> None:
+    assert [notify.backoff(i) for i in range(1, 9)] == [1, 2, 4, 8, 16, 32, 60, 60]
+    assert [c for c in (None, 500, 502, 503, 408, 429) if notify.retryable(c)] == [None, 500, 502, 503, 408, 429]
+    assert not any(notify.retryable(c) for c in (400, 401, 403, 404, 410, 301, 302))
+
+
+@pytest.mark.parametrize("address", [
+    "127.0.0.1", "127.5.5.5", "::1", "169.254.169.254", "fe80::1", "0.0.0.0", "::ffff:127.0.0.1",
+    "::ffff:169.254.169.254", "10.96.0.1", "10.244.3.7", "172.20.0.5", "192.168.1.1", "100.64.0.1", "fd00::1",
+    "224.0.0.1",
+])
+def test_policy_refuses_this_host_link_local_and_cluster_ranges_by_default(address: str) -> None:
+    assert Policy().refusal(address)
+
+
+def test_policy_allows_public_addresses_and_the_allowed_list() -> None:
+    assert Policy().refusal("93.184.216.34") is None and Policy().refusal("2606:2800:220:1::1") is None
+    p = Policy.of(["10.96.0.10/32"], notify.DEFAULT_DENIED)
+    assert p.refusal("10.96.0.10") is None and p.refusal("10.96.0.11")
+    with pytest.raises(ValueError, match="bogus"):
+        Settings(notifications_allowed_cidrs="10.0.0.0/8,bogus")
+
+
+# -- the sender, against a real HTTP server on this host ------------------------------------------------
+
+
+class Receiver:
+    def __init__(self, answers: list[int]) -> None:
+        self.answers = answers
+        self.seen: list[tuple[dict[str, str], bytes]] = []
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.seen.append((dict(request.headers), await request.read()))
+        code = self.answers.pop(0) if self.answers else 200
+        if code == 302:
+            raise web.HTTPFound("http://127.0.0.1:9/elsewhere")
+        return web.Response(status=code, text="x" * 100_000 if code >= 400 else "ok")
+
+
+@asynccontextmanager
+async def receiving(answers: list[int]) -> AsyncIterator[tuple[Receiver, int]]:
+    r = Receiver(answers)
+    app = web.Application()
+    app.router.add_post("/hook", r.handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield r, port
+    finally:
+        await runner.cleanup()
+
+
+def secret(url: str, **more: bytes) -> dict[str, Any]:
+    data = {"url": url.encode(), **more}
+    return {"metadata": {"name": "team-hook", "namespace": "team", "labels": {"flowkube.io/notifications": "x"}},
+            "data": {k: base64.b64encode(v).decode() for k, v in data.items()}}
+
+
+async def deliver(url: str, allowed: str = "127.0.0.1/32", retry: float = 30.0, **data: bytes) -> list[Outcome]:
+    woke = asyncio.Event()
+    n = Notifier(Settings(notifications_allowed_cidrs=allowed, notifications_retry_seconds=retry,
+                          notifications_timeout_seconds=5), wake=lambda _key: woke.set())
+    n.secrets.event("ADDED", secret(url, **data))
+    f = paused()
+    f["spec"]["notifications"] = [{"name": "team", "secretRef": {"name": "team-hook"}}]
+    try:
+        n.offer(("team", "review"), f)
+        n.offer(("team", "review"), f)  # offered twice (two reconciles): sent once
+        await asyncio.wait_for(woke.wait(), 30)
+        return n.take(("team", "review"))
+    finally:
+        await n.close()
+
+
+def run(coro: Callable[[], Any]) -> Any:
+    return asyncio.run(coro())
+
+
+def test_500_three_times_then_200_is_delivered_once_with_four_attempts_signed() -> None:
+    async def go() -> None:
+        async with receiving([500, 503, 500, 200]) as (r, port):
+            started = time.monotonic()
+            (o,) = await deliver(f"http://127.0.0.1:{port}/hook", signingKey=b"k")
+            assert (o.delivered, o.reason, o.attempts, o.code) == (True, "Delivered", 4, 200)
+            assert time.monotonic() - started >= 7  # backoff 1 + 2 + 4
+            assert len(r.seen) == 4
+            headers, body = r.seen[-1]
+            assert headers["X-Flowkube-Event-Id"] == "u-1/r1/FeedbackRequested"
+            assert notify.verify(b"k", body, headers["X-Flowkube-Signature"], now=time.time())
+    run(go)
+
+
+def test_404_is_not_retried_and_a_redirect_is_not_followed() -> None:
+    async def go() -> None:
+        async with receiving([404]) as (r, port):
+            (o,) = await deliver(f"http://127.0.0.1:{port}/hook")
+            assert (o.delivered, o.reason, o.attempts, o.code) == (False, "Rejected", 1, 404)
+            assert len(o.message) < 1100  # the answer is read up to a small bound
+        async with receiving([302]) as (r, port):
+            (o,) = await deliver(f"http://127.0.0.1:{port}/hook")
+            assert (o.reason, o.attempts, o.code) == ("Rejected", 1, 302) and len(r.seen) == 1
+    run(go)
+
+
+def test_loopback_by_address_or_by_name_is_refused_without_a_connection() -> None:
+    async def go() -> None:
+        async with receiving([]) as (r, port):
+            (o,) = await deliver(f"http://127.0.0.1:{port}/hook", allowed="")
+            assert (o.reason, o.attempts) == ("Refused", 1) and "127.0.0.1" in o.message
+            (o,) = await deliver(f"http://localhost:{port}/hook", allowed="")
+            assert o.reason == "Refused" and "localhost resolves to" in o.message
+            (o,) = await deliver(f"http://[::ffff:127.0.0.1]:{port}/hook", allowed="")
+            assert o.reason == "Refused"
+            assert r.seen == []
+    run(go)
+
+
+def test_a_bad_url_is_misconfigured_and_never_repeated() -> None:
+    async def go() -> None:
+        (o,) = await deliver("file:///etc/passwd?token=SECRET")
+        assert (o.reason, o.attempts) == ("Misconfigured", 1) and "SECRET" not in o.message
+        (o,) = await deliver("http://127.0.0.1:9/hook", retry=2.5)  # nothing listens: retried, then GaveUp
+        assert (o.reason, o.attempts) == ("GaveUp", 2)
+    run(go)
