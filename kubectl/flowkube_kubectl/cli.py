@@ -221,7 +221,22 @@ def describe(flow: dict[str, Any]) -> str:
         who = f" by {h['respondedBy']}" if h.get("respondedBy") else ""
         what = "timed out" if h.get("timedOut") else repr(h.get("response"))
         lines.append(f"  answered {h['requestId']} ({h['method']}){who}: {what}")
+    lines += _notification_lines(st.get("notifications") or [])
     return "\n".join(lines)
+
+
+def _notification_lines(records: list[dict[str, Any]]) -> list[str]:
+    """Each sink's last delivery (status.notifications)."""
+    if not records:
+        return []
+    lines = ["\nNotifications (last delivery per sink):"]
+    for r in records:
+        code = f" HTTP {r['code']}" if r.get("code") else ""
+        lines.append(f"  {r['name']:<20} {r.get('event', ''):<18} {r.get('outcome', ''):<9} "
+                     f"{r.get('reason', '')}{code}, {r.get('attempts', 0)} attempt(s) at {r.get('time', '?')}")
+        if r.get("outcome") == "Failed" and r.get("message"):
+            lines.append(f"  {'':<20} {_short(r['message'])}")
+    return lines
 
 
 def _when(ts: str | None) -> datetime:

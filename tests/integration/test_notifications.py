@@ -15,7 +15,6 @@ from __future__ import annotations
 import base64
 import json
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -25,8 +24,8 @@ import pytest
 
 from flowkube_devstack.cluster import LocalCluster, wait_for
 from flowkube_devstack.operator import ChartOperator
-from flowkube_operator import notify
 from tests.integration.conftest import Flows, scripted_operator
+from tests.unit.operator.test_notify import documented_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -169,7 +168,7 @@ def test_a_pause_notifies_once_signed_as_a_cloudevent_and_namespace_defaults_get
     assert rec["handled"] == [event_id]
     (hit,) = stack.receiver.on(path)
     assert hit.headers["Content-Type"].startswith("application/cloudevents+json")
-    assert notify.verify(KEY, hit.body, hit.headers["X-Flowkube-Signature"], now=time.time())
+    assert documented_recipe()(KEY, hit.body, hit.headers["X-Flowkube-Signature"])  # docs/api.md's check
     event = json.loads(hit.body)
     assert (event["specversion"], event["id"], event["type"], event["subject"]) == (
         "1.0", event_id, "io.flowkube.flow.FeedbackRequested", "req-1")
@@ -228,7 +227,9 @@ def test_the_leader_sigkilled_during_a_delivery_delivers_it_once_after(stack: St
     stack.receiver.released.set()
     rec = record(flows, "held", "team", "Delivered", timeout=120)
     assert rec["eventId"] == event_id
-    assert len(delivered(stack.receiver.on(path), event_id)) == 1
+    hits = stack.receiver.on(path)
+    assert len(delivered(hits, event_id)) == 1
+    assert len(hits) >= 2 and hits[0].answered != 200  # the killed leader's attempt was never answered 2xx
     stack.receiver.released.clear()
 
 
@@ -244,10 +245,32 @@ def test_a_pending_delivery_survives_a_leader_handover_and_is_delivered_once(sta
     stack.receiver.script[path] = []  # the receiver is back
     rec = record(flows, "down", "team", "Delivered", timeout=120)
     assert rec["eventId"] == event_id
-    assert len(delivered(stack.receiver.on(path), event_id)) == 1
+    hits = stack.receiver.on(path)
+    assert len(delivered(hits, event_id)) == 1 and [h.answered for h in hits[:2]] == [503, 503]
     # Recorded: neither replica sends it again (a reconcile of every Flow happens at each new term).
     status_before = flows.status("down")
     flows.patch_status("down", {"status": {"feedback": {"response": {"text": "approved"}}}})
     flows.wait_phase("down", "Succeeded")
     assert len(delivered(stack.receiver.on(path), event_id)) == 1
     assert status_before["notifications"][0]["handled"] == [event_id]
+
+
+def test_a_tenant_cannot_make_the_operator_post_inside_the_cluster_or_to_the_metadata_endpoint(
+        stack: Stack, flows: Flows) -> None:
+    """Only the receiver's own Service IP is allowed: the API server's Service, a name that resolves to
+    it, the cloud metadata address and the operator's own loopback are refused before any connection,
+    recorded without the URL (a Secret's value), and never retried."""
+    targets = {
+        "apiserver": "https://kubernetes.default.svc/api/v1/secrets?token=SECRET-IN-URL",
+        "metadata": "http://169.254.169.254/latest/meta-data/iam/security-credentials/",
+        "loopback": "http://127.0.0.1:8080/healthz",
+        "mapped": "http://[::ffff:10.96.0.1]/",
+    }
+    for name, url in targets.items():
+        hook(flows, name, url)
+        paused_flow(flows, name, name)
+    for name in targets:
+        rec = record(flows, name, "team", "Failed")
+        assert (rec["reason"], rec["attempts"]) == ("Refused", 1), rec
+        assert "SECRET-IN-URL" not in json.dumps(flows.status(name))
+    assert "denied" in record(flows, "apiserver", "team", "Failed")["message"]

@@ -321,3 +321,21 @@ def test_describe_shows_the_conversation() -> None:
 def test_describe_of_an_ended_conversation_offers_no_next_message() -> None:
     text = cli.describe(flow("Succeeded", turns=4, sessionId="s", ended=True, lastReply="Bye."))
     assert "ended: yes" in text and "last reply: Bye." in text and "kubectl flow say" not in text
+
+
+def test_get_shows_each_sinks_last_delivery() -> None:
+    f = flow("AwaitingFeedback")
+    f["status"]["notifications"] = [
+        {"name": "team-slack", "event": "FeedbackRequested", "outcome": "Delivered", "reason": "Delivered",
+         "attempts": 1, "code": 200, "time": "2024-05-01T10:00:01Z", "handled": ["u/r1/FeedbackRequested"]},
+        {"name": "pager", "event": "FeedbackRequested", "outcome": "Failed", "reason": "Rejected", "attempts": 1,
+         "code": 404, "time": "2024-05-01T10:00:02Z", "message": "404: no such hook"},
+    ]
+    text = cli.describe(f)
+    assert "Notifications (last delivery per sink):" in text
+    slack = next(line for line in text.splitlines() if "team-slack" in line)
+    assert "FeedbackRequested" in slack and "Delivered" in slack
+    assert "HTTP 200, 1 attempt(s) at 2024-05-01T10:00:01Z" in slack
+    pager = next(line for line in text.splitlines() if "pager" in line)
+    assert "Failed" in pager and "Rejected HTTP 404" in pager
+    assert "404: no such hook" in text

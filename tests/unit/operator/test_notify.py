@@ -10,6 +10,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -135,6 +136,24 @@ def test_signature_recipe() -> None:
     assert not notify.verify(key, payload, header, now=1_700_000_000 + 301)  # a replay, too late
     forged = header.replace("t=1700000000", "t=1700000300")  # a fresh timestamp on an old signature
     assert not notify.verify(key, payload, forged, now=1_700_000_300)
+
+
+def documented_recipe() -> Callable[[bytes, bytes, str], bool]:
+    """The receiver's check exactly as docs/api.md prints it (the first Python block under Signatures)."""
+    doc = (Path(__file__).parents[3] / "docs" / "api.md").read_text()
+    code = doc.split("### Signatures", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    scope: dict[str, Any] = {}
+    exec(code, scope)  # our own documentation's snippet
+    verified: Callable[[bytes, bytes, str], bool] = scope["verified"]
+    return verified
+
+
+def test_the_documented_recipe_verifies_what_the_operator_signs() -> None:
+    verified = documented_recipe()
+    payload = b'{"id":"u-1/r1/FeedbackRequested"}'
+    assert verified(b"k", payload, notify.sign(b"k", payload, int(time.time())))
+    assert not verified(b"k", payload + b"x", notify.sign(b"k", payload, int(time.time())))
+    assert not verified(b"k", payload, notify.sign(b"k", payload, int(time.time()) - 600))
 
 
 def test_retry_schedule() -> None:
