@@ -120,7 +120,14 @@ async def signed_in(request: web.Request, handler: Handler) -> web.StreamRespons
     cred = auth.credential(request)
     if cred is None:
         if request.method == "GET" and not request.path.startswith("/events/"):
-            raise web.HTTPSeeOther("/login?" + urlencode({"next": request.path_qs}))
+            # Not a redirect: a page that goes on to sign-in by itself. A link from another site (a
+            # notification in a chat) is a navigation the browser holds the SameSite=Strict session cookie
+            # back from, and a redirect would stay "from another site"; the sign-in page asked for by
+            # this page is this site's own request, carries the cookie, and sends a signed-in person
+            # straight back here. (A browser without the cookie stays on the sign-in page: no loop.)
+            response = render(request, "bounce.html", url="/login?" + urlencode({"next": request.path_qs}))
+            response.headers["Cache-Control"] = "no-store"
+            return response
         raise web.HTTPUnauthorized(text="sign in first")
     request[CRED] = cred
     if request.method == "POST":
@@ -173,6 +180,8 @@ async def may_answer(request: web.Request, namespace: str) -> bool:
 
 async def login_page(request: web.Request) -> web.Response:
     settings = request.app[SETTINGS]
+    if request.app[AUTH].credential(request) is not None and not request.query.get("expired"):
+        raise web.HTTPSeeOther(_next(request))  # signed in already (back from a link of another site)
     # One nonce per browser until it signs in: another tab (or a favicon request sent here) keeps it.
     nonce = request.cookies.get(LOGIN_COOKIE) or secrets.token_urlsafe(16)
     response = render(request, "login.html", mode=settings.mode, error="", next=_next(request),
@@ -182,16 +191,20 @@ async def login_page(request: web.Request) -> web.Response:
     return response
 
 
-def _next(request: web.Request, form: Any = None) -> str:
-    """Where to go after signing in: a path of this console, nothing a browser could read as another site."""
-    target = str((form or {}).get("next") or request.query.get("next") or "/")
-
+def local_path(target: str) -> bool:
+    """A path of this console, nothing a browser could read as another site: as written, and as decoded once."""
     def local(path: str) -> bool:
         parts = urlsplit(path)
         plain = path.isprintable() and not any(c in path for c in "\\ \t")
         return plain and path.startswith("/") and not path.startswith("//") and not parts.scheme and not parts.netloc
 
-    return target if local(target) and local(unquote(target)) else "/"  # as written, and as decoded once
+    return local(target) and local(unquote(target))
+
+
+def _next(request: web.Request, form: Any = None) -> str:
+    """Where to go after signing in."""
+    target = str((form or {}).get("next") or request.query.get("next") or "/")
+    return target if local_path(target) else "/"
 
 
 async def login(request: web.Request) -> web.Response:

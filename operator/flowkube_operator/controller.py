@@ -184,6 +184,8 @@ class Controller(FlowCache):
         """A delivery of the Flow's ended: reconcile it, which records the outcome in its status."""
         if self.leading and key in self.flows:
             self.queue.add(key)
+        elif self.notifier is not None:  # the Flow is gone: nowhere to record it
+            self.notifier.recorded(key, self.notifier.take(key))
 
     def _read_warm_report(self, key: Key) -> None:
         """A warm pod waits on something the status does not show yet (the leader changed, or the
@@ -212,6 +214,8 @@ class Controller(FlowCache):
         self._tasks.append(asyncio.create_task(self._recheck_pods_forever()))
         for _ in range(self.settings.workers):
             self._tasks.append(asyncio.create_task(self._worker()))
+        if self.notifier is not None:
+            self._tasks.append(asyncio.create_task(self.notifier.learn_cluster(self.kube)))
 
     async def stop(self) -> None:
         """Stop reconciling at once: the workers are cancelled (a reconcile cut short is repaired by

@@ -59,7 +59,7 @@ class PolicyResolver(AbstractResolver):
     """Name resolution that refuses a name with any address the policy does not allow: the addresses
     checked are the ones connected to (a name that resolves differently later is checked again)."""
 
-    def __init__(self, policy: Policy) -> None:
+    def __init__(self, policy: Callable[[], Policy]) -> None:
         self.policy = policy
         self._inner = aiohttp.ThreadedResolver()
 
@@ -67,7 +67,7 @@ class PolicyResolver(AbstractResolver):
                       ) -> list[ResolveResult]:
         found = await self._inner.resolve(host, port, family)
         for r in found:
-            why = self.policy.refusal(r["host"])
+            why = self.policy().refusal(r["host"])
             if why:
                 raise RefusedError(f"{host} resolves to {why}")
         return found
@@ -78,22 +78,29 @@ class PolicyResolver(AbstractResolver):
 
 @dataclass
 class SecretView:
-    defaults: bool
     data: dict[str, bytes]
+    default: Sink | None = None  # the sink it makes for every Flow of its namespace (label `defaults`)
 
 
 class Secrets:
-    """The Secrets labelled flowkube.io/notifications, as their watch last showed them."""
+    """The Secrets labelled flowkube.io/notifications, as their watch last showed them, by namespace
+    (a reconcile looks at its own namespace's only)."""
 
     def __init__(self) -> None:
-        self.items: dict[Key, SecretView] = {}
+        self.by_namespace: dict[str, dict[str, SecretView]] = {}
+
+    def get(self, namespace: str, name: str) -> SecretView | None:
+        return self.by_namespace.get(namespace, {}).get(name)
 
     def event(self, etype: str, body: Body) -> None:
         meta = body.get("metadata") or {}
-        key = (meta.get("namespace", ""), meta.get("name", ""))
+        ns, name = meta.get("namespace", ""), meta.get("name", "")
         label = (meta.get("labels") or {}).get(c.LABEL_NOTIFICATIONS)
         if etype == "DELETED" or label is None:
-            self.items.pop(key, None)
+            here = self.by_namespace.get(ns, {})
+            here.pop(name, None)
+            if not here:
+                self.by_namespace.pop(ns, None)
             return
         data = {}
         for k, v in (body.get("data") or {}).items():
@@ -101,19 +108,15 @@ class Secrets:
                 data[k] = base64.b64decode(v or "", validate=True)
             except (binascii.Error, ValueError):
                 continue
-        self.items[key] = SecretView(label == c.NOTIFICATION_DEFAULTS, data)
+        default = None
+        if label == c.NOTIFICATION_DEFAULTS:
+            default = notify.default_sink(name, data)
+            if default is None:
+                log.warning("notification defaults Secret %s/%s names an unknown format or event; ignored", ns, name)
+        self.by_namespace.setdefault(ns, {})[name] = SecretView(data, default)
 
     def defaults(self, namespace: str) -> list[Sink]:
-        out = []
-        for (ns, name), view in self.items.items():
-            if ns == namespace and view.defaults:
-                sink = notify.default_sink(name, view.data)
-                if sink is None:
-                    log.warning("notification defaults Secret %s/%s names an unknown format or event; ignored",
-                                ns, name)
-                else:
-                    out.append(sink)
-        return out
+        return [v.default for v in self.by_namespace.get(namespace, {}).values() if v.default is not None]
 
 
 class Notifier:
@@ -130,6 +133,22 @@ class Notifier:
         self._slots = asyncio.Semaphore(settings.notifications_max_in_flight)
         self._per_host: dict[str, asyncio.Semaphore] = {}
         self._session: aiohttp.ClientSession | None = None
+
+    async def learn_cluster(self, kube: Kube) -> None:
+        """Deny the cluster's own ranges too, where the API tells them: its ServiceCIDRs and its nodes'
+        pod CIDRs (the default denied ranges cover private ones; these may be public). Without the
+        right to read them (the chart grants it), the configured ranges are all there is."""
+        found: list[str] = []
+        for path, key in (("/apis/networking.k8s.io/v1/servicecidrs", "cidrs"), ("/api/v1/nodes", "podCIDRs")):
+            try:
+                listed = await kube.request("GET", path, params={"limit": "500"})
+            except Exception as e:  # forbidden, or an API server without ServiceCIDRs: not fatal
+                log.info("notifications: cannot read %s (%s); the configured ranges are denied", path, e)
+                continue
+            found += [str(c) for item in listed.get("items") or [] for c in (item.get("spec") or {}).get(key) or []]
+        if found:
+            self.policy = self.policy.denying(found)
+            log.info("notifications: the cluster's ranges %s are denied too", ", ".join(sorted(set(found))))
 
     def informers(self, kube: Callable[[], Kube | None], namespaces: list[str]) -> list[Informer]:
         return [Informer(kube, ns_path(ns, "secrets") if ns else "/api/v1/secrets", "v1", "Secret",
@@ -235,8 +254,10 @@ class Notifier:
                     code = resp.status
             except RefusedError as e:
                 return None, "Refused", str(e), False
-            except (aiohttp.ClientError, OSError, TimeoutError) as e:
-                return None, "Unreachable", f"{type(e).__name__}: {e}"[:notify.MESSAGE_LIMIT], True
+            except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as e:
+                # An error's text may quote the URL (a Secret's value): it is cut out.
+                text = f"{type(e).__name__}: {e}".replace(url, "<the Secret's URL>")
+                return None, "Unreachable", text[:notify.MESSAGE_LIMIT], True
         if 200 <= code < 300:
             return code, "Delivered", f"{code}", False
         if 300 <= code < 400:
@@ -246,7 +267,7 @@ class Notifier:
     def _target(self, namespace: str, sink: Sink) -> tuple[str, SecretView, ssl.SSLContext | bool, str]:
         """(URL, Secret, TLS, host:port) of the sink, or UndeliverableError. The URL itself is never
         repeated in a message: a Secret's value stays out of status and Events."""
-        secret = self.secrets.items.get((namespace, sink.secret))
+        secret = self.secrets.get(namespace, sink.secret)
         if secret is None:
             raise UndeliverableError("Misconfigured", f"no Secret {sink.secret} labelled {c.LABEL_NOTIFICATIONS} "
                                      f"in namespace {namespace}", again=True)
@@ -254,8 +275,12 @@ class Notifier:
         if not raw_url:
             raise UndeliverableError("Misconfigured", f"Secret {sink.secret} has no key {sink.url_key}", again=True)
         url = raw_url.decode(errors="replace").strip()
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
+        try:
+            parts = urlsplit(url)
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+        except ValueError:
+            parts, port = urlsplit(""), 0
+        if parts.scheme not in ("http", "https") or not parts.hostname or any(ch.isspace() for ch in url):
             raise UndeliverableError("Misconfigured", f"key {sink.url_key} of Secret {sink.secret} is not an "
                                      "http(s) URL")
         try:
@@ -274,12 +299,11 @@ class Notifier:
             except (ssl.SSLError, ValueError) as e:
                 raise UndeliverableError("Misconfigured", f"key {sink.ca_key} of Secret {sink.secret} is no PEM "
                                          f"CA: {e}") from e
-        port = parts.port or (443 if parts.scheme == "https" else 80)
         return url, secret, tls, f"{parts.hostname}:{port}"
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
-            connector = aiohttp.TCPConnector(resolver=PolicyResolver(self.policy), limit=0, ttl_dns_cache=10)
+            connector = aiohttp.TCPConnector(resolver=PolicyResolver(lambda: self.policy), limit=0, ttl_dns_cache=10)
             self._session = aiohttp.ClientSession(
                 connector=connector, timeout=aiohttp.ClientTimeout(total=self.settings.notifications_timeout_seconds),
                 trust_env=False)

@@ -330,6 +330,16 @@ class Policy:
         return cls(tuple(ipaddress.ip_network(n, strict=False) for n in allowed),
                    tuple(ipaddress.ip_network(n, strict=False) for n in denied))
 
+    def denying(self, cidrs: Iterable[str]) -> Policy:
+        """This policy, denying ``cidrs`` too (the cluster's own ranges, as the API server tells them)."""
+        more = []
+        for n in cidrs:
+            try:
+                more.append(ipaddress.ip_network(n, strict=False))
+            except ValueError:
+                continue
+        return Policy(self.allowed, self.denied + tuple(n for n in more if n not in self.denied))
+
     def refusal(self, address: str) -> str | None:
         """Why the operator may not connect to ``address`` (an IP), or None when it may."""
         try:
@@ -340,7 +350,8 @@ class Policy:
             ip = ip.ipv4_mapped
         if any(ip in n for n in self.allowed if n.version == ip.version):
             return None
-        for nets, why in ((ALWAYS_DENIED, "never allowed"), (self.denied, "denied by notifications.deniedCIDRs")):
+        for nets, why in ((ALWAYS_DENIED, "never allowed"),
+                          (self.denied, "denied (notifications.deniedCIDRs, or the cluster's own ranges)")):
             for net in nets:
                 if net.version == ip.version and ip in net:
                     return f"{ip} is in {net}, {why} (notifications.allowedCIDRs allows a range)"

@@ -149,7 +149,8 @@ class Settings(BaseSettings):
     notifications_denied_cidrs: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: list(DEFAULT_DENIED), description="Address ranges no receiver may be in "
         "(comma-separated CIDRs): by default the private ranges, where the cluster's pods, Services and nodes "
-        "are. Loopback, link-local (cloud metadata), multicast and unspecified addresses are always denied.")
+        "are. Loopback, link-local (cloud metadata), multicast and unspecified addresses are always denied, and "
+        "so are the cluster's ServiceCIDRs and nodes' pod CIDRs when the operator may list them.")
     notifications_timeout_seconds: float = Field(
         default=10.0, gt=0, le=300, description="Deadline of one delivery attempt (connect, send, answer).")
     notifications_retry_seconds: float = Field(

@@ -59,9 +59,10 @@ def chart_operator_on(cluster: LocalCluster, stub: StubModel, name: str,
 
 
 @contextmanager
-def real_runner_stack(cluster: LocalCluster, rules: dict[str, Any], name: str) -> Iterator[RealRunnerStack]:
+def real_runner_stack(cluster: LocalCluster, rules: dict[str, Any], name: str,
+                      values: Sequence[str] = ()) -> Iterator[RealRunnerStack]:
     """The stub model (so tests can hold its calls and read its ledger) and the chart's operator
-    running ``flowkube-runner`` from the runner image."""
+    running ``flowkube-runner`` from the runner image (``values``: more chart values)."""
     with StubModel(Rules.from_json(rules), host=cluster.host_ip) as stub, \
-            chart_operator_on(cluster, stub, name) as operator:
+            chart_operator_on(cluster, stub, name, values) as operator:
         yield RealRunnerStack(cluster, stub, operator)

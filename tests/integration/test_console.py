@@ -8,16 +8,21 @@ whose ledger is what the usage must equal.
 
 from __future__ import annotations
 
+import html
 import http.cookiejar
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,6 +33,8 @@ from tests.integration.realrunner import RealRunnerStack, real_runner_stack
 from tests.integration.test_conversation import RULES as CHAT_RULES
 from tests.integration.test_conversation import SUPPORT
 from tests.integration.test_e2e_runner import PUBLISHED, RULES, RUN_TIMEOUT, review_definition, usage_of
+from tests.integration.test_notifications import Receiver
+from tests.integration.test_notifications import handler as receiver_handler
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not chromium_available(), reason="needs Debian's chromium and chromedriver")]
@@ -36,10 +43,27 @@ HOSTILE = '<script>alert("flow")</script><img src=x onerror=alert(1)> [docs](jav
 
 
 @pytest.fixture(scope="module")
-def stack(cluster: LocalCluster) -> Iterator[RealRunnerStack]:
+def chat(cluster: LocalCluster) -> Iterator[tuple[Receiver, str, str]]:
+    """A chat's incoming webhook (a receiver on this host, behind a Service): (it, its URL, its IP)."""
+    receiver = Receiver()
+    server = ThreadingHTTPServer((cluster.host_ip, 0), receiver_handler(receiver))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = cluster.host_service("console-chat", "flowkube-dev", server.server_address[1])
+    ip = cluster.kubectl("get", "service", "console-chat", "-n", "flowkube-dev",
+                         "-o", "jsonpath={.spec.clusterIP}").stdout.strip()
+    try:
+        yield receiver, url, ip
+    finally:
+        server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def stack(cluster: LocalCluster, chat: tuple[Receiver, str, str]) -> Iterator[RealRunnerStack]:
     rules = {"default": RULES["default"], "rules": [*RULES["rules"], *CHAT_RULES["rules"]]}
-    with real_runner_stack(cluster, rules, "console") as s:
+    with real_runner_stack(cluster, rules, "console", [f"notifications.allowedCIDRs={{{chat[2]}/32}}"]) as s:
         url = s.operator.console_url()
+        # Notifications link to the console where people reach it (here its Service's address).
+        s.operator.upgrade(f"console.externalURL={url}")
         wait_for(lambda: answers(url + "/healthz"), 60, "the console's Service to answer")
         yield s
 
@@ -80,6 +104,31 @@ def sign_in(b: Browser, url: str, token: str) -> str:
     return b.wait(lambda: b.text("#user") if b.has("#user") else "", 30, "the signed-in page")
 
 
+@contextmanager
+def page_elsewhere(cluster: LocalCluster, target: str) -> Iterator[str]:
+    """A page of another site (this host's address, another origin than the console's Service) with
+    one link to ``target``, as a chat shows a notification: its URL."""
+    page = f'<!doctype html><title>chat</title><a id="link" href="{html.escape(target)}">open</a>'.encode()
+
+    class Page(BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(page)))
+            self.end_headers()
+            self.wfile.write(page)
+
+    server = ThreadingHTTPServer((cluster.host_ip, 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://{cluster.host_ip}:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+
+
 def as_user(url: str, token: str) -> tuple[int, str]:
     """A page read with a bearer token in the Authorization header, as an auth proxy passes it."""
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
@@ -91,8 +140,13 @@ def as_user(url: str, token: str) -> tuple[int, str]:
 
 
 def test_a_reviewer_sees_the_request_live_answers_it_and_a_second_answer_is_refused(
-        stack: RealRunnerStack, flows: Flows, tmp_path: Path) -> None:
+        stack: RealRunnerStack, flows: Flows, tmp_path: Path, chat: tuple[Receiver, str, str]) -> None:
     cluster, ns, url = stack.cluster, flows.ns, stack.operator.console_url()
+    # The team's chat is told of every request of the namespace (a namespace-default sink, Slack format).
+    hook = {"apiVersion": "v1", "kind": "Secret",
+            "metadata": {"name": "team-chat", "labels": {"flowkube.io/notifications": "defaults"}},
+            "stringData": {"url": f"{chat[1]}/{ns}", "format": "slack"}}
+    cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(hook))
     alice = person(cluster, ns, "alice", ["get", "list", "watch"], answer=True)
     bob = person(cluster, ns, "bob", ["get", "list", "watch"], answer=True)
     carol = person(cluster, ns, "carol", ["get", "list", "watch"], answer=False)
@@ -111,6 +165,14 @@ def test_a_reviewer_sees_the_request_live_answers_it_and_a_second_answer_is_refu
         paused = flows.status("review")
         assert paused["phase"] == "AwaitingFeedback"
         assert "Publish this draft?" in a.text(row) and "approved, rejected" in a.text(row)
+        chat[0].wait(lambda hits: any(h.path == f"/{ns}" for h in hits), "the chat told of it")
+        (told,) = chat[0].on(f"/{ns}")
+        slack = json.loads(told.body)
+        assert slack["text"] == f"Flow {ns}/review needs feedback"
+        assert "Publish this draft?" in [b["text"]["text"] for b in slack["blocks"] if b["type"] == "section"]
+        (button,) = [e for b in slack["blocks"] if b["type"] == "actions" for e in b["elements"]]
+        link = button["url"]
+        assert link == f"{url}/flows/{ns}/review"
 
         # Bob and Carl open the same request before Alice answers.
         for other in (b, c):
@@ -137,6 +199,14 @@ def test_a_reviewer_sees_the_request_live_answers_it_and_a_second_answer_is_refu
         a.open(url + "/")
         a.wait(lambda: a.has("#inbox-empty"), 30, "the inbox empty again")
         assert not a.alert_shown()
+
+        # The chat's link, clicked on another site's page: the browser holds the SameSite=Strict session
+        # cookie back, and Alice still lands on the Flow, signed in.
+        with page_elsewhere(cluster, link) as elsewhere:
+            a.open(elsewhere)
+            a.click("#link")
+            a.wait(lambda: a.has("#phase"), 30, "the Flow's page, signed in, from another site's link")
+            assert a.text("#phase") == "Succeeded"
 
     st = flows.status("review")
     (answer,) = st["feedback"]["history"]
@@ -215,7 +285,9 @@ def test_kubectl_flow_console_serves_the_kubeconfigs_user_on_loopback(
         wait_for(lambda: answers(base + "/healthz"), 30, "the local console")
         jar = http.cookiejar.CookieJar()
         opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
-        with urllib.request.urlopen(base + "/", timeout=10) as r:  # no link followed: the sign-in page
+        with urllib.request.urlopen(base + "/", timeout=10) as r:  # no link followed: on to sign-in
+            assert 'content="0;url=/login?next=%2F"' in r.read().decode()
+        with urllib.request.urlopen(base + "/login?next=%2F", timeout=10) as r:
             assert "Open the link it printed" in r.read().decode()
         with opener.open(link, timeout=30) as r:
             page = r.read().decode()

@@ -266,6 +266,9 @@ EXPECTED_OPERATOR_GRANTS = {
     ("", "secrets"): {"list", "watch"},
 }
 CLUSTER_GRANTS = {
+    # Notifications: the cluster's own ranges (Services, nodes' pods), denied as receivers' addresses.
+    ("networking.k8s.io", "servicecidrs"): {"list"},
+    ("", "nodes"): {"list"},
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
     ("authentication.k8s.io", "tokenreviews"): {"create"},  # runner pods' tokens, at the state API
     ("authorization.k8s.io", "subjectaccessreviews"): {"create"},  # may this scraper get /metrics
@@ -311,7 +314,8 @@ def test_notifications_off_take_the_secret_grant_away_and_the_values_reach_the_o
     assert env["FLOWKUBE_CONSOLE_URL"] == "https://flows.example.com"
     off = render(helm, "--set", "notifications.enabled=false")
     assert env_of(next(containers(off)))["FLOWKUBE_NOTIFICATIONS_ENABLED"] == "false"
-    assert ("", "secrets") not in _grants(named(off, "ClusterRole", "flowkube-operator")["rules"])
+    off_grants = _grants(named(off, "ClusterRole", "flowkube-operator")["rules"])
+    assert not {("", "secrets"), ("", "nodes"), ("networking.k8s.io", "servicecidrs")} & off_grants.keys()
 
 
 def _assert_leader_election_role(role: Obj) -> None:

@@ -28,7 +28,7 @@ def run(settings: Settings, scenario: Callable[[TestClient[Any, Any]], Awaitable
 def test_pages_need_a_sign_in_and_carry_a_strict_policy() -> None:
     async def scenario(client: TestClient[Any, Any]) -> None:
         r = await client.get("/", allow_redirects=False)
-        assert r.status == 303 and r.headers["Location"].startswith("/login")
+        assert r.status == 200 and 'content="0;url=/login?next=%2F"' in await r.text()
         r = await client.get("/login")
         assert r.status == 200
         csp = r.headers["Content-Security-Policy"]
@@ -125,3 +125,28 @@ def test_local_mode_answers_on_loopback_only_and_signs_in_with_the_launch_key() 
         assert r.status == 403, "the link signs in one browser, once"
 
     run(local, scenario)
+
+
+def test_a_link_from_another_site_comes_back_from_this_one_before_sign_in_is_asked() -> None:
+    """A notification's link (Slack, mail) is a navigation from another site: the browser holds the
+    SameSite=Strict cookie back, and a redirect to sign-in would still count as from another site. So a
+    page without a session is answered with a page that asks for sign-in itself (this site's own
+    request, which carries the cookie), and sign-in sends a signed-in person straight back, only to a
+    path of this console."""
+    async def scenario(client: TestClient[Any, Any]) -> None:
+        r = await client.get("/flows/team/review?x=1", allow_redirects=False)
+        body = await r.text()
+        assert r.status == 200 and r.headers["Cache-Control"] == "no-store"
+        assert '<meta http-equiv="refresh" content="0;url=/login?next=%2Fflows%2Fteam%2Freview%3Fx%3D1">' in body
+        r = await client.get('/flows/a/"><script>x</script>', allow_redirects=False)
+        assert "<script>x" not in await r.text()
+        r = await client.get("/login?next=%2Fflows%2Fteam%2Freview", allow_redirects=False)
+        assert r.status == 200 and "Sign in" in await r.text()  # no session: the form, no loop
+        sealed = Auth(SETTINGS)
+        client.session.cookie_jar.update_cookies({COOKIE: sealed._fernet.encrypt(b'{"token": "t"}').decode()})
+        r = await client.get("/login?next=%2Fflows%2Fteam%2Freview", allow_redirects=False)
+        assert r.status == 303 and r.headers["Location"] == "/flows/team/review"
+        r = await client.get("/login?next=//evil.example/x", allow_redirects=False)
+        assert r.status == 303 and r.headers["Location"] == "/"
+
+    run(SETTINGS, scenario)

@@ -7,6 +7,7 @@ import asyncio
 import base64
 import datetime as dt
 import json
+import ssl
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -18,7 +19,7 @@ from aiohttp import web
 
 from flowkube_api.constants import NotificationEvent as E
 from flowkube_api.models import FlowStatus
-from flowkube_operator import notify
+from flowkube_operator import notify, tls
 from flowkube_operator.notifier import Notifier
 from flowkube_operator.notify import Outcome, Policy, Sink
 from flowkube_operator.settings import Settings
@@ -196,13 +197,13 @@ class Receiver:
 
 
 @asynccontextmanager
-async def receiving(answers: list[int]) -> AsyncIterator[tuple[Receiver, int]]:
+async def receiving(answers: list[int], tls: ssl.SSLContext | None = None) -> AsyncIterator[tuple[Receiver, int]]:
     r = Receiver(answers)
     app = web.Application()
     app.router.add_post("/hook", r.handle)
     runner = web.AppRunner(app)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=tls)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     try:
@@ -276,10 +277,58 @@ def test_loopback_by_address_or_by_name_is_refused_without_a_connection() -> Non
     run(go)
 
 
+def test_tls_is_verified_against_the_secrets_ca(tmp_path: Path) -> None:
+    """A private receiver's certificate verifies with the CA in the Secret's `ca` key, and not without
+    it (the system's CAs do not know it): never sent unverified."""
+    ca = tls.new_ca()
+    serving = tls.issue(ca, str(tmp_path), ["127.0.0.1"], "")
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server.load_cert_chain(serving.certfile, serving.keyfile)
+
+    async def go() -> None:
+        async with receiving([], server) as (r, port):
+            (o,) = await deliver(f"https://127.0.0.1:{port}/hook", ca=ca.cert_pem)
+            assert (o.delivered, o.code) == (True, 200)
+            (o,) = await deliver(f"https://127.0.0.1:{port}/hook", retry=0)
+            assert (o.reason, o.attempts) == ("GaveUp", 1) and "certificate verify failed" in o.message
+            (o,) = await deliver(f"https://127.0.0.1:{port}/hook", ca=b"not a PEM")
+            assert o.reason == "Misconfigured" and "no PEM CA" in o.message
+            assert len(r.seen) == 1
+    run(go)
+
+
 def test_a_bad_url_is_misconfigured_and_never_repeated() -> None:
     async def go() -> None:
         (o,) = await deliver("file:///etc/passwd?token=SECRET")
         assert (o.reason, o.attempts) == ("Misconfigured", 1) and "SECRET" not in o.message
+        for bad in ("http://127.0.0.1:99999/hook?token=SECRET", "http://127.0.0.1/a b?token=SECRET", "http:///x"):
+            (o,) = await deliver(bad)
+            assert (o.reason, o.attempts) == ("Misconfigured", 1) and "SECRET" not in o.message, o
         (o,) = await deliver("http://127.0.0.1:9/hook", retry=2.5)  # nothing listens: retried, then GaveUp
         assert (o.reason, o.attempts) == ("GaveUp", 2)
+    run(go)
+
+
+def test_the_clusters_own_ranges_are_denied_as_the_api_tells_them() -> None:
+    """A cluster whose Service or pod ranges are public: what its ServiceCIDRs and nodes say is denied
+    too; a refusal to read them (namespaced RBAC) leaves the configured ranges."""
+    class Api:
+        def __init__(self, forbid: bool) -> None:
+            self.forbid = forbid
+
+        async def request(self, method: str, path: str, **_: Any) -> dict[str, Any]:
+            if self.forbid:
+                raise PermissionError("403")
+            if "servicecidrs" in path:
+                return {"items": [{"spec": {"cidrs": ["34.118.224.0/20", "2600:1900::/108"]}}]}
+            return {"items": [{"spec": {"podCIDRs": ["35.0.0.0/24"]}}, {"spec": {}}]}
+
+    async def go() -> None:
+        for forbid in (False, True):
+            n = Notifier(Settings(notifications_allowed_cidrs="34.118.224.10/32"), wake=lambda _k: None)
+            await n.learn_cluster(Api(forbid))  # type: ignore[arg-type]
+            assert bool(n.policy.refusal("34.118.230.1")) is not forbid
+            assert bool(n.policy.refusal("35.0.0.9")) is not forbid
+            assert n.policy.refusal("34.118.224.10") is None  # allowed wins
+            assert n.policy.refusal("8.8.8.8") is None
     run(go)
