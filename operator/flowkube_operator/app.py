@@ -94,8 +94,10 @@ class App:
         self.metrics = FlowMetrics(per_flow=settings.metrics_per_flow)
         self.elector = LeaderElector(lambda: self.kube, lease_config(settings)) if settings.leader_election else None
         # Outcomes of deliveries are folded into status by the controller's next reconcile of their Flow.
-        self.notifier = Notifier(settings, wake=lambda key: self.controller.notified(key)) \
-            if settings.notifications_enabled else None
+        self.notifier = Notifier(
+            settings, wake=lambda key: self.controller.notified(key),
+            wake_namespace=lambda ns: self.controller.requeue_namespace(ns),
+            flow_of=lambda key: self.controller.cached_flow(key)) if settings.notifications_enabled else None
         self.controller = Controller(
             settings, listeners=[self.metrics.update], notifier=self.notifier,
             fence=self.elector.still_leading if self.elector is not None else lambda: True,

@@ -180,6 +180,24 @@ class Controller(FlowCache):
         extra = self.notifier.informers(kube, namespaces) if self.notifier is not None else []
         return super().informers(kube, namespaces) + extra
 
+    async def _offer_when_ready(self, notifier: Notifier) -> None:
+        """Once the notification Secrets are listed and the cluster's ranges known, every Flow is looked
+        at again: the ones reconciled before had nothing offered."""
+        await notifier.wait_ready()
+        for key in list(self.flows):
+            self.queue.add(key)
+
+    def requeue_namespace(self, namespace: str) -> None:
+        """A notification Secret of the namespace changed: its Flows may have sinks to serve now (a
+        Secret created after the Flow that names it; new namespace defaults). Rare: a scan is fine."""
+        if self.leading:
+            for key in [k for k in self.flows if k[0] == namespace]:
+                self.queue.add(key)
+
+    def cached_flow(self, key: Key) -> Body | None:
+        cached = self.flows.get(key)
+        return orjson.loads(cached[2]) if cached is not None else None
+
     def notified(self, key: Key) -> None:
         """A delivery of the Flow's ended: reconcile it, which records the outcome in its status."""
         if self.leading and key in self.flows:
@@ -216,6 +234,7 @@ class Controller(FlowCache):
             self._tasks.append(asyncio.create_task(self._worker()))
         if self.notifier is not None:
             self._tasks.append(asyncio.create_task(self.notifier.learn_cluster(self.kube)))
+            self._tasks.append(asyncio.create_task(self._offer_when_ready(self.notifier)))
 
     async def stop(self) -> None:
         """Stop reconciling at once: the workers are cancelled (a reconcile cut short is repaired by
@@ -308,11 +327,13 @@ class Controller(FlowCache):
         assert self.kube is not None
         cached = self.flows.get(key)
         body = orjson.loads(cached[2]) if cached is not None else None
-        delivered = self.notifier.take(key) if self.notifier is not None else []
+        taken_outcomes = self.notifier.take(key) if self.notifier is not None else []
         if body is None or body.get("metadata", {}).get("deletionTimestamp"):
             if self.notifier is not None:
-                self.notifier.recorded(key, delivered)  # nowhere to record them any more
+                self.notifier.recorded(key, taken_outcomes)  # nowhere to record them any more
             return
+        # Only this Flow's: an earlier Flow of the same name, deleted while a delivery ran, is not this one.
+        delivered = [o for o in taken_outcomes if o.notice_id.startswith(f"{body['metadata']['uid']}/")]
         uid = body["metadata"]["uid"]
         # Pods of an earlier Flow with the same name are not this Flow's, however named.
         pods = {n: v for n, v in self.pods.get(key, {}).items() if v.owner_uid == uid}
@@ -337,13 +358,14 @@ class Controller(FlowCache):
             report = await self._load_report(*key, uid, active, pods.get(active))
             p = plan(body, pods, report, backoff_cap=cap, report_checked=True, late=late)
         if delivered:
-            p.events += notify.record(p.status, delivered)
+            current = [n.id for n in notify.notices({"metadata": body["metadata"], "status": p.status.dump()})]
+            p.events += notify.record(p.status, delivered, current)
         body = await self._apply(key, body, p)
         self._forget_late(key, taken)
         if self.notifier is not None:
-            self.notifier.recorded(key, delivered)
-            if not p.delete_flow:
-                self.notifier.offer(key, body)
+            self.notifier.recorded(key, taken_outcomes)
+            # Offered even when the TTL deletes the Flow now: its end is still told (not retried after).
+            self.notifier.offer(key, body)
         if hinted and key in self._warm and self._warm[key] is hint:
             del self._warm[key]  # a newer one that came meanwhile stays for the next reconcile
 

@@ -21,7 +21,7 @@ import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -45,6 +45,14 @@ ANSWER_READ = 1024  # bytes of a receiver's answer read (into status.notificatio
 
 class RefusedError(Exception):
     """The destination policy refuses the address a receiver's name resolves to."""
+
+
+class Attempt(NamedTuple):
+    code: int | None
+    reason: str
+    message: str
+    again: bool
+    asked: float = 0.0  # seconds the receiver asked to wait (Retry-After)
 
 
 class UndeliverableError(Exception):
@@ -76,6 +84,24 @@ class PolicyResolver(AbstractResolver):
         await self._inner.close()
 
 
+class PolicyConnector(aiohttp.TCPConnector):
+    """A connector that checks every address it is about to connect to, IP literals included (aiohttp
+    hands those back without resolving, after yarl has normalised forms such as full-width digits or
+    ideographic dots that ``urlsplit`` does not recognise as an address)."""
+
+    def __init__(self, policy: Callable[[], Policy], **kwargs: Any) -> None:
+        super().__init__(resolver=PolicyResolver(policy), **kwargs)
+        self._policy = policy
+
+    async def _resolve_host(self, host: str, port: int, traces: Any = None) -> list[ResolveResult]:
+        found: list[ResolveResult] = await super()._resolve_host(host, port, traces)
+        for r in found:
+            why = self._policy().refusal(r["host"])
+            if why:
+                raise RefusedError(f"{host} is {why}" if r["host"] == host else f"{host} resolves to {why}")
+        return found
+
+
 @dataclass
 class SecretView:
     data: dict[str, bytes]
@@ -86,8 +112,9 @@ class Secrets:
     """The Secrets labelled flowkube.io/notifications, as their watch last showed them, by namespace
     (a reconcile looks at its own namespace's only)."""
 
-    def __init__(self) -> None:
+    def __init__(self, changed: Callable[[str], None] = lambda _ns: None) -> None:
         self.by_namespace: dict[str, dict[str, SecretView]] = {}
+        self.changed = changed  # told the namespace of every change: its Flows may have sinks to serve now
 
     def get(self, namespace: str, name: str) -> SecretView | None:
         return self.by_namespace.get(namespace, {}).get(name)
@@ -114,24 +141,35 @@ class Secrets:
             if default is None:
                 log.warning("notification defaults Secret %s/%s names an unknown format or event; ignored", ns, name)
         self.by_namespace.setdefault(ns, {})[name] = SecretView(data, default)
+        self.changed(ns)
 
     def defaults(self, namespace: str) -> list[Sink]:
-        return [v.default for v in self.by_namespace.get(namespace, {}).values() if v.default is not None]
+        """The namespace's default sinks: the first NOTIFICATION_SINKS_LIMIT by name (each adds a record
+        to every Flow's status, which must stay small)."""
+        found = sorted((v.default for v in self.by_namespace.get(namespace, {}).values() if v.default is not None),
+                       key=lambda s: s.name)
+        return found[:c.NOTIFICATION_SINKS_LIMIT]
 
 
 class Notifier:
     """The leader's deliveries. ``wake(key)`` asks for a reconcile of the Flow whose delivery ended
     (it folds the outcome into status, see `take` and `recorded`)."""
 
-    def __init__(self, settings: Settings, wake: Callable[[Key], None]) -> None:
+    def __init__(self, settings: Settings, wake: Callable[[Key], None], *,
+                 wake_namespace: Callable[[str], None] = lambda _ns: None,
+                 flow_of: Callable[[Key], Body | None] = lambda _key: None) -> None:
         self.settings = settings
-        self.wake = wake
-        self.secrets = Secrets()
+        self.wake = wake  # reconcile this Flow (a delivery of its ended)
+        self.flow_of = flow_of  # the Flow as cached now, to drop a retry of an event that is over
+        self.secrets = Secrets(changed=wake_namespace)
+        self._informers: list[Informer] = []
+        self.learned = asyncio.Event()  # the cluster's ranges are in the policy (or could not be read)
         self.policy = Policy.of(settings.notifications_allowed_cidrs, settings.notifications_denied_cidrs)
         self._tasks: dict[tuple[Key, Job], asyncio.Task[None]] = {}
         self._done: dict[Key, dict[Job, Outcome]] = {}  # ended, not yet in status
         self._slots = asyncio.Semaphore(settings.notifications_max_in_flight)
         self._per_host: dict[str, asyncio.Semaphore] = {}
+        self._per_namespace: dict[str, asyncio.Semaphore] = {}
         self._session: aiohttp.ClientSession | None = None
 
     async def learn_cluster(self, kube: Kube) -> None:
@@ -139,26 +177,50 @@ class Notifier:
         pod CIDRs (the default denied ranges cover private ones; these may be public). Without the
         right to read them (the chart grants it), the configured ranges are all there is."""
         found: list[str] = []
-        for path, key in (("/apis/networking.k8s.io/v1/servicecidrs", "cidrs"), ("/api/v1/nodes", "podCIDRs")):
-            try:
-                listed = await kube.request("GET", path, params={"limit": "500"})
-            except Exception as e:  # forbidden, or an API server without ServiceCIDRs: not fatal
-                log.info("notifications: cannot read %s (%s); the configured ranges are denied", path, e)
-                continue
-            found += [str(c) for item in listed.get("items") or [] for c in (item.get("spec") or {}).get(key) or []]
-        if found:
-            self.policy = self.policy.denying(found)
-            log.info("notifications: the cluster's ranges %s are denied too", ", ".join(sorted(set(found))))
+        try:
+            for path, key in (("/apis/networking.k8s.io/v1/servicecidrs", "cidrs"), ("/api/v1/nodes", "podCIDRs")):
+                params = {"limit": "500"}
+                while True:
+                    try:
+                        page = await kube.request("GET", path, params=params)
+                    except Exception as e:  # forbidden, or an API server without ServiceCIDRs: not fatal
+                        log.info("notifications: cannot read %s (%s); the configured ranges are denied", path, e)
+                        break
+                    found += [str(c) for item in page.get("items") or []
+                              for c in (item.get("spec") or {}).get(key) or []]
+                    cont = (page.get("metadata") or {}).get("continue")
+                    if not cont:
+                        break
+                    params = {"limit": "500", "continue": cont}
+            if found:
+                self.policy = self.policy.denying(found)
+                log.info("notifications: the cluster's ranges %s are denied too", ", ".join(sorted(set(found))))
+        finally:
+            self.learned.set()
 
     def informers(self, kube: Callable[[], Kube | None], namespaces: list[str]) -> list[Informer]:
-        return [Informer(kube, ns_path(ns, "secrets") if ns else "/api/v1/secrets", "v1", "Secret",
-                         self.secrets.event, label_selector=c.LABEL_NOTIFICATIONS) for ns in namespaces or [""]]
+        self._informers = [Informer(kube, ns_path(ns, "secrets") if ns else "/api/v1/secrets", "v1", "Secret",
+                                    self.secrets.event, label_selector=c.LABEL_NOTIFICATIONS)
+                           for ns in namespaces or [""]]
+        return self._informers
+
+    def ready(self) -> bool:
+        """Nothing is offered before the Secrets are listed and the cluster's ranges known: a Flow looked
+        at earlier would miss its namespace's defaults, or be sent where the policy would refuse."""
+        return self.learned.is_set() and all(i.synced.is_set() for i in self._informers)
+
+    async def wait_ready(self) -> None:
+        await self.learned.wait()
+        for i in self._informers:
+            await i.synced.wait()
 
     # -- what the controller calls ------------------------------------------------------------------
 
     def offer(self, key: Key, flow: Body) -> None:
         """Start a delivery for every (sink, event) of the Flow that is not handled in its status, not
         under way, and not ended and waiting to be recorded."""
+        if not self.ready():
+            return  # every Flow is offered again once it is (Controller._offer_when_ready)
         sinks = notify.sinks_of(flow.get("spec") or {}, self.secrets.defaults(key[0]))
         done = self._done.get(key, {})
         for sink, notice in notify.due(flow, sinks, self.settings.console_url):
@@ -210,12 +272,16 @@ class Notifier:
         payload, content_type = notify.body(sink, notice)
         while True:
             attempts += 1
-            code, reason, message, again = await self._attempt(key[0], sink, notice, payload, content_type)
-            wait = notify.backoff(attempts)
+            code, reason, message, again, asked = await self._attempt(key[0], sink, notice, payload, content_type)
+            wait = max(notify.backoff(attempts), asked)
             if again and time.monotonic() - started + wait <= self.settings.notifications_retry_seconds:
                 log.info("notification %s to %s/%s sink %s: %s (attempt %d); trying again in %.0fs",
                          notice.type, *key, sink.name, message, attempts, wait)
                 await asyncio.sleep(wait)  # the backoff itself, not a wait for a condition
+                if not self._still_current(key, notice):
+                    log.info("notification %s to %s/%s sink %s dropped: the event is over (or the Flow gone)",
+                             notice.type, *key, sink.name)
+                    return
                 continue
             if again:
                 reason = "GaveUp"
@@ -232,37 +298,55 @@ class Notifier:
         self._done.setdefault(key, {})[(sink.name, notice.id)] = outcome
         self.wake(key)
 
+    def _still_current(self, key: Key, notice: Notice) -> bool:
+        flow = self.flow_of(key)
+        if flow is None or not notice.id.startswith(f"{(flow.get('metadata') or {}).get('uid')}/"):
+            return False
+        return any(n.id == notice.id for n in notify.notices(flow))
+
     async def _attempt(self, namespace: str, sink: Sink, notice: Notice, payload: bytes,
-                       content_type: str) -> tuple[int | None, str, str, bool]:
-        """One POST: (HTTP status or None, reason, message, whether to try again)."""
+                       content_type: str) -> Attempt:
+        """One POST: the HTTP status (None: no answer), the reason, a message, whether to try again, and
+        how long the receiver asked to be left alone (Retry-After in seconds, at most the backoff cap)."""
         try:
             url, secret, tls, hostport = self._target(namespace, sink)
         except UndeliverableError as e:
-            return None, e.reason, e.message, e.again
+            return Attempt(None, e.reason, e.message, e.again)
         headers = {"Content-Type": content_type, "User-Agent": "flowkube-operator",
                    notify.EVENT_ID_HEADER: notice.id}
         key = secret.data.get(sink.signing_key_key)
         if key:
             headers[notify.SIGNATURE_HEADER] = notify.sign(key, payload, int(time.time()))
         per_host = self._per_host.setdefault(hostport, asyncio.Semaphore(self.settings.notifications_per_host))
-        async with per_host, self._slots:
-            try:
-                async with self._client().post(url, data=payload, headers=headers, ssl=tls,
-                                               allow_redirects=False) as resp:
-                    answer = (await resp.content.read(ANSWER_READ)).decode(errors="replace").strip()
-                    resp.close()  # the rest of a long answer is not read
-                    code = resp.status
-            except RefusedError as e:
-                return None, "Refused", str(e), False
-            except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as e:
-                # An error's text may quote the URL (a Secret's value): it is cut out.
-                text = f"{type(e).__name__}: {e}".replace(url, "<the Secret's URL>")
-                return None, "Unreachable", text[:notify.MESSAGE_LIMIT], True
+        per_ns = self._per_namespace.setdefault(namespace, asyncio.Semaphore(self.settings.notifications_per_namespace))
+        try:
+            # Narrowest first: a delivery waiting for a slow receiver's slot holds nothing its namespace
+            # or the others need.
+            async with per_host, per_ns, self._slots:
+                return await self._post(url, payload, headers, tls)
+        finally:
+            for table, name, sem in ((self._per_host, hostport, per_host), (self._per_namespace, namespace, per_ns)):
+                if not sem.locked() and not getattr(sem, "_waiters", None) and table.get(name) is sem:
+                    del table[name]  # nobody holds or waits for it: not kept for every host ever seen
+
+    async def _post(self, url: str, payload: bytes, headers: dict[str, str], tls: ssl.SSLContext | bool) -> Attempt:
+        try:
+            async with self._client().post(url, data=payload, headers=headers, ssl=tls,
+                                           allow_redirects=False) as resp:
+                answer = (await resp.content.read(ANSWER_READ)).decode(errors="replace").strip()
+                resp.close()  # the rest of a long answer is not read
+                code, asked = resp.status, notify.retry_after(resp.headers.get("Retry-After"))
+        except RefusedError as e:
+            return Attempt(None, "Refused", str(e), False)
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as e:
+            # An error's text may quote the URL (a Secret's value): it is cut out.
+            text = f"{type(e).__name__}: {e}".replace(url, "<the Secret's URL>")
+            return Attempt(None, "Unreachable", text[:notify.MESSAGE_LIMIT], True)
         if 200 <= code < 300:
-            return code, "Delivered", f"{code}", False
+            return Attempt(code, "Delivered", f"{code}", False)
         if 300 <= code < 400:
-            return code, "Rejected", f"{code}: redirects are not followed", False
-        return code, "Rejected", f"{code}: {answer}", notify.retryable(code)
+            return Attempt(code, "Rejected", f"{code}: redirects are not followed", False)
+        return Attempt(code, "Rejected", f"{code}: {answer}", notify.retryable(code), asked)
 
     def _target(self, namespace: str, sink: Sink) -> tuple[str, SecretView, ssl.SSLContext | bool, str]:
         """(URL, Secret, TLS, host:port) of the sink, or UndeliverableError. The URL itself is never
@@ -280,9 +364,10 @@ class Notifier:
             port = parts.port or (443 if parts.scheme == "https" else 80)
         except ValueError:
             parts, port = urlsplit(""), 0
-        if parts.scheme not in ("http", "https") or not parts.hostname or any(ch.isspace() for ch in url):
+        if (parts.scheme not in ("http", "https") or not parts.hostname or any(ch.isspace() for ch in url)
+                or not parts.hostname.isascii()):
             raise UndeliverableError("Misconfigured", f"key {sink.url_key} of Secret {sink.secret} is not an "
-                                     "http(s) URL")
+                                     "http(s) URL with an ASCII host name")
         try:
             ipaddress.ip_address(parts.hostname)
         except ValueError:
@@ -303,7 +388,7 @@ class Notifier:
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
-            connector = aiohttp.TCPConnector(resolver=PolicyResolver(lambda: self.policy), limit=0, ttl_dns_cache=10)
+            connector = PolicyConnector(lambda: self.policy, limit=0, ttl_dns_cache=10)
             self._session = aiohttp.ClientSession(
                 connector=connector, timeout=aiohttp.ClientTimeout(total=self.settings.notifications_timeout_seconds),
                 trust_env=False)

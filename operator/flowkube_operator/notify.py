@@ -302,6 +302,15 @@ def backoff(attempt: int, first: float = BACKOFF_FIRST, cap: float = BACKOFF_CAP
     return float(min(cap, first * 2 ** (attempt - 1)))
 
 
+def retry_after(value: str | None, cap: float = BACKOFF_CAP) -> float:
+    """A receiver's Retry-After in seconds (Slack sends it with 429), at most ``cap``; 0 when absent or
+    an HTTP date (the backoff then decides)."""
+    try:
+        return min(cap, max(0.0, float(value))) if value else 0.0
+    except ValueError:
+        return 0.0
+
+
 def retryable(code: int | None) -> bool:
     """A timeout or a connection error (None), a 5xx, 408 or 429 is tried again; any other answer is final."""
     return code is None or code >= 500 or code in (408, 429)
@@ -350,12 +359,25 @@ class Policy:
             ip = ip.ipv4_mapped
         if any(ip in n for n in self.allowed if n.version == ip.version):
             return None
-        for nets, why in ((ALWAYS_DENIED, "never allowed"),
-                          (self.denied, "denied (notifications.deniedCIDRs, or the cluster's own ranges)")):
-            for net in nets:
-                if net.version == ip.version and ip in net:
-                    return f"{ip} is in {net}, {why} (notifications.allowedCIDRs allows a range)"
+        for addr in (ip, *_embedded_ipv4(ip)):  # NAT64 and 6to4 addresses lead to an IPv4 one: check it too
+            for nets, why in ((ALWAYS_DENIED, "never allowed"),
+                              (self.denied, "denied (notifications.deniedCIDRs, or the cluster's own ranges)")):
+                for net in nets:
+                    if net.version == addr.version and addr in net:
+                        return f"{ip} is in {net}, {why} (notifications.allowedCIDRs allows a range)"
         return None
+
+
+NAT64 = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48"))
+
+
+def _embedded_ipv4(ip: IPAddress) -> list[ipaddress.IPv4Address]:
+    if not isinstance(ip, ipaddress.IPv6Address):
+        return []
+    out = [ip.sixtofour] if ip.sixtofour is not None else []
+    if any(ip in n for n in NAT64):
+        out.append(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
+    return out
 
 
 # -- the record in status ---------------------------------------------------------------------------------
@@ -376,17 +398,23 @@ class Outcome:
     message: str = ""
 
 
-def record(status: FlowStatus, outcomes: Iterable[Outcome]) -> list[tuple[str, str, str]]:
-    """Fold finished deliveries into ``status.notifications``; returns the Events to post for them."""
+def record(status: FlowStatus, outcomes: Iterable[Outcome], current: Iterable[str] = ()) -> list[tuple[str, str, str]]:
+    """Fold finished deliveries into ``status.notifications``; returns the Events to post for them.
+    ``current``: the ids of the events the status holds now (`notices`), which are kept in `handled`
+    before older ones (an event still current must never be forgotten, or it would be sent again)."""
     records = {r.name: r for r in status.notifications or []}
+    keep = set(current)
     events = []
     for o in outcomes:
         r = records.get(o.sink) or NotificationRecord(name=o.sink)
         handled = [i for i in (r.handled or []) if i != o.notice_id] + [o.notice_id]
+        while len(handled) > c.NOTIFICATION_HANDLED_KEPT:
+            old = next((i for i in handled if i not in keep), handled[0])
+            handled.remove(old)
         records[o.sink] = NotificationRecord(
             name=o.sink, event=o.event, event_id=o.notice_id, time=o.time,
             outcome="Delivered" if o.delivered else "Failed", reason=o.reason, attempts=o.attempts, code=o.code,
-            message=_cut(o.message, MESSAGE_LIMIT) or None, handled=handled[-c.NOTIFICATION_HANDLED_KEPT:])
+            message=_cut(o.message, MESSAGE_LIMIT) or None, handled=handled)
         if not o.delivered:
             events.append(("Warning", "NotificationFailed",
                            f"{o.event} to sink {o.sink}: {o.reason} after {o.attempts} attempt(s): {o.message}"))

@@ -158,6 +158,9 @@ class Settings(BaseSettings):
         "timeouts and connection errors (backoff 1, 2, 4 ... 60 s); then it is recorded as GaveUp.")
     notifications_max_in_flight: int = Field(
         default=64, ge=1, le=4096, description="Deliveries in flight at once, across receivers.")
+    notifications_per_namespace: int = Field(
+        default=16, ge=1, le=4096, description="Deliveries in flight at once for the Flows of one namespace: "
+        "one tenant's receivers (however many host names they use) never take every slot.")
     notifications_per_host: int = Field(
         default=4, ge=1, le=256, description="Deliveries in flight at once to one receiver (host and port): a "
         "receiver that hangs holds only these.")

@@ -159,6 +159,8 @@ def test_the_documented_recipe_verifies_what_the_operator_signs() -> None:
 
 def test_retry_schedule() -> None:
     assert [notify.backoff(i) for i in range(1, 9)] == [1, 2, 4, 8, 16, 32, 60, 60]
+    assert [notify.retry_after(v) for v in ("3", "0.5", "600", "-1", None, "Wed, 21 Oct 2026 07:28:00 GMT")] == [
+        3, 0.5, 60, 0, 0, 0]
     assert [c for c in (None, 500, 502, 503, 408, 429) if notify.retryable(c)] == [None, 500, 502, 503, 408, 429]
     assert not any(notify.retryable(c) for c in (400, 401, 403, 404, 410, 301, 302))
 
@@ -191,6 +193,8 @@ class Receiver:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         self.seen.append((dict(request.headers), await request.read()))
         code = self.answers.pop(0) if self.answers else 200
+        if code == 429:
+            return web.Response(status=429, text="rate limited", headers={"Retry-After": "3"})
         if code == 302:
             raise web.HTTPFound("http://127.0.0.1:9/elsewhere")
         return web.Response(status=code, text="x" * 100_000 if code >= 400 else "ok")
@@ -220,11 +224,15 @@ def secret(url: str, **more: bytes) -> dict[str, Any]:
 
 async def deliver(url: str, allowed: str = "127.0.0.1/32", retry: float = 30.0, **data: bytes) -> list[Outcome]:
     woke = asyncio.Event()
-    n = Notifier(Settings(notifications_allowed_cidrs=allowed, notifications_retry_seconds=retry,
-                          notifications_timeout_seconds=5), wake=lambda _key: woke.set())
-    n.secrets.event("ADDED", secret(url, **data))
     f = paused()
     f["spec"]["notifications"] = [{"name": "team", "secretRef": {"name": "team-hook"}}]
+    n = Notifier(Settings(notifications_allowed_cidrs=allowed, notifications_retry_seconds=retry,
+                          notifications_timeout_seconds=5), wake=lambda _key: woke.set(), flow_of=lambda _key: f)
+    n.secrets.event("ADDED", secret(url, **data))
+    assert not n.ready()
+    n.offer(("team", "review"), f)  # before the Secrets are listed and the ranges known: nothing
+    assert not n._tasks
+    n.learned.set()
     try:
         n.offer(("team", "review"), f)
         n.offer(("team", "review"), f)  # offered twice (two reconciles): sent once
@@ -249,6 +257,17 @@ def test_500_three_times_then_200_is_delivered_once_with_four_attempts_signed() 
             headers, body = r.seen[-1]
             assert headers["X-Flowkube-Event-Id"] == "u-1/r1/FeedbackRequested"
             assert notify.verify(b"k", body, headers["X-Flowkube-Signature"], now=time.time())
+    run(go)
+
+
+def test_a_429_is_retried_after_the_receivers_retry_after() -> None:
+    async def go() -> None:
+        async with receiving([429]) as (r, port):
+            assert not r.seen
+            started = time.monotonic()
+            (o,) = await deliver(f"http://127.0.0.1:{port}/hook")
+            assert (o.delivered, o.attempts) == (True, 2) and time.monotonic() - started >= 3  # not the 1 s backoff
+            assert len(r.seen) == 2
     run(go)
 
 
@@ -331,4 +350,61 @@ def test_the_clusters_own_ranges_are_denied_as_the_api_tells_them() -> None:
             assert bool(n.policy.refusal("35.0.0.9")) is not forbid
             assert n.policy.refusal("34.118.224.10") is None  # allowed wins
             assert n.policy.refusal("8.8.8.8") is None
+    run(go)
+
+
+def test_hosts_that_only_become_addresses_later_are_refused_too() -> None:
+    """Full-width digits and ideographic dots are names to urlsplit, and 127.0.0.1 to yarl and aiohttp:
+    refused as not ASCII. Every address connected to is checked again in the connector (IP literals
+    too), and NAT64 or 6to4 forms of a denied IPv4 address are denied."""
+    from flowkube_operator.notifier import PolicyConnector, RefusedError
+
+    async def go() -> None:
+        async with receiving([]) as (r, port):
+            for host in ("①②⑦.0.0.1", "127。0。0。1"):
+                (o,) = await deliver(f"http://{host}:{port}/hook", allowed="")
+                assert o.reason == "Misconfigured" and o.attempts == 1, o
+            assert r.seen == []
+        connector = PolicyConnector(Policy)
+        try:
+            for literal in ("127.0.0.1", "::1", "169.254.169.254"):
+                with pytest.raises(RefusedError):
+                    await connector._resolve_host(literal, 80)
+        finally:
+            await connector.close()
+    run(go)
+    for address in ("64:ff9b::7f00:1", "64:ff9b::a9fe:a9fe", "2002:7f00:1::1", "64:ff9b::a00:1"):
+        assert Policy().refusal(address), address
+    assert Policy().refusal("64:ff9b::808:808") is None  # 8.8.8.8 through NAT64
+
+
+def test_an_event_still_current_is_never_forgotten_from_handled() -> None:
+    status = FlowStatus()
+    timed_out = "u-1/r0/FeedbackTimedOut"
+    notify.record(status, [Outcome("team", timed_out, E.FEEDBACK_TIMED_OUT, True, "Delivered", 1, NOW)])
+    for turn in range(40):  # a conversation: one MessageAwaited per turn, the timed-out request still the latest
+        notify.record(status, [Outcome("team", f"u-1/turn-{turn}/MessageAwaited", E.MESSAGE_AWAITED, True,
+                                       "Delivered", 1, NOW)], current=[timed_out, f"u-1/turn-{turn}/MessageAwaited"])
+    assert status.notifications is not None
+    (rec,) = status.notifications
+    assert rec.handled is not None and len(rec.handled) == 16 and timed_out in rec.handled
+
+
+def test_a_retry_of_an_event_that_is_over_is_dropped() -> None:
+    """A request answered while its notification was being retried: nobody needs it any more."""
+    async def go() -> None:
+        async with receiving([503] * 10) as (r, port):
+            f = paused()
+            f["spec"]["notifications"] = [{"name": "team", "secretRef": {"name": "team-hook"}}]
+            answered = {**f, "status": {"phase": "Running"}}
+            n = Notifier(Settings(notifications_allowed_cidrs="127.0.0.1/32"), wake=lambda _key: None,
+                         flow_of=lambda _key: answered)
+            n.secrets.event("ADDED", secret(f"http://127.0.0.1:{port}/hook"))
+            n.learned.set()
+            try:
+                n.offer(("team", "review"), f)
+                await asyncio.wait_for(asyncio.gather(*n._tasks.values()), 10)
+                assert len(r.seen) == 1 and n.take(("team", "review")) == []
+            finally:
+                await n.close()
     run(go)
