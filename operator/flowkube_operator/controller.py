@@ -325,15 +325,14 @@ class Controller(FlowCache):
     async def reconcile(self, key: Key) -> None:
         """Plan from the cached Flow and pods (and the reports the plan needs), then apply."""
         assert self.kube is not None
-        cached = self.flows.get(key)
-        body = orjson.loads(cached[2]) if cached is not None else None
+        body = self.cached_flow(key)
         taken_outcomes = self.notifier.take(key) if self.notifier is not None else []
         if body is None or body.get("metadata", {}).get("deletionTimestamp"):
             if self.notifier is not None:
                 self.notifier.recorded(key, taken_outcomes)  # nowhere to record them any more
             return
         # Only this Flow's: an earlier Flow of the same name, deleted while a delivery ran, is not this one.
-        delivered = [o for o in taken_outcomes if o.notice_id.startswith(f"{body['metadata']['uid']}/")]
+        delivered = [o for o in taken_outcomes if notify.of_flow(o.notice_id, body)]
         uid = body["metadata"]["uid"]
         # Pods of an earlier Flow with the same name are not this Flow's, however named.
         pods = {n: v for n, v in self.pods.get(key, {}).items() if v.owner_uid == uid}

@@ -14,9 +14,7 @@ import asyncio
 import base64
 import binascii
 import functools
-import ipaddress
 import logging
-import socket
 import ssl
 import time
 from collections.abc import Callable
@@ -25,7 +23,7 @@ from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 import aiohttp
-from aiohttp.abc import AbstractResolver, ResolveResult
+from aiohttp.abc import ResolveResult
 
 from flowkube_api import constants as c
 from flowkube_api.base import now as now_utc
@@ -44,7 +42,7 @@ ANSWER_READ = 1024  # bytes of a receiver's answer read (into status.notificatio
 
 
 class RefusedError(Exception):
-    """The destination policy refuses the address a receiver's name resolves to."""
+    """The destination policy refuses an address a receiver's URL leads to."""
 
 
 class Attempt(NamedTuple):
@@ -63,34 +61,15 @@ class UndeliverableError(Exception):
         self.reason, self.message, self.again = reason, message, again
 
 
-class PolicyResolver(AbstractResolver):
-    """Name resolution that refuses a name with any address the policy does not allow: the addresses
-    checked are the ones connected to (a name that resolves differently later is checked again)."""
-
-    def __init__(self, policy: Callable[[], Policy]) -> None:
-        self.policy = policy
-        self._inner = aiohttp.ThreadedResolver()
-
-    async def resolve(self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
-                      ) -> list[ResolveResult]:
-        found = await self._inner.resolve(host, port, family)
-        for r in found:
-            why = self.policy().refusal(r["host"])
-            if why:
-                raise RefusedError(f"{host} resolves to {why}")
-        return found
-
-    async def close(self) -> None:
-        await self._inner.close()
-
-
 class PolicyConnector(aiohttp.TCPConnector):
-    """A connector that checks every address it is about to connect to, IP literals included (aiohttp
-    hands those back without resolving, after yarl has normalised forms such as full-width digits or
-    ideographic dots that ``urlsplit`` does not recognise as an address)."""
+    """A connector that checks every address it is about to connect to, the one place the destination
+    policy is applied: resolved names (cached or not, so a name that resolves differently later is
+    checked again) and IP literals, which aiohttp hands back without resolving, after yarl has
+    normalised forms such as full-width digits or ideographic dots that ``urlsplit`` does not see as an
+    address."""
 
     def __init__(self, policy: Callable[[], Policy], **kwargs: Any) -> None:
-        super().__init__(resolver=PolicyResolver(policy), **kwargs)
+        super().__init__(**kwargs)
         self._policy = policy
 
     async def _resolve_host(self, host: str, port: int, traces: Any = None) -> list[ResolveResult]:
@@ -98,7 +77,7 @@ class PolicyConnector(aiohttp.TCPConnector):
         for r in found:
             why = self._policy().refusal(r["host"])
             if why:
-                raise RefusedError(f"{host} is {why}" if r["host"] == host else f"{host} resolves to {why}")
+                raise RefusedError(why if r["host"] == host else f"{host} resolves to {why}")
         return found
 
 
@@ -300,7 +279,7 @@ class Notifier:
 
     def _still_current(self, key: Key, notice: Notice) -> bool:
         flow = self.flow_of(key)
-        if flow is None or not notice.id.startswith(f"{(flow.get('metadata') or {}).get('uid')}/"):
+        if flow is None or not notify.of_flow(notice.id, flow):
             return False
         return any(n.id == notice.id for n in notify.notices(flow))
 
@@ -350,7 +329,8 @@ class Notifier:
 
     def _target(self, namespace: str, sink: Sink) -> tuple[str, SecretView, ssl.SSLContext | bool, str]:
         """(URL, Secret, TLS, host:port) of the sink, or UndeliverableError. The URL itself is never
-        repeated in a message: a Secret's value stays out of status and Events."""
+        repeated in a message: a Secret's value stays out of status and Events. (Where it may connect is
+        the connector's check, PolicyConnector.)"""
         secret = self.secrets.get(namespace, sink.secret)
         if secret is None:
             raise UndeliverableError("Misconfigured", f"no Secret {sink.secret} labelled {c.LABEL_NOTIFICATIONS} "
@@ -368,14 +348,6 @@ class Notifier:
                 or not parts.hostname.isascii()):
             raise UndeliverableError("Misconfigured", f"key {sink.url_key} of Secret {sink.secret} is not an "
                                      "http(s) URL with an ASCII host name")
-        try:
-            ipaddress.ip_address(parts.hostname)
-        except ValueError:
-            pass  # a name: its addresses are checked as it is resolved (PolicyResolver)
-        else:
-            why = self.policy.refusal(parts.hostname)
-            if why:
-                raise UndeliverableError("Refused", why)
         tls: ssl.SSLContext | bool = True
         ca = secret.data.get(sink.ca_key)
         if ca and parts.scheme == "https":

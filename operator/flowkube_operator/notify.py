@@ -95,6 +95,11 @@ class Notice:
     data: Body = field(compare=False)
 
 
+def of_flow(event_id: str, flow: Body) -> bool:
+    """Is this event id one of this Flow's (not of an earlier Flow of the same name)? Ids begin with the uid."""
+    return event_id.startswith(f"{(flow.get('metadata') or {}).get('uid')}/")
+
+
 def _failure_reason(status: Body) -> str:
     for cond in status.get("conditions") or []:
         if cond.get("type") == c.ConditionType.SUCCEEDED and cond.get("status") == "False":
