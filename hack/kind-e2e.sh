@@ -170,10 +170,25 @@ timed "helm install --wait" "$HELM" install flowkube charts/flowkube --namespace
 kubectl -n "$NAMESPACE" get pods
 # Runner pods find the model by its Service name: cluster DNS must answer before the first run.
 kubectl -n kube-system rollout status deployment/coredns --timeout="${TIMEOUT}s"
+# A Ready operator pod is not yet a reachable webhook: the Service's endpoints reach kube-proxy a
+# moment after `helm install --wait` returns, and until then the API server's call is refused. Wait
+# until a server-side dry run of the Flow passes through the webhook (any other error fails at once).
+wait_webhook() {
+  local t0=$SECONDS deadline=$((SECONDS + TIMEOUT)) out=""
+  while ((SECONDS < deadline)); do
+    out=$(kubectl create -f "$FLOW_FILE" --dry-run=server -o name 2>&1) && { note "webhook answers after $((SECONDS - t0)) s"; return 0; }
+    [[ $out == *"failed calling webhook"* ]] || { why="server-side dry run of $FLOW_FILE: $out"; echo "kind-e2e: $why" >&2; return 1; }
+    sleep 1
+  done
+  why="the admission webhook did not answer within $TIMEOUT s: $out"
+  echo "kind-e2e: $why" >&2
+  return 1
+}
 
 # --- the flow -------------------------------------------------------------------------------------
 step "the flow: $FLOW_FILE"
 kubectl create secret generic openai-api --from-literal=OPENAI_API_KEY="$api_key"
+wait_webhook
 flow=$(kubectl create -f "$FLOW_FILE" -o name)
 
 wait_phase() {  # wait_phase PHASE: until the Flow is in PHASE; fails at once if it Failed

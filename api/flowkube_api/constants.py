@@ -13,6 +13,13 @@ SINGULAR = "flow"
 SHORT_NAMES = ("fl",)
 CATEGORIES = ("flowkube", "all")
 
+# The templates a Flow may run (spec.templateRef.kind); a ClusterFlowTemplate is cluster-scoped.
+TEMPLATE_KIND = "FlowTemplate"
+TEMPLATE_PLURAL = "flowtemplates"
+CLUSTER_TEMPLATE_KIND = "ClusterFlowTemplate"
+CLUSTER_TEMPLATE_PLURAL = "clusterflowtemplates"
+TEMPLATE_PARAMETERS_LIMIT = 64
+
 PREFIX = GROUP  # label / annotation key prefix
 
 # Labels put on every object the operator creates for a Flow.
@@ -91,6 +98,8 @@ class Reason(StrEnum):
     INVALID_DEFINITION = "InvalidDefinition"
     INVALID_FLOW_REF = "InvalidFlowRef"
     INVALID_INPUTS = "InvalidInputs"
+    TEMPLATE_NOT_FOUND = "TemplateNotFound"  # spec.templateRef names a template that is not there (yet)
+    TEMPLATE_RESOLVED = "TemplateResolved"  # the Flow took its template's spec (status.template)
     INVALID_SPEC = "InvalidSpec"  # over a bound of flowkube_api.limits (a Flow the webhook did not see)
     STATE_CORRUPT = "StateCorrupt"
     STATE_TOO_LARGE = "StateTooLarge"

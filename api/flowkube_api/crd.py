@@ -1,7 +1,8 @@
-"""The Flow CustomResourceDefinition, rendered from the pydantic models.
+"""The CustomResourceDefinitions (Flow, FlowTemplate, ClusterFlowTemplate), rendered from the pydantic
+models.
 
-The output is committed as crds/flowkube.io_flows.yaml; `./dev generate` rewrites it and
-`./dev test` fails when it is stale.
+The output is committed as crds/flowkube.io_<plural>.yaml; `./dev generate` rewrites them and
+`./dev test` fails when one is stale.
 """
 
 from __future__ import annotations
@@ -12,9 +13,13 @@ from typing import Any
 import yaml
 
 from flowkube_api import constants as c
-from flowkube_api.models import FlowSpec, FlowStatus
+from flowkube_api.models import FlowSpec, FlowStatus, FlowTemplateSpec
 
-CRD_FILE = Path(__file__).resolve().parents[2] / "crds" / f"{c.GROUP}_{c.PLURAL}.yaml"
+CRD_DIR = Path(__file__).resolve().parents[2] / "crds"
+CRD_FILE = CRD_DIR / f"{c.GROUP}_{c.PLURAL}.yaml"
+KINDS = (c.KIND, c.TEMPLATE_KIND, c.CLUSTER_TEMPLATE_KIND)
+PLURALS = {c.KIND: c.PLURAL, c.TEMPLATE_KIND: c.TEMPLATE_PLURAL, c.CLUSTER_TEMPLATE_KIND: c.CLUSTER_TEMPLATE_PLURAL}
+CRD_FILES = {kind: CRD_DIR / f"{c.GROUP}_{plural}.yaml" for kind, plural in PLURALS.items()}
 
 _DROP = {"title", "default"}  # defaults are applied by the operator, not stored by the API server
 
@@ -58,6 +63,8 @@ def _one_of_any(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
 
 def _open_maps(out: dict[str, Any]) -> dict[str, Any]:
     """Free-form maps as the API server says them: x-kubernetes-preserve-unknown-fields."""
+    if out.pop("x-flowkube-any", False):  # any JSON value: no type at all
+        return {k: v for k, v in out.items() if k in ("description", "x-kubernetes-preserve-unknown-fields")}
     if out.get("x-kubernetes-preserve-unknown-fields"):
         out.pop("additionalProperties", None)
         out.setdefault("type", "object")
@@ -69,16 +76,21 @@ def _open_maps(out: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _schema_of(model: type[FlowSpec] | type[FlowStatus]) -> dict[str, Any]:
+def _schema_of(model: type[FlowSpec] | type[FlowStatus] | type[FlowTemplateSpec]) -> dict[str, Any]:
     raw = model.model_json_schema(by_alias=True, mode="validation")
     defs = raw.pop("$defs", {})
     return _structural(raw, defs)
 
 
-def crd() -> dict[str, Any]:
-    printer_columns = [
+def crd(kind: str = c.KIND) -> dict[str, Any]:
+    """The CRD of ``kind`` (one of KINDS)."""
+    if kind != c.KIND:
+        return _template_crd(kind)
+    printer_columns: list[dict[str, Any]] = [
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
         {"name": "Definition", "type": "string", "jsonPath": ".status.definition"},
+        {"name": "Template", "type": "string", "jsonPath": ".spec.templateRef.name",
+         "description": "The FlowTemplate or ClusterFlowTemplate the Flow runs"},
         {"name": "Tokens", "type": "integer", "jsonPath": ".status.usage.totalTokens"},
         {"name": "Cost", "type": "string", "jsonPath": ".status.usage.cost", "description": "USD spent by all runs"},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
@@ -104,38 +116,56 @@ def crd() -> dict[str, Any]:
             "status": _schema_of(FlowStatus),
         },
     }
+    names = {"kind": c.KIND, "listKind": f"{c.KIND}List", "plural": c.PLURAL, "singular": c.SINGULAR,
+             "shortNames": list(c.SHORT_NAMES), "categories": list(c.CATEGORIES)}
+    return _definition(names, "Namespaced", schema, printer_columns, status=True)
+
+
+def _template_crd(kind: str) -> dict[str, Any]:
+    cluster = kind == c.CLUSTER_TEMPLATE_KIND
+    plural = PLURALS[kind]
+    printer_columns: list[dict[str, Any]] = [
+        {"name": "Definition", "type": "string", "jsonPath": ".spec.template.definition.name"},
+        {"name": "Flow-Ref", "type": "string", "jsonPath": ".spec.template.flowRef"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+        {"name": "Description", "type": "string", "jsonPath": ".spec.description", "priority": 1},
+    ]
+    schema = {
+        "type": "object",
+        "description": ("A Flow spec with declared parameters, shared by every namespace's Flows "
+                        "(spec.templateRef.kind: ClusterFlowTemplate)." if cluster else
+                        "A Flow spec with declared parameters, for the Flows of its namespace (spec.templateRef)."),
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": _schema_of(FlowTemplateSpec),
+        },
+    }
+    names = {"kind": kind, "listKind": f"{kind}List", "plural": plural, "singular": plural[:-1],
+             "shortNames": ["cft" if cluster else "ft"], "categories": ["flowkube"]}
+    return _definition(names, "Cluster" if cluster else "Namespaced", schema, printer_columns, status=False)
+
+
+def _definition(names: dict[str, Any], scope: str, schema: dict[str, Any], columns: list[dict[str, Any]], *,
+                status: bool) -> dict[str, Any]:
+    version: dict[str, Any] = {"name": c.VERSION, "served": True, "storage": True}
+    if status:
+        version["subresources"] = {"status": {}}
+    version["additionalPrinterColumns"] = columns
+    version["schema"] = {"openAPIV3Schema": schema}
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
         "metadata": {
-            "name": f"{c.PLURAL}.{c.GROUP}",
+            "name": f"{names['plural']}.{c.GROUP}",
             "labels": {"app.kubernetes.io/name": "flowkube", "app.kubernetes.io/part-of": "flowkube"},
         },
-        "spec": {
-            "group": c.GROUP,
-            "scope": "Namespaced",
-            "names": {
-                "kind": c.KIND,
-                "listKind": f"{c.KIND}List",
-                "plural": c.PLURAL,
-                "singular": c.SINGULAR,
-                "shortNames": list(c.SHORT_NAMES),
-                "categories": list(c.CATEGORIES),
-            },
-            "versions": [
-                {
-                    "name": c.VERSION,
-                    "served": True,
-                    "storage": True,
-                    "subresources": {"status": {}},
-                    "additionalPrinterColumns": printer_columns,
-                    "schema": {"openAPIV3Schema": schema},
-                }
-            ],
-        },
+        "spec": {"group": c.GROUP, "scope": scope, "names": names, "versions": [version]},
     }
 
 
-def render() -> str:
+def render(kind: str = c.KIND) -> str:
     header = "# Generated by `./dev generate` from flowkube_api.models. Do not edit.\n"
-    return header + yaml.safe_dump(crd(), sort_keys=False, width=120)
+    return header + yaml.safe_dump(crd(kind), sort_keys=False, width=120)

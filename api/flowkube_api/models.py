@@ -20,6 +20,7 @@ from flowkube_api.constants import (
     MESSAGE_LIMIT,
     NOTIFICATION_HANDLED_KEPT,
     NOTIFICATION_SINKS_LIMIT,
+    TEMPLATE_PARAMETERS_LIMIT,
     ConditionType,
     NotificationEvent,
     Phase,
@@ -37,6 +38,11 @@ FreeObject = Annotated[
     dict[str, Any], Field(json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
 ]
 FreeObjectList = list[FreeObject]
+# Any JSON value, kept as is (a parameter's default).
+AnyJson = Annotated[Any, Field(json_schema_extra={"x-kubernetes-preserve-unknown-fields": True,
+                                                  "x-flowkube-any": True})]
+ParameterType = Literal["string", "integer", "number", "boolean", "object", "array"]
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 IntOrString = Annotated[int | str, Field(json_schema_extra={"x-kubernetes-int-or-string": True})]
 
 
@@ -248,15 +254,8 @@ class FlowDefinitionSpec(Model):
         return data
 
 
-class FlowSpec(Model):
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel("has(self.definition) != has(self.flowRef)",
-                    "exactly one of spec.definition or spec.flowRef must be set"),
-            ]
-        }
-    )
+class FlowFields(Model):
+    """Every field of a Flow's spec a FlowTemplate may set too (`FlowSpec` adds `templateRef`)."""
 
     definition: FlowDefinitionSpec | None = Field(
         default=None,
@@ -292,6 +291,67 @@ class FlowSpec(Model):
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
         description="Sinks told when the flow needs a person or ends, besides its namespace's defaults "
         "(Secrets labelled flowkube.io/notifications=defaults).")
+
+
+class TemplateRef(Model):
+    name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN,
+                      description="The FlowTemplate (in the Flow's namespace) or ClusterFlowTemplate.")
+    kind: Literal["FlowTemplate", "ClusterFlowTemplate"] = Field(
+        default="FlowTemplate", description="FlowTemplate (the default) or ClusterFlowTemplate.")
+
+
+class FlowSpec(FlowFields):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("(has(self.definition) ? 1 : 0) + (has(self.flowRef) ? 1 : 0) + (has(self.templateRef) ? 1 : 0)"
+                    " == 1", "exactly one of spec.definition, spec.flowRef or spec.templateRef must be set"),
+                cel("has(self.templateRef) == has(oldSelf.templateRef) && "
+                    "(!has(self.templateRef) || self.templateRef == oldSelf.templateRef)",
+                    "spec.templateRef is immutable: a Flow runs the template it was created with"),
+            ]
+        }
+    )
+
+    template_ref: TemplateRef | None = Field(
+        default=None, description="Run a FlowTemplate or ClusterFlowTemplate: its spec, with this Flow's own "
+        "fields over it and spec.inputs checked against its parameters.")
+
+
+# ---------------------------------------------------------------------------------------- templates
+
+
+class TemplateParameter(Model):
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+                      description="The input's key in spec.inputs (and in the flow's kickoff inputs).")
+    description: str | None = Field(default=None, max_length=1024)
+    required: bool | None = Field(default=None, description="A Flow must set it (unless it has a default).")
+    default: AnyJson = Field(default=None, description="The value when a Flow does not set it.")
+    type: ParameterType | None = Field(
+        default=None, description="The JSON Schema type a value must have: string, integer, number, boolean, "
+        "object or array.")
+
+
+class TemplateFlowSpec(FlowFields):
+    """A FlowTemplate's `spec.template`: a Flow's spec without `templateRef`."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("has(self.definition) != has(self.flowRef)",
+                    "exactly one of spec.template.definition or spec.template.flowRef must be set"),
+            ]
+        }
+    )
+
+
+class FlowTemplateSpec(Model):
+    description: str | None = Field(default=None, max_length=4096)
+    parameters: list[TemplateParameter] | None = Field(
+        default=None, max_length=TEMPLATE_PARAMETERS_LIMIT,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+        description="The inputs a Flow gives; when any are declared, a Flow's spec.inputs may hold only these.")
+    template: TemplateFlowSpec = Field(description="The Flow spec every Flow of this template starts from.")
 
 
 # -------------------------------------------------------------------------------------------- status
@@ -420,6 +480,18 @@ class NotificationRecord(Model):
         "not: an operator restart or a new leader sends none of them again.")
 
 
+class TemplateStatus(Model):
+    """``status.template``: the template as the Flow took it at its first reconcile, kept for its life."""
+
+    kind: str
+    name: str
+    uid: str | None = None
+    generation: int | None = None
+    resource_version: str | None = None
+    spec: FreeObject = Field(description="The template's spec as it was then: a later change does not "
+                             "change this Flow.")
+
+
 class FlowStatus(Model):
     phase: Phase | None = None
     conditions: list[Condition] | None = None
@@ -435,6 +507,7 @@ class FlowStatus(Model):
     usage: Usage | None = None
     result: Result | None = None
     notifications: list[NotificationRecord] | None = None
+    template: TemplateStatus | None = None
 
 
 class Flow(Model):
@@ -445,9 +518,21 @@ class Flow(Model):
     status: FlowStatus | None = None
 
 
+class FlowTemplate(Model):
+    api_version: str = "flowkube.io/v1alpha1"
+    kind: str = "FlowTemplate"
+    metadata: FreeObject = Field(default_factory=dict)
+    spec: FlowTemplateSpec
+
+
+class ClusterFlowTemplate(FlowTemplate):
+    kind: str = "ClusterFlowTemplate"
+
+
 __all__ = [
     "Budget",
     "BudgetLimit",
+    "ClusterFlowTemplate",
     "Condition",
     "ConversationMessage",
     "ConversationSpec",
@@ -460,6 +545,8 @@ __all__ = [
     "Flow",
     "FlowSpec",
     "FlowStatus",
+    "FlowTemplate",
+    "FlowTemplateSpec",
     "MessageInbox",
     "Model",
     "NotificationRecord",
@@ -472,6 +559,10 @@ __all__ = [
     "Result",
     "Retries",
     "Run",
+    "TemplateFlowSpec",
+    "TemplateParameter",
+    "TemplateRef",
+    "TemplateStatus",
     "TokenUsage",
     "Usage",
 ]

@@ -5,8 +5,8 @@
 
 | file | source |
 |---|---|
-| crds/flowkube.io_flows.yaml | the pydantic models in api/flowkube_api/models.py |
-| charts/flowkube/templates/crds/flows.yaml | that CRD, wrapped in the chart's `crds.*` switches |
+| crds/flowkube.io_{flows,flowtemplates,clusterflowtemplates}.yaml | the pydantic models in api/flowkube_api/models.py |
+| charts/flowkube/templates/crds/*.yaml | those CRDs, wrapped in the chart's `crds.*` switches |
 | charts/flowkube/templates/status-policy.yaml | the Flow status model (who may write which status field) |
 | charts/flowkube/README.md (values table) | the `# --` comments of charts/flowkube/values.yaml |
 | charts/flowkube/dashboards/flowkube.json | the Grafana dashboard built in dashboard.py |
@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -29,9 +30,11 @@ COMMAND = "./dev generate"
 
 def generators() -> dict[Path, Callable[[], str]]:
     """Each generated file and the function that renders its content, in dependency order."""
-    return {
-        crd.CRD_FILE: crd.render,
-        chart.CHART_CRD_FILE: chart.render,
+    out: dict[Path, Callable[[], str]] = {}
+    for kind in crd.KINDS:
+        out[crd.CRD_FILES[kind]] = functools.partial(crd.render, kind)
+        out[chart.CHART_CRD_FILES[kind]] = functools.partial(chart.render, None, kind)
+    return out | {
         chart.STATUS_POLICY_FILE: chart.render_status_policy,
         chart.README_FILE: chart.render_readme,
         dashboard.OUT: dashboard.render,
@@ -49,7 +52,7 @@ def stale() -> list[Path]:
 
 
 def write() -> list[Path]:
-    """Rewrite what differs (in order: the chart's CRD is rendered from the CRD file); return it."""
+    """Rewrite what differs (in order: a chart's CRD is rendered from its CRD file); return it."""
     changed = []
     for path, render in generators().items():
         text = render()

@@ -27,6 +27,7 @@ from typing import Any
 
 import yaml
 
+from flowkube_api import crd
 from flowkube_devstack import build, procs
 from flowkube_devstack.cluster import ClusterError, LocalCluster, free_port, http_ok, wait_for
 
@@ -76,7 +77,8 @@ def install_chart_for_local_operator(cluster: LocalCluster, webhook_port: int) -
         cluster.kubectl("create", "namespace", SYSTEM_NAMESPACE)
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-",
                     input="\n---\n".join(json.dumps(o) for o in objs))
-    cluster.kubectl("wait", "--for=condition=Established", "crd/flows.flowkube.io", "--timeout=60s")
+    cluster.kubectl("wait", "--for=condition=Established", *(f"crd/{p}.flowkube.io" for p in crd.PLURALS.values()),
+                    "--timeout=60s")
     wait_for(lambda: cluster.kubectl("get", "serviceaccount", "default", "-n", SYSTEM_NAMESPACE,
                                      check=False).returncode == 0, 30, "the flowkube-system namespace ready")
     return token_kubeconfig(cluster, SYSTEM_NAMESPACE, SERVICE_ACCOUNT, cluster.root / "operator.kubeconfig")
@@ -203,14 +205,15 @@ class OperatorProcess(_Operator):
 
 
 def adopt_crd(cluster: LocalCluster, release: str, namespace: str) -> None:
-    """Mark the Flow CRD as the release's: Helm refuses to take over an object another release (or
+    """Mark the CRDs as the release's: Helm refuses to take over an object another release (or
     none) installed, and the CRD outlives releases (``crds.keep``)."""
-    crd = "flows.flowkube.io"
-    if cluster.kubectl("get", "crd", crd, check=False).returncode != 0:
-        return
-    cluster.kubectl("label", "crd", crd, "--overwrite", "app.kubernetes.io/managed-by=Helm")
-    cluster.kubectl("annotate", "crd", crd, "--overwrite", f"meta.helm.sh/release-name={release}",
-                    f"meta.helm.sh/release-namespace={namespace}")
+    for plural in crd.PLURALS.values():
+        name = f"{plural}.flowkube.io"
+        if cluster.kubectl("get", "crd", name, check=False).returncode != 0:
+            continue
+        cluster.kubectl("label", "crd", name, "--overwrite", "app.kubernetes.io/managed-by=Helm")
+        cluster.kubectl("annotate", "crd", name, "--overwrite", f"meta.helm.sh/release-name={release}",
+                        f"meta.helm.sh/release-namespace={namespace}")
 
 
 class ChartOperator(_Operator):

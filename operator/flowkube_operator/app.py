@@ -27,13 +27,14 @@ import os
 import signal
 import socket
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import kopf
 from aiohttp import web
 from prometheus_client import generate_latest
 
-from flowkube_operator import selfmetrics, tls, webhook
+from flowkube_operator import selfmetrics, templatecache, tls, webhook
 from flowkube_operator.controller import Controller
 from flowkube_operator.kube import Kube
 from flowkube_operator.leader import LeaderElector, LeaseConfig
@@ -42,6 +43,7 @@ from flowkube_operator.notifier import Notifier
 from flowkube_operator.reviews import MetricsAuth
 from flowkube_operator.settings import Settings
 from flowkube_operator.stateapi import StateApi
+from flowkube_operator.templatecache import TemplateKey
 
 log = logging.getLogger("flowkube.operator")
 
@@ -208,6 +210,14 @@ class App:
         if not self.state_serving:
             return "the state API is not serving"
         return ""
+
+    async def template(self, key: TemplateKey) -> dict[str, Any] | None:
+        """A template for the admission webhook: from the cache, else from the API server (one
+        created a moment before the Flow may not have reached the cache yet)."""
+        found = self.controller.templates.get(key)
+        if found is None and self.kube is not None:
+            found = await templatecache.fetch(self.kube, key)
+        return found
 
     def by_operator(self, username: str) -> bool:
         """Is this write the operator's own (its status writes pass the status webhook too)?"""

@@ -28,6 +28,7 @@ import orjson
 from pydantic import ValidationError
 
 from flowkube_api import constants as c
+from flowkube_api import templates
 from flowkube_api.base import now as now_utc
 from flowkube_api.base import parse_time
 from flowkube_api.report import RunReport
@@ -47,6 +48,7 @@ from flowkube_operator.meta import PodView, owner_uid
 from flowkube_operator.notifier import Notifier
 from flowkube_operator.reconcile import Plan, RunIntent, late_pods, plan
 from flowkube_operator.settings import Settings
+from flowkube_operator.templatecache import TemplateCache
 
 Body = dict[str, Any]
 log = logging.getLogger("flowkube.controller")
@@ -149,6 +151,7 @@ class Controller(FlowCache):
         self.instance = socket.gethostname()
         self.leading = False  # workers run: this replica is the one status writer
         self.fence = fence
+        self.templates = TemplateCache(wake=self._enqueue)
 
     def _enqueue(self, key: Key) -> None:
         if self.leading:  # a follower's view is queued all at once when it begins to lead
@@ -176,9 +179,9 @@ class Controller(FlowCache):
         return True
 
     def informers(self, kube: Callable[[], Kube | None], namespaces: list[str]) -> list[Informer]:
-        """The caches' watches, and the notifier's Secrets."""
+        """The caches' watches, the templates', and the notifier's Secrets."""
         extra = self.notifier.informers(kube, namespaces) if self.notifier is not None else []
-        return super().informers(kube, namespaces) + extra
+        return super().informers(kube, namespaces) + self.templates.informers(kube, namespaces) + extra
 
     async def _offer_when_ready(self, notifier: Notifier) -> None:
         """Once the notification Secrets are listed and the cluster's ranges known, every Flow is looked
@@ -352,14 +355,16 @@ class Controller(FlowCache):
         for pod_name in late_pods(status, pods):  # pods that ended after their run was closed
             late[pod_name] = await self._load_report(*key, uid, pod_name, pods[pod_name])
         cap = self.settings.retry_backoff_cap_seconds
-        p = plan(body, pods, report, backoff_cap=cap, report_checked=checked, late=late)
+        template = self._template_of(key, body)
+        p = plan(body, pods, report, backoff_cap=cap, report_checked=checked, late=late, template=template)
         if p.need_report and active is not None:
             report = await self._load_report(*key, uid, active, pods.get(active))
-            p = plan(body, pods, report, backoff_cap=cap, report_checked=True, late=late)
+            p = plan(body, pods, report, backoff_cap=cap, report_checked=True, late=late, template=template)
         if delivered:
             current = [n.id for n in notify.notices({"metadata": body["metadata"], "status": p.status.dump()})]
             p.events += notify.record(p.status, delivered, current)
-        body = await self._apply(key, body, p)
+        # A Flow of a template runs its template's spec (its pods, its notifications).
+        body = templates.effective_flow(await self._apply(key, _runs_as(body, p), p))
         self._forget_late(key, taken)
         if self.notifier is not None:
             self.notifier.recorded(key, taken_outcomes)
@@ -367,6 +372,18 @@ class Controller(FlowCache):
             self.notifier.offer(key, body)
         if hinted and key in self._warm and self._warm[key] is hint:
             del self._warm[key]  # a newer one that came meanwhile stays for the next reconcile
+
+    def _template_of(self, key: Key, body: Body) -> Body | None:
+        """The template a Flow that has not taken one yet names, from the cache; None (and the Flow
+        noted as waiting for it) when it is not there."""
+        ref = (body.get("spec") or {}).get("templateRef")
+        if not ref or (body.get("status") or {}).get("template"):
+            return None
+        tkey = templates.template_key(key[0], ref)
+        found = self.templates.get(tkey)
+        if found is None:
+            self.templates.wait(tkey, key)
+        return found
 
     async def _active_report(self, key: Key, uid: str, pods: dict[str, PodView], run: Body,
                              hinted: bool, hint: RunReport | None) -> tuple[RunReport | None, bool]:
@@ -579,6 +596,12 @@ class Controller(FlowCache):
             await self.kube.create(path, body)
         except Exception as e:  # an Event lost is a line of history lost, never a reason to fail
             log.warning("could not post event %s: %s", body.get("reason"), e)
+
+
+def _runs_as(body: Body, p: Plan) -> Body:
+    """The Flow as the plan runs it: with the spec of the template its status took."""
+    taken = p.status.template
+    return body if taken is None else {**body, "spec": templates.effective_spec(taken.spec, body.get("spec") or {})}
 
 
 def _observe_turn(namespace: str, old: Body, new: Body) -> None:

@@ -66,13 +66,7 @@ def _register_admission(registry: kopf.OperatorRegistry, app: App) -> None:
     # there): Flow writes fail closed, feedback fails open and the operator then refuses bad answers
     # asynchronously. The status handlers are pure checks on the answer's hot path.
 
-    @kopf.on.validate(c.GROUP, c.VERSION, c.PLURAL, id="validate-flows", operations=["CREATE", "UPDATE"],
-                      side_effects=False, registry=registry)
-    async def validate_flow(*, spec: kopf.Spec, **_: Any) -> None:
-        problem = (limits.spec_problem(spec) or "; ".join(resources.pod_policy_problems(dict(spec), app.settings))
-                   or await app.validator.problem(spec))
-        if problem:
-            raise kopf.AdmissionError(problem, code=422)
+    _register_spec_checks(registry, app)
 
     @kopf.on.validate(c.GROUP, c.VERSION, c.PLURAL, id="validate-flows-status", subresource="status",
                       operations=["UPDATE"], side_effects=False, registry=registry)
@@ -92,3 +86,34 @@ def _register_admission(registry: kopf.OperatorRegistry, app: App) -> None:
         status = webhook.recorded_senders(kwargs.get("old"), kwargs.get("new"), user)
         if status:
             patch["status"] = status
+
+
+def _register_spec_checks(registry: kopf.OperatorRegistry, app: App) -> None:
+    """Flows (the spec they run) and templates (the Flow spec they hold), refused at apply."""
+
+    @kopf.on.validate(c.GROUP, c.VERSION, c.PLURAL, id="validate-flows", operations=["CREATE", "UPDATE"],
+                      side_effects=False, registry=registry)
+    async def validate_flow(*, spec: kopf.Spec, body: kopf.Body, namespace: str | None, **_: Any) -> None:
+        checked: dict[str, Any] = dict(spec)
+        if checked.get("templateRef"):  # the spec it runs is checked: its template's, with its own over it
+            checked, refused = await webhook.template_problem(checked, namespace or "", body.get("status"),
+                                                              app.template)
+            if refused:
+                raise kopf.AdmissionError(refused, code=422)
+        problem = await spec_problem(checked)
+        if problem:
+            raise kopf.AdmissionError(problem, code=422)
+
+    async def spec_problem(spec: dict[str, Any]) -> str | None:
+        return (limits.spec_problem(spec) or "; ".join(resources.pod_policy_problems(spec, app.settings))
+                or await app.validator.problem(spec))
+
+    for plural in (c.TEMPLATE_PLURAL, c.CLUSTER_TEMPLATE_PLURAL):
+        @kopf.on.validate(c.GROUP, c.VERSION, plural, id=f"validate-{plural}", operations=["CREATE", "UPDATE"],
+                          side_effects=False, registry=registry)
+        async def validate_template(*, spec: kopf.Spec, **_: Any) -> None:
+            # The template's Flow spec as a Flow's: its messages name spec.template.<field>.
+            own = await spec_problem(dict(spec.get("template") or {}))
+            problem = webhook.template_spec_problem(spec) or (own.replace("spec.", "spec.template.") if own else None)
+            if problem:
+                raise kopf.AdmissionError(problem, code=422)

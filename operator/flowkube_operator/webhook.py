@@ -11,16 +11,18 @@ import asyncio
 import base64
 import json
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import aiohttp
 import kopf
 from aiohttp import web
 
+from flowkube_api import templates
 from flowkube_api.models import ConversationStatus, FeedbackRequest
 from flowkube_operator.inbox import validate_message, validate_response
 from flowkube_operator.kube import Kube
+from flowkube_operator.templatecache import TemplateKey
 
 Body = Mapping[str, Any]
 log = logging.getLogger("flowkube.webhook")
@@ -130,6 +132,35 @@ def _message_problem(old_st: Body | None, new_st: Body | None, username: str) ->
         return "a message is already waiting in status.conversation.inbox; send the next one after its reply"
     problem = validate_message(conv, (old_st or {}).get("phase"), message.get("text"))
     return f"status.conversation.inbox refused: {problem}" if problem else None
+
+
+TemplateLookup = Callable[[TemplateKey], Awaitable[Body | None]]
+
+
+async def template_problem(spec: Body, namespace: str, status: Body | None,
+                           lookup: TemplateLookup) -> tuple[dict[str, Any], str | None]:
+    """A Flow of a template: (the spec it runs, why it is refused or None). A Flow that took its
+    template already is checked against the copy in its status; a new one against the template as
+    it is now (refused when there is none, naming spec.templateRef)."""
+    ref = spec.get("templateRef") or {}
+    taken = (status or {}).get("template")
+    template = {"spec": taken.get("spec") or {}} if isinstance(taken, Mapping) else await lookup(
+        templates.template_key(namespace, ref))
+    if template is None:
+        return dict(spec), (f"spec.templateRef: {templates.describe_ref(namespace, ref)} not found "
+                            "(create the template first)")
+    effective, problems = templates.problems(template, namespace, spec)
+    return effective, "; ".join(problems) or None
+
+
+def template_spec_problem(spec: Body) -> str | None:
+    """A FlowTemplate's own checks besides its schema: each parameter's default of the parameter's type."""
+    for p in spec.get("parameters") or []:
+        want, default = p.get("type"), p.get("default")
+        if want and default is not None and templates.parameter_problems(
+                {"parameters": [p]}, {p["name"]: default}, "this template"):
+            return f"spec.parameters[{p['name']}].default: must be {want}"
+    return None
 
 
 class Validator:

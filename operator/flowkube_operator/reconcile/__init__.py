@@ -70,15 +70,17 @@ Body = dict[str, Any]
 
 def plan(flow: Body, pods: dict[str, PodView], report: RunReport | None = None, *,
          now: dt.datetime | None = None, backoff_cap: int = 3600, report_checked: bool = False,
-         late: Mapping[str, RunReport | None] | None = None) -> Plan:
+         late: Mapping[str, RunReport | None] | None = None, template: Body | None = None) -> Plan:
     """The status the Flow should have and the actions that make it so.
 
     `report` is the active run's report when the caller has read it (`report_checked`); a plan
     that needs it to end a run says so with `need_report`, and changes nothing until then.
     `late` holds the reports of closed runs whose pods outlived them (see `late_pods`), by pod,
-    None where the pod left none.
+    None where the pod left none. `template` is the FlowTemplate or ClusterFlowTemplate a Flow that has
+    not taken one yet names, None when it is not there.
     """
-    return Reconciler(flow, pods, report, now or now_utc(), backoff_cap, report_checked, late or {}).run()
+    return Reconciler(flow, pods, report, now or now_utc(), backoff_cap, report_checked, late or {},
+                      template).run()
 
 
 def late_pods(status: Body, pods: Mapping[str, PodView]) -> list[str]:
@@ -110,6 +112,10 @@ class Reconciler(RunSteps):
     def _run(self) -> Plan:
         st = self.st
         st.observed_generation = self.meta.get("generation")
+        if (self.own_spec.get("templateRef") and st.template is None and st.phase not in c.TERMINAL_PHASES
+                and not self._take_template()):
+            self._finish()
+            return self.plan
         st.definition = definition_name(self.spec.model_dump(by_alias=True, exclude_none=True))
         st.started_at = st.started_at or self.now
         self._fold_late_reports()

@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
 from flowkube_api import constants as c
 from flowkube_api.constants import Phase, Reason, RunResult, Trigger
 from flowkube_api.limits import spec_problem
@@ -16,8 +18,12 @@ from flowkube_api.models import (
     FlowSpec,
     FlowStatus,
     Run,
+    TemplateStatus,
 )
 from flowkube_api.report import RunReport, TokenUsage, excerpt
+from flowkube_api.runspec import spec_error_text
+from flowkube_api.templates import describe_ref, effective_flow, snapshot
+from flowkube_api.templates import problems as template_problems
 from flowkube_operator.meta import PodView
 from flowkube_operator.reconcile.rules import POD_FIRST_TRIGGERS, budget_spent, running_seconds, total_usage
 
@@ -71,11 +77,14 @@ class FlowState:
 
     def __init__(self, flow: Body, pods: dict[str, PodView], report: RunReport | None,
                  now: dt.datetime, backoff_cap: int, report_checked: bool,
-                 late: Mapping[str, RunReport | None]) -> None:
+                 late: Mapping[str, RunReport | None], template: Body | None = None) -> None:
         self.report_checked = report_checked or report is not None
         self.late = late
         self.meta: Body = flow.get("metadata") or {}
-        self.spec = FlowSpec.model_validate(flow.get("spec") or {})
+        self.own_spec: Body = flow.get("spec") or {}
+        self.template = template  # the template a Flow that has not taken one yet names (None: not there)
+        # A Flow of a template runs the copy its status took (flowkube_api.templates).
+        self.spec = FlowSpec.model_validate(effective_flow(flow).get("spec") or {})
         # Two validations, not a deep copy of one: pydantic's validator is several times faster than
         # copy.deepcopy, which was most of a reconcile's cost.
         self.old = FlowStatus.model_validate(flow.get("status") or {})
@@ -92,6 +101,33 @@ class FlowState:
         self.message_refusal: str | None = None
         self.failure: tuple[Reason | str, str] | None = None
         self.resume_now = False  # a warm paused pod ended with its request answered but not taken
+
+    def _take_template(self) -> bool:
+        """A Flow of a template that has not taken it yet takes it now: its spec goes into
+        status.template (a later change of the template changes nothing here) and the Flow runs it.
+        False while the template is not there (the Flow waits: a watch event brings it), and when the
+        Flow's inputs do not fit its parameters (the Flow fails, as with invalid inputs)."""
+        ref = self.own_spec.get("templateRef") or {}
+        what = describe_ref(str(self.meta.get("namespace") or ""), ref)
+        if self.template is None:
+            message = f"{what} not found: the Flow starts once it exists"
+            self.st.phase = Phase.PENDING
+            self.failure = (Reason.TEMPLATE_NOT_FOUND, message)
+            if self.old.message != message:
+                self.plan.event(Reason.TEMPLATE_NOT_FOUND, message, warning=True)
+            return False
+        self.st.template = TemplateStatus.model_validate(snapshot(self.template))
+        effective, problems = template_problems(self.template, str(self.meta.get("namespace") or ""), self.own_spec)
+        if problems:
+            self._terminal(Phase.FAILED, Reason.INVALID_INPUTS, "; ".join(problems))
+            return False
+        try:
+            self.spec = FlowSpec.model_validate(effective)
+        except ValidationError as e:
+            self._terminal(Phase.FAILED, Reason.INVALID_SPEC, f"{what}: {spec_error_text(e)}")
+            return False
+        self.plan.event(Reason.TEMPLATE_RESOLVED, f"runs {what} (generation {self.st.template.generation})")
+        return True
 
     def _start(self, trigger: Trigger) -> None:
         spent = budget_spent(self.spec, total_usage(self.runs))

@@ -70,15 +70,17 @@ def test_a_changed_crd_makes_the_chart_copy_stale() -> None:
     assert chart.render(changed) != chart.CHART_CRD_FILE.read_text()
 
 
-def test_rendered_crd_is_the_generated_crd(helm: Path) -> None:
-    rendered = of_kind(render(helm), "CustomResourceDefinition")
-    assert len(rendered) == 1
-    generated = crd.crd()
-    assert rendered[0]["spec"] == generated["spec"]
-    labels = rendered[0]["metadata"]["labels"]
-    assert labels.items() >= generated["metadata"]["labels"].items()
-    assert labels["app.kubernetes.io/managed-by"] == "Helm"
-    assert rendered[0]["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+def test_rendered_crds_are_the_generated_crds(helm: Path) -> None:
+    rendered = {o["spec"]["names"]["kind"]: o for o in of_kind(render(helm), "CustomResourceDefinition")}
+    assert sorted(rendered) == sorted(crd.KINDS)
+    for kind in crd.KINDS:
+        generated = crd.crd(kind)
+        assert rendered[kind]["spec"] == generated["spec"]
+        labels = rendered[kind]["metadata"]["labels"]
+        assert labels.items() >= generated["metadata"]["labels"].items()
+        assert labels["app.kubernetes.io/managed-by"] == "Helm"
+        assert rendered[kind]["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+    assert rendered["ClusterFlowTemplate"]["spec"]["scope"] == "Cluster"
 
 
 def test_crd_keep_and_install_switches(helm: Path) -> None:
@@ -241,10 +243,16 @@ def test_user_roles(helm: Path) -> None:
     viewer = named(objs, "ClusterRole", "flowkube-flow-viewer")
     editor = named(objs, "ClusterRole", "flowkube-flow-editor")
     assert _grants(viewer["rules"]) == {(c.GROUP, "flows"): {"get", "list", "watch"},
-                                        (c.GROUP, "flows/status"): {"get", "list", "watch"}}
+                                        (c.GROUP, "flows/status"): {"get", "list", "watch"},
+                                        (c.GROUP, "flowtemplates"): {"get", "list", "watch"},
+                                        (c.GROUP, "clusterflowtemplates"): {"get", "list", "watch"}}
     assert viewer["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
-    assert _grants(editor["rules"]) == {(c.GROUP, "flows"): {
-        "get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"}}
+    every = {"get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"}
+    assert _grants(editor["rules"]) == {(c.GROUP, "flows"): every, (c.GROUP, "flowtemplates"): every}
+    # Shared templates are a platform team's: a role of their own, in no default role.
+    shared = named(objs, "ClusterRole", "flowkube-clusterflowtemplate-editor")
+    assert _grants(shared["rules"]) == {(c.GROUP, "clusterflowtemplates"): every}
+    assert not [k for k in shared["metadata"]["labels"] if k.startswith("rbac.authorization.k8s.io/")]
     assert "flows/status" not in {r for rule in editor["rules"] for r in rule["resources"]}
     plain = render(helm, "--set", "rbac.aggregateToDefaultRoles=false")
     for name in ("flow-viewer", "flow-editor", "feedback-responder"):
@@ -256,6 +264,7 @@ EXPECTED_OPERATOR_GRANTS = {
     (c.GROUP, "flows"): {"get", "list", "watch", "patch", "delete"},
     (c.GROUP, "flows/status"): {"get", "patch", "update"},
     (c.GROUP, "flows/finalizers"): {"update"},
+    (c.GROUP, "flowtemplates"): {"get", "list", "watch"},  # read at admission, copied at a Flow's start
     ("", "pods"): {"get", "list", "watch", "create", "delete"},
     # The state ConfigMap: made on first use, written for the runners, reports read. No list/watch.
     ("", "configmaps"): {"get", "create", "patch", "delete"},
@@ -266,6 +275,7 @@ EXPECTED_OPERATOR_GRANTS = {
     ("", "secrets"): {"list", "watch"},
 }
 CLUSTER_GRANTS = {
+    (c.GROUP, "clusterflowtemplates"): {"get", "list", "watch"},
     # Notifications: the cluster's own ranges (Services, nodes' pods), denied as receivers' addresses.
     ("networking.k8s.io", "servicecidrs"): {"list"},
     ("", "nodes"): {"list"},
@@ -516,6 +526,8 @@ def test_webhooks(helm: Path) -> None:
               tuple(h["rules"][0]["operations"]), h["failurePolicy"]) for h in validating + mutating}
     assert table == {
         ("/validate-flows", "flows", ("CREATE", "UPDATE"), "Fail"),
+        ("/validate-flowtemplates", "flowtemplates", ("CREATE", "UPDATE"), "Fail"),
+        ("/validate-clusterflowtemplates", "clusterflowtemplates", ("CREATE", "UPDATE"), "Fail"),
         ("/validate-flows-status", "flows/status", ("UPDATE",), "Ignore"),
         ("/mutate-flows-status", "flows/status", ("UPDATE",), "Ignore"),
     }
@@ -532,16 +544,17 @@ def test_webhooks(helm: Path) -> None:
         {"name": "spec-written", "expression": "request.operation == 'CREATE' || object.spec != oldObject.spec"},
         {"name": "checked-fields", "expression": (
             "has(object.spec.definition) || has(object.spec.inputs) || has(object.spec.envFrom) "
-            "|| has(object.spec.podTemplate) || has(object.spec.env) || has(object.spec.image)")},
+            "|| has(object.spec.podTemplate) || has(object.spec.env) || has(object.spec.image) "
+            "|| has(object.spec.templateRef)")},
     ]
-    for hook in validating[1:] + mutating:
+    for hook in [h for h in validating + mutating if "-status" in h["name"]]:
         assert hook["matchConditions"] == [{
             "name": "not-the-operator",
             "expression": "request.userInfo.username != \"system:serviceaccount:flowkube-system:flowkube\""}]
     flipped = render(helm, "--set", "webhook.failurePolicy.flows=Ignore",
                      "--set", "webhook.failurePolicy.status=Fail")
     policies = [h["failurePolicy"] for h in of_kind(flipped, "ValidatingWebhookConfiguration")[0]["webhooks"]]
-    assert policies == ["Ignore", "Fail"]
+    assert policies == ["Ignore", "Ignore", "Ignore", "Fail"]  # Flows and templates; feedback
 
 
 def test_service_monitor_needs_the_api_and_the_switch(helm: Path) -> None:
@@ -593,7 +606,8 @@ def test_names_follow_the_release(helm: Path) -> None:
     objs = render(helm, release="team", namespace="ops")
     names = {o["metadata"]["name"] for o in of_kind(objs, "ClusterRole")}
     assert names == {"team-flowkube-operator", "team-flowkube-flow-viewer", "team-flowkube-flow-editor",
-                     "team-flowkube-feedback-responder", "team-flowkube-metrics-reader"}
+                     "team-flowkube-feedback-responder", "team-flowkube-metrics-reader",
+                     "team-flowkube-clusterflowtemplate-editor"}
     assert of_kind(objs, "ValidatingWebhookConfiguration")[0]["metadata"]["name"] == "team-flowkube-ops.flowkube.io"
 
 

@@ -706,3 +706,52 @@ def test_a_runner_pod_that_cannot_start_says_why_in_the_flows_status_until_it_st
     assert cond(body, "Running")["reason"] == Reason.RUN_PENDING
     step(body, pod("f-0", "Running"), at=4)
     assert body["status"]["phase"] == Phase.RUNNING and cond(body, "Running")["status"] == "True"
+
+
+# -- templates ---------------------------------------------------------------------------------------
+
+TEMPLATE = {"apiVersion": "flowkube.io/v1alpha1", "kind": "FlowTemplate",
+            "metadata": {"name": "article", "namespace": "ns", "uid": "t1", "generation": 3, "resourceVersion": "9"},
+            "spec": {"parameters": [{"name": "topic", "required": True, "type": "string"}],
+                     "template": {"flowRef": "pkg.mod:Article", "image": "runner:template",
+                                  "budget": {"maxTotalTokens": 10}}}}
+
+
+def templated(**spec: Any) -> dict[str, Any]:
+    body = flow(**spec)
+    del body["spec"]["flowRef"]
+    body["spec"]["templateRef"] = {"name": "article"}
+    return body
+
+
+def test_a_flow_waits_for_its_template_then_takes_it_once_and_runs_it() -> None:
+    body = templated(inputs={"topic": "operators"})
+    p = plan(body, {}, now=T0)
+    body["status"] = p.status.dump()
+    assert body["status"]["phase"] == Phase.PENDING and p.create_pod is None
+    assert body["status"]["message"] == 'FlowTemplate "article" in namespace "ns" not found: the Flow starts once it exists'
+    assert cond(body, "Running")["reason"] == Reason.TEMPLATE_NOT_FOUND
+    assert [e[1] for e in p.events] == [Reason.TEMPLATE_NOT_FOUND]
+    assert plan(body, {}, now=T0).events == [], "said once, not at every reconcile"
+
+    p = plan(body, {}, now=T0, template=TEMPLATE)
+    body["status"] = p.status.dump()
+    taken = body["status"]["template"]
+    assert (taken["kind"], taken["name"], taken["generation"], taken["uid"]) == ("FlowTemplate", "article", 3, "t1")
+    assert p.create_pod is not None and body["status"]["definition"] == "Article"
+    assert [e[1] for e in p.events] == [Reason.TEMPLATE_RESOLVED]
+
+    # The template changes: the Flow keeps running the copy it took (no template passed, none looked up).
+    p = plan(body, {}, now=T0)
+    assert p.status.template is not None and p.status.template.generation == 3
+    assert p.status.definition == "Article"
+
+
+def test_inputs_that_do_not_fit_the_templates_parameters_fail_the_flow_naming_the_parameter() -> None:
+    body = templated(inputs={"topic": 42})
+    p = plan(body, {}, now=T0, template=TEMPLATE)
+    body["status"] = p.status.dump()
+    assert body["status"]["phase"] == Phase.FAILED and p.create_pod is None
+    assert cond(body, "Accepted")["status"] == "False"
+    assert cond(body, "Accepted")["reason"] == Reason.INVALID_INPUTS
+    assert "spec.inputs.topic: must be string" in body["status"]["message"]

@@ -110,3 +110,38 @@ def test_a_second_answer_before_the_first_is_applied_is_refused_and_names_the_fi
     stale = with_response({"text": "old", "requestId": "r0", "respondedBy": "alice"})
     assert review_status_write(stale, with_response({"text": "new", "requestId": "r1"}, stale),
                                by_operator=False, username="bob") is None
+
+
+# -- templates ---------------------------------------------------------------------------------------
+
+def test_a_flow_of_a_template_is_checked_against_the_template_or_the_copy_its_status_took() -> None:
+    from flowkube_operator.webhook import template_problem, template_spec_problem
+
+    tspec = {"parameters": [{"name": "topic", "required": True, "type": "string"}],
+             "template": {"flowRef": "pkg.mod:Article"}}
+    asked: list[Any] = []
+
+    async def lookup(key: Any) -> dict[str, Any] | None:
+        asked.append(key)
+        return {"spec": tspec} if key == ("FlowTemplate", "team", "article") else None
+
+    def check(spec: dict[str, Any], status: dict[str, Any] | None = None) -> tuple[dict[str, Any], str | None]:
+        return asyncio.run(template_problem(spec, "team", status, lookup))
+
+    ok = {"templateRef": {"name": "article"}, "inputs": {"topic": "x"}}
+    assert check(ok) == ({"flowRef": "pkg.mod:Article", "inputs": {"topic": "x"}}, None)
+    assert check({"templateRef": {"name": "article"}})[1] == 'spec.inputs.topic: required by FlowTemplate "article" ' \
+        'in namespace "team"'
+    assert check({"templateRef": {"name": "gone"}})[1] == ('spec.templateRef: FlowTemplate "gone" in namespace "team" '
+                                                           "not found (create the template first)")
+    assert check({"templateRef": {"name": "x", "kind": "ClusterFlowTemplate"}})[1] == (
+        'spec.templateRef: ClusterFlowTemplate "x" not found (create the template first)')
+    # An update of a Flow that took its template is checked against that copy, never looked up again.
+    asked.clear()
+    taken = {"template": {"kind": "FlowTemplate", "name": "gone", "spec": tspec}}
+    assert check({"templateRef": {"name": "gone"}, "inputs": {"topic": 1}}, taken)[1] == (
+        'spec.inputs.topic: must be string (a parameter of FlowTemplate "gone" in namespace "team"), not integer')
+    assert asked == []
+    assert template_spec_problem({"parameters": [{"name": "n", "type": "integer", "default": "three"}]}) == (
+        "spec.parameters[n].default: must be integer")
+    assert template_spec_problem({"parameters": [{"name": "n", "type": "integer", "default": 3}]}) is None

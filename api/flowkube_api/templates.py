@@ -1,0 +1,154 @@
+"""FlowTemplates and ClusterFlowTemplates: how a Flow's spec comes out of its template.
+
+A Flow that names a template (`spec.templateRef`) runs the template's `spec.template` with the
+Flow's own fields over it:
+
+- a field the Flow sets replaces the template's, except
+- `inputs`, merged key by key: the template's `inputs`, then its parameters' defaults, then the
+  Flow's `inputs`;
+- `env` and `notifications`, merged by `name` (the Flow's entry replaces the template's of the same
+  name; the others are kept, the template's first).
+
+When the template declares parameters, the Flow's `inputs` may hold only those, each of its
+declared JSON Schema type, and every required one without a default must be there. The admission
+webhook refuses a Flow that breaks this, naming the parameter; the operator checks it again at the
+Flow's first reconcile, when it copies the template's spec into `status.template`. From then on the
+Flow runs that copy: a later change of the template changes no Flow made before it.
+
+Pure: shared by the webhook, the reconcile and `kubectl flow`.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+from flowkube_api import constants as c
+
+Body = dict[str, Any]
+
+BY_NAME = ("env", "notifications")  # lists merged entry by entry, keyed by `name`
+
+_TYPES: dict[str, tuple[type, ...]] = {
+    "string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
+    "object": (dict,), "array": (list,),
+}
+
+
+def template_key(namespace: str, ref: Mapping[str, Any]) -> tuple[str, str, str]:
+    """(kind, namespace, name) of the template a Flow in `namespace` refers to (namespace "" for a
+    ClusterFlowTemplate)."""
+    kind = str(ref.get("kind") or c.TEMPLATE_KIND)
+    return kind, ("" if kind == c.CLUSTER_TEMPLATE_KIND else namespace), str(ref.get("name") or "")
+
+
+def describe_ref(namespace: str, ref: Mapping[str, Any]) -> str:
+    kind, ns, name = template_key(namespace, ref)
+    return f'{kind} "{name}"' + (f' in namespace "{ns}"' if ns else "")
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, Mapping):
+        return "object"
+    return "null"
+
+
+def _type_ok(value: Any, want: str) -> bool:
+    if isinstance(value, bool):
+        return want == "boolean"
+    if want == "integer" and isinstance(value, float):
+        return value.is_integer()  # JSON has one number type: 3.0 is an integer to JSON Schema
+    return isinstance(value, _TYPES[want])
+
+
+def parameter_problems(template_spec: Mapping[str, Any], inputs: Mapping[str, Any] | None, what: str) -> list[str]:
+    """Why `inputs` (a Flow's spec.inputs) do not fit the template's parameters, one line per
+    parameter, each naming it. `what` names the template in the messages."""
+    params = [p for p in template_spec.get("parameters") or [] if isinstance(p, Mapping)]
+    given = dict(inputs or {})
+    problems = []
+    if params:
+        names = {str(p.get("name")) for p in params}
+        for key in sorted(set(given) - names):
+            problems.append(f"spec.inputs.{key}: {what} has no parameter {key!r} "
+                            f"(its parameters: {', '.join(sorted(names))})")
+    for p in params:
+        name, want = str(p.get("name")), p.get("type")
+        if name in given:
+            value = given[name]
+            if want in _TYPES and not _type_ok(value, str(want)):
+                problems.append(f"spec.inputs.{name}: must be {want} (a parameter of {what}), not {_json_type(value)}")
+        elif p.get("required") and "default" not in p:
+            problems.append(f"spec.inputs.{name}: required by {what}"
+                            + (f" ({p['description']})" if p.get("description") else ""))
+    return problems
+
+
+def _merge_by_name(base: list[Any], own: list[Any]) -> list[Any]:
+    named = {e.get("name"): e for e in own if isinstance(e, Mapping)}
+    out = [copy.deepcopy(named.pop(e.get("name"))) if isinstance(e, Mapping) and e.get("name") in named
+           else copy.deepcopy(e) for e in base]
+    return out + [copy.deepcopy(e) for e in own if not isinstance(e, Mapping) or e.get("name") in named]
+
+
+def effective_spec(template_spec: Mapping[str, Any], flow_spec: Mapping[str, Any]) -> Body:
+    """The spec a Flow runs: the template's `spec.template` with the Flow's own fields over it (see the
+    module's docstring). `template_spec` is the template's `spec`."""
+    out: Body = copy.deepcopy(dict(template_spec.get("template") or {}))
+    for key, value in flow_spec.items():
+        if key in ("templateRef", "inputs") or value is None:
+            continue
+        if key in BY_NAME and isinstance(value, list) and isinstance(out.get(key), list):
+            out[key] = _merge_by_name(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    inputs: Body = dict(out.get("inputs") or {})
+    for p in template_spec.get("parameters") or []:
+        if isinstance(p, Mapping) and "default" in p and p.get("default") is not None:
+            inputs[str(p.get("name"))] = copy.deepcopy(p["default"])
+    inputs.update(copy.deepcopy(dict(flow_spec.get("inputs") or {})))
+    if inputs:
+        out["inputs"] = inputs
+    return out
+
+
+def snapshot(template: Mapping[str, Any]) -> Body:
+    """`status.template` for a Flow that takes `template` (a FlowTemplate or ClusterFlowTemplate object)."""
+    meta = template.get("metadata") or {}
+    out: Body = {"kind": template.get("kind") or c.TEMPLATE_KIND, "name": meta.get("name", ""),
+                 "uid": meta.get("uid"), "generation": meta.get("generation"),
+                 "resourceVersion": meta.get("resourceVersion"), "spec": copy.deepcopy(template.get("spec") or {})}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def effective_flow(flow: Body) -> Body:
+    """The Flow as it runs: its spec resolved from the template copy in its status; a Flow without a
+    template, or whose template is not resolved yet, as it is."""
+    spec = flow.get("spec") or {}
+    taken = (flow.get("status") or {}).get("template")
+    if not spec.get("templateRef") or not isinstance(taken, Mapping):
+        return flow
+    return {**flow, "spec": effective_spec(taken.get("spec") or {}, spec)}
+
+
+def problems(template: Mapping[str, Any], namespace: str, flow_spec: Mapping[str, Any]) -> tuple[Body, list[str]]:
+    """(the effective spec, why the Flow's inputs do not fit the template's parameters)."""
+    ref = flow_spec.get("templateRef") or {}
+    tspec = template.get("spec") or {}
+    return (effective_spec(tspec, flow_spec),
+            parameter_problems(tspec, flow_spec.get("inputs"), describe_ref(namespace, ref)))
+
+
+__all__ = ["describe_ref", "effective_flow", "effective_spec", "parameter_problems", "problems", "snapshot",
+           "template_key"]
