@@ -6,6 +6,15 @@
     kubectl flow say NAME TEXT [--timeout SECONDS]     send one message to a conversation, print the reply
     kubectl flow chat NAME [--timeout SECONDS]         talk to a conversation, one message per line
     kubectl flow console [--port PORT] [--no-browser]  the web console on this machine, with your kubeconfig
+    kubectl flow run-template TEMPLATE [-p KEY=VALUE]... [--cluster-template] [--name NAME | --generate-name]
+                              [--dry-run]              start a Flow from a FlowTemplate, print its name
+
+run-template reads the template (a ClusterFlowTemplate with --cluster-template: kubectl's own --cluster
+names a kubeconfig cluster) and checks the parameters before it creates anything. The Flow is named
+NAME, or TEMPLATE-<suffix> by the API server (--generate-name, the default); --dry-run prints it
+instead. -p/--param KEY=VALUE sets spec.inputs.KEY, once per key: VALUE is JSON when it parses as
+JSON (300, true, '["a", "b"]', '{"k": 1}', '"quoted text"') and text otherwise, and kept as text for
+a parameter of type string; KEY=@FILE reads VALUE from FILE (quote a text that starts with @: '"@x"').
 
 Flags go anywhere on the line; `--` ends them (for a TEXT that starts with `-`). kubectl's own
 -n/--namespace, --context, --kubeconfig, --cluster, --user, --as, --as-group, --request-timeout,
@@ -31,8 +40,20 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from flowkube_api.constants import PLURAL, SINGULAR, Phase, Reason
+from flowkube_api.constants import (
+    API_VERSION,
+    CLUSTER_TEMPLATE_KIND,
+    CLUSTER_TEMPLATE_PLURAL,
+    KIND,
+    PLURAL,
+    SINGULAR,
+    TEMPLATE_KIND,
+    TEMPLATE_PLURAL,
+    Phase,
+    Reason,
+)
 from flowkube_api.inbox import feedback_patch, message_patch
+from flowkube_api.templates import describe_ref, parameter_problems
 
 POLL_INTERVAL = 0.3  # seconds between reads of a Flow while `say` waits for its reply
 HISTORY = 6  # messages `chat` shows when it starts
@@ -41,6 +62,8 @@ _KUBE_VALUE_FLAGS = {"-n": "--namespace", "-s": "--server"} | {
     f: f for f in ("--namespace", "--context", "--kubeconfig", "--cluster", "--user", "--as", "--as-group",
                    "--request-timeout", "--server", "--token", "--certificate-authority")}
 _KUBE_BOOL_FLAGS = {"--insecure-skip-tls-verify"}
+_SHORT_VALUE_FLAGS = {"-n", "-s", "-p"}  # also -nNAME and -n=NAME, as kubectl takes them
+_PARAM_FLAGS = {"-p", "--param"}  # run-template's, repeatable
 # command: (positionals, least of them, its own flags)
 _COMMANDS: dict[str, tuple[str, int, frozenset[str]]] = {
     "get": ("[NAME]", 0, frozenset()),
@@ -48,8 +71,10 @@ _COMMANDS: dict[str, tuple[str, int, frozenset[str]]] = {
     "say": ("NAME TEXT", 2, frozenset({"--timeout"})),
     "chat": ("NAME", 1, frozenset({"--timeout"})),
     "console": ("", 0, frozenset({"--port", "--no-browser"})),
+    "run-template": ("TEMPLATE", 1, frozenset({"--name", "--generate-name", "--cluster-template", "--dry-run"})),
 }
-_BOOL_COMMAND_FLAGS = frozenset({"--no-browser"})
+_BOOL_COMMAND_FLAGS = frozenset({"--no-browser", "--generate-name", "--cluster-template", "--dry-run"})
+_OFF = ("false", "0", "none")  # a boolean flag's values that turn it off (--dry-run=none as in kubectl)
 _COMMAND_FLAGS = frozenset().union(*(spec[2] for spec in _COMMANDS.values()))
 
 
@@ -69,6 +94,7 @@ class Args:
     pos: list[str] = field(default_factory=list)
     opts: dict[str, str] = field(default_factory=dict)
     kube: list[str] = field(default_factory=list)  # kubectl's global flags, as --flag=value
+    params: list[str] = field(default_factory=list)  # run-template's -p KEY=VALUE, in order
     all_namespaces: bool = False
     help: bool = False
 
@@ -90,12 +116,17 @@ def parse(argv: list[str]) -> Args:
     return a
 
 
+def _split(tok: str) -> tuple[str, str, str]:
+    """(flag, "=" or "", value) of ``--flag=value``, ``-nNAMESPACE`` or ``-n=NAMESPACE``."""
+    if tok[:2] in _SHORT_VALUE_FLAGS and len(tok) > 2:
+        return tok[:2], "=", tok[2:].removeprefix("=")
+    return tok.partition("=")
+
+
 def _take_flag(a: Args, tok: str, argv: list[str], i: int) -> int:
     """Record the flag ``tok`` (its value from the next argument if it needs one and has no ``=``);
     returns the index of the argument after it."""
-    flag, eq, value = tok.partition("=")
-    if not eq and not flag.startswith("--") and flag[:2] in _KUBE_VALUE_FLAGS and len(flag) > 2:
-        flag, eq, value = flag[:2], "=", flag[2:]  # -nNAMESPACE
+    flag, eq, value = _split(tok)
     if flag in ("-h", "--help"):
         a.help = True
     elif flag in ("-A", "--all-namespaces"):
@@ -104,12 +135,14 @@ def _take_flag(a: Args, tok: str, argv: list[str], i: int) -> int:
         a.kube.append(tok)
     elif flag in _BOOL_COMMAND_FLAGS:
         a.opts[flag] = value or "true"
-    elif flag in _KUBE_VALUE_FLAGS or flag in _COMMAND_FLAGS:
+    elif flag in _KUBE_VALUE_FLAGS or flag in _COMMAND_FLAGS or flag in _PARAM_FLAGS:
         if not eq:
             if i == len(argv):
                 raise UsageError(f"flag {flag} needs a value")
             value, i = argv[i], i + 1
-        if flag in _KUBE_VALUE_FLAGS:
+        if flag in _PARAM_FLAGS:
+            a.params.append(value)
+        elif flag in _KUBE_VALUE_FLAGS:
             a.kube.append(f"{_KUBE_VALUE_FLAGS[flag]}={value}")
         else:
             a.opts[flag] = value
@@ -130,8 +163,14 @@ def _check(a: Args) -> None:
     for flag in a.opts:
         if flag not in flags:
             raise UsageError(f"unknown flag {flag} for {a.cmd}")
+    if a.params and a.cmd != "run-template":
+        raise UsageError(f"unknown flag -p/--param for {a.cmd}")
     if a.all_namespaces and (a.cmd != "get" or a.pos):
         raise UsageError("-A/--all-namespaces only applies to `kubectl flow get` without NAME")
+    _check_values(a)
+
+
+def _check_values(a: Args) -> None:
     try:
         if not float(a.opts.get("--timeout", 0)) >= 0:
             raise ValueError
@@ -139,14 +178,23 @@ def _check(a: Args) -> None:
         raise UsageError(f"--timeout needs a number of seconds, got {a.opts['--timeout']!r}") from None
     if not a.opts.get("--port", "0").isdigit() or int(a.opts.get("--port", "0")) > 65535:
         raise UsageError(f"--port needs a port number, got {a.opts['--port']!r}")
+    if "--name" in a.opts and (not a.opts["--name"] or _on(a, "--generate-name")):
+        raise UsageError("--name needs a name, and goes without --generate-name")
+    if a.opts.get("--dry-run", "true").lower() not in ("true", "1", "client", *_OFF):
+        raise UsageError(f"--dry-run is client-side only (--dry-run or --dry-run=client), got {a.opts['--dry-run']!r}")
 
 
-def _kubectl(args: list[str], kube: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([os.environ.get("KUBECTL", "kubectl"), *args, *kube], capture_output=True, text=True)
+def _on(a: Args, flag: str) -> bool:
+    return a.opts.get(flag, "false").lower() not in _OFF
 
 
-def _json(args: list[str], kube: list[str]) -> dict[str, Any]:
-    out = _kubectl([*args, "-o", "json"], kube)
+def _kubectl(args: list[str], kube: list[str], stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([os.environ.get("KUBECTL", "kubectl"), *args, *kube], capture_output=True, text=True,
+                          input=stdin)
+
+
+def _json(args: list[str], kube: list[str], stdin: str | None = None) -> dict[str, Any]:
+    out = _kubectl([*args, "-o", "json"], kube, stdin)
     if out.returncode != 0:
         raise KubectlError(out)
     doc: dict[str, Any] = json.loads(out.stdout)
@@ -422,9 +470,110 @@ def _stop(proc: subprocess.Popen[Any]) -> None:
         proc.wait()
 
 
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")  # Python's json module would take NaN and Infinity
+
+
+def param_value(text: str) -> Any:
+    """A -p VALUE: the JSON value when it parses as JSON, else the text itself."""
+    try:
+        return json.loads(text, parse_constant=_not_json)
+    except (ValueError, RecursionError):
+        return text
+
+
+def read_params(params: list[str]) -> dict[str, str]:
+    """KEY: VALUE text of each -p KEY=VALUE (VALUE read from FILE for KEY=@FILE), before any parsing."""
+    out: dict[str, str] = {}
+    for p in params:
+        key, eq, text = p.partition("=")
+        if not eq or not key:
+            raise UsageError(f"-p {p!r} needs KEY=VALUE")
+        if key in out:
+            raise UsageError(f"-p {key} given twice")
+        if text.startswith("@"):
+            try:
+                text = Path(text[1:]).expanduser().read_text()
+            except (OSError, UnicodeDecodeError) as e:
+                raise UsageError(f"-p {key}={text}: cannot read {text[1:]!r}: {e}") from None
+        out[key] = text
+    return out
+
+
+def template_inputs(texts: dict[str, str], template_spec: dict[str, Any]) -> dict[str, Any]:
+    """spec.inputs from the -p texts: JSON values, except that a parameter of type string gets the
+    text itself unless it is a JSON string (`-p version=1.10` is "1.10", not 1.1)."""
+    types = {p.get("name"): p.get("type") for p in template_spec.get("parameters") or [] if isinstance(p, dict)}
+    out: dict[str, Any] = {}
+    for key, text in texts.items():
+        value = param_value(text)
+        out[key] = text if types.get(key) == "string" and not isinstance(value, str) else value
+    return out
+
+
+def template_flow(template: str, kind: str, inputs: dict[str, Any], name: str | None = None) -> dict[str, Any]:
+    """The Flow run-template creates: NAME, or TEMPLATE-<suffix> from the API server."""
+    spec: dict[str, Any] = {"templateRef": {"name": template, "kind": kind}}
+    if inputs:
+        spec["inputs"] = inputs
+    return {"apiVersion": API_VERSION, "kind": KIND,
+            "metadata": {"name": name} if name else {"generateName": f"{template}-"}, "spec": spec}
+
+
+def _parameter_lines(what: str, template_spec: dict[str, Any]) -> list[str]:
+    params = [p for p in template_spec.get("parameters") or [] if isinstance(p, dict)]
+    lines = [f"{what} takes:" if params else f"{what} declares no parameters."]
+    for p in params:
+        facts = [str(p.get("type") or "any JSON")]
+        if "default" in p:
+            facts.append(f"default {json.dumps(p['default'])}")
+        elif p.get("required"):
+            facts.append("required")
+        lines.append(f"  -p {p.get('name')}=...  ({', '.join(facts)})"
+                     + (f" {_short(p['description'])}" if p.get("description") else ""))
+    return lines
+
+
+def run_template(a: Args) -> int:
+    """Read the template, check the -p values against its parameters, then create the Flow (or print it)."""
+    texts = read_params(a.params)
+    cluster = _on(a, "--cluster-template")
+    kind, plural = (CLUSTER_TEMPLATE_KIND, CLUSTER_TEMPLATE_PLURAL) if cluster else (TEMPLATE_KIND, TEMPLATE_PLURAL)
+    ref = {"name": a.pos[0], "kind": kind}
+    namespace = next((k.partition("=")[2] for k in reversed(a.kube) if k.startswith("--namespace=")), "")
+    try:
+        template = _json(["get", plural, a.pos[0]], a.kube)
+    except KubectlError as e:
+        if "(NotFound)" not in str(e):
+            raise
+        where = "" if cluster or namespace else " in the current namespace"
+        hint = f"kubectl get {plural}" + ("" if cluster else "; a ClusterFlowTemplate: add --cluster-template")
+        print(f"kubectl flow: error: {describe_ref(namespace, ref)} not found{where} ({hint})", file=sys.stderr)
+        return 1
+    what = describe_ref(template.get("metadata", {}).get("namespace") or namespace, ref)
+    tspec = template.get("spec") or {}
+    inputs = template_inputs(texts, tspec)
+    problems = parameter_problems(tspec, inputs, what)
+    if problems:
+        for problem in problems:
+            print(f"kubectl flow: error: {problem}", file=sys.stderr)
+        print("\n".join(_parameter_lines(what, tspec)), file=sys.stderr)
+        return 1
+    body = template_flow(a.pos[0], kind, inputs, a.opts.get("--name"))
+    if _on(a, "--dry-run"):
+        print(json.dumps(body, indent=2))
+        return 0
+    name = _json(["create", "-f", "-"], a.kube, json.dumps(body))["metadata"]["name"]
+    print(name)
+    print(f"Follow it: kubectl flow get {name}", file=sys.stderr)
+    return 0
+
+
 def _run(a: Args) -> int:
     if a.cmd == "console":
         return console(a)
+    if a.cmd == "run-template":
+        return run_template(a)
     timeout = float(a.opts.get("--timeout", 300))
     if a.cmd == "feedback":
         out = _patch(a.pos[0], feedback_patch(a.pos[1], a.opts.get("--request-id")), a.kube)

@@ -36,8 +36,8 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "flowkube_flow_cost_usd_total": ("counter", "USD a flow's LLM calls cost over all its runs, by model "
                                      "(priced by the runner at the time of each call)."),
     "flowkube_flow_unpriced_tokens_total": ("counter", "Tokens of a flow's LLM calls whose model has no price."),
-    "flowkube_namespace_cost_usd_total": ("counter", "USD spent by the flows of a namespace, by definition and model; "
-                                          "a deleted Flow's spend stays."),
+    "flowkube_namespace_cost_usd_total": ("counter", "USD spent by the flows of a namespace, by definition, template "
+                                          "and model; a deleted Flow's spend stays."),
     "flowkube_flow_runs_total": ("counter", "Runner pods started for a flow, by trigger."),
     "flowkube_flow_turns_total": ("counter", "Messages a conversation answered."),
     "flowkube_flow_phase": ("gauge", "1 for the flow's current phase, 0 for the others."),
@@ -87,7 +87,10 @@ def contributions(body: Body) -> dict[tuple[str, Labels], float]:
     """Every sample one Flow adds, with the full label set (flow included)."""
     meta, st = body.get("metadata") or {}, body.get("status") or {}
     ns, name, definition = meta.get("namespace", ""), meta.get("name", ""), _definition(body)
-    base = (("namespace", ns), ("flow", name), ("definition", definition))
+    # A Flow of a template carries its name: spend and usage sum by template (and by CronFlow later).
+    template = str(((body.get("spec") or {}).get("templateRef") or {}).get("name") or "")
+    of_template: Labels = (("template", template),) if template else ()
+    base = (("namespace", ns), ("flow", name), ("definition", definition), *of_template)
     out: dict[tuple[str, Labels], float] = {}
     usage = st.get("usage") or {}
     for model, u in sorted((usage.get("byModel") or {}).items()):
@@ -97,7 +100,7 @@ def contributions(body: Body) -> dict[tuple[str, Labels], float]:
         cost = float(Decimal(u.get("cost") or 0))
         out[("flowkube_flow_cost_usd_total", (*base, ("model", model)))] = cost
         out[("flowkube_flow_unpriced_tokens_total", (*base, ("model", model)))] = u.get("unpricedTokens", 0)
-        out[("flowkube_namespace_cost_usd_total", (("namespace", ns), ("definition", definition),
+        out[("flowkube_namespace_cost_usd_total", (("namespace", ns), ("definition", definition), *of_template,
                                                    ("model", model)))] = cost
     counts = dict.fromkeys(_TRIGGERS, 0)
     for r in st.get("runs") or []:

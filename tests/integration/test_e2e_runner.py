@@ -234,3 +234,99 @@ def test_a_pod_deleted_during_a_model_call_reports_the_call_and_a_retry_finishes
     print(f"graceful-once ended {once['phase']} ({once.get('reason')}): {once.get('message')}; "
           f"runs: {[(r['result'], r.get('reason'), r.get('exitCode')) for r in once['runs']]}; graceful's runs: "
           f"{[(r['result'], r.get('reason'), r.get('exitCode')) for r in st['runs']]}")
+
+
+# -- templates ---------------------------------------------------------------------------------------
+
+def apply_object(stack: RealRunnerStack, obj: dict[str, Any], namespace: str | None = None,
+                 check: bool = True) -> Any:
+    args = ["apply", "-f", "-"] + (["-n", namespace] if namespace else [])
+    return stack.cluster.kubectl(*args, input=json.dumps(obj), check=check)
+
+
+def review_template(publish_input: str = "PUBLISH ${outputs.draft.raw}") -> dict[str, Any]:
+    definition = review_definition()
+    definition["methods"]["publish"]["do"]["with"]["input"] = publish_input
+    return {"apiVersion": "flowkube.io/v1alpha1", "kind": "FlowTemplate", "metadata": {"name": "review"},
+            "spec": {"description": "A draft a person approves before it is published.",
+                     "parameters": [{"name": "topic", "required": True, "type": "string",
+                                     "description": "what the draft is about"}],
+                     "template": {"definition": definition, "feedback": {"timeoutSeconds": 3600}}}}
+
+
+def test_a_flow_from_a_template_runs_its_parameters_and_a_template_change_does_not_change_it(
+        stack: RealRunnerStack, flows: Flows) -> None:
+    apply_object(stack, review_template(), flows.ns)
+    mark = len(stack.stub.ledger())
+    flows.apply("from-template", {"templateRef": {"name": "review"}, "inputs": {"topic": "templates"}})
+    st = flows.wait_phase("from-template", "AwaitingFeedback", timeout=RUN_TIMEOUT)
+    taken = st["template"]
+    assert (taken["kind"], taken["name"], taken["generation"]) == ("FlowTemplate", "review", 1)
+    assert st["definition"] == "ReviewedArticle" and st["feedback"]["request"]["message"] == "Publish this draft?"
+    assert "DRAFT about templates" in stack.stub.ledger()[mark]["lastUser"], "the parameter reached the flow"
+    columns = stack.cluster.kubectl("get", "flow", "from-template", "-n", flows.ns).stdout
+    assert "TEMPLATE" in columns.splitlines()[0] and "review" in columns.splitlines()[1], columns
+
+    # The template changes while the Flow waits: its resume runs the template it started with.
+    apply_object(stack, review_template("REWRITTEN ${outputs.draft.raw}"), flows.ns)
+    template = json.loads(stack.cluster.kubectl("get", "flowtemplate", "review", "-n", flows.ns, "-o", "json").stdout)
+    assert template["metadata"]["generation"] == 2
+    flows.patch_status("from-template", {"status": {"feedback": {"response": {"text": "approved"}}}})
+    st = flows.wait_phase("from-template", "Succeeded", timeout=RUN_TIMEOUT)
+    assert st["result"]["output"] == PUBLISHED, "the resume ran generation 1's publish step"
+    assert st["template"]["generation"] == 1
+    assert not any("REWRITTEN" in e["lastUser"] for e in stack.stub.ledger()[mark:])
+    assert usage_of(st) == stack.usage_since(mark), "status.usage equals what the model served, each call once"
+
+    # A Flow made after the change runs the new generation.
+    flows.apply("after-change", {"templateRef": {"name": "review"}, "inputs": {"topic": "later"}})
+    st = flows.wait_phase("after-change", "AwaitingFeedback", timeout=RUN_TIMEOUT)
+    assert st["template"]["generation"] == 2
+
+
+def test_a_cluster_template_serves_every_namespace_and_bad_uses_are_refused_at_apply(
+        stack: RealRunnerStack, flows: Flows) -> None:
+    name = f"shared-article-{flows.ns[-6:]}"
+    shared = {"apiVersion": "flowkube.io/v1alpha1", "kind": "ClusterFlowTemplate", "metadata": {"name": name},
+              "spec": {"parameters": [{"name": "topic", "required": True, "type": "string"},
+                                      {"name": "words", "type": "integer", "default": 300}],
+                       "template": {"flowRef": ARTICLE_FLOW}}}
+    apply_object(stack, shared)
+    try:
+        ref = {"name": name, "kind": "ClusterFlowTemplate"}
+
+        def refused(spec: dict[str, Any], obj_name: str = "bad") -> str:
+            obj = {"apiVersion": "flowkube.io/v1alpha1", "kind": "Flow", "metadata": {"name": obj_name}, "spec": spec}
+            out = apply_object(stack, obj, flows.ns, check=False)
+            assert out.returncode != 0, f"admitted: {spec}"
+            assert flows.get(obj_name) is None
+            return str(out.stderr)
+
+        assert f'spec.inputs.topic: required by ClusterFlowTemplate "{name}"' in refused({"templateRef": ref})
+        assert "spec.inputs.words: must be integer" in refused({"templateRef": ref,
+                                                                "inputs": {"topic": "t", "words": "many"}})
+        assert "has no parameter 'topik'" in refused({"templateRef": ref, "inputs": {"topic": "t", "topik": 1}})
+        assert 'spec.templateRef: FlowTemplate "nowhere"' in refused({"templateRef": {"name": "nowhere"}})
+        assert "exactly one of spec.definition, spec.flowRef or spec.templateRef" in refused(
+            {"templateRef": ref, "flowRef": ARTICLE_FLOW})
+        bad_template = {"apiVersion": "flowkube.io/v1alpha1", "kind": "FlowTemplate", "metadata": {"name": "loop"},
+                        "spec": {"parameters": [{"name": "n", "type": "integer", "default": "three"}],
+                                 "template": {"definition": LOOP}}}
+        out = apply_object(stack, bad_template, flows.ns, check=False)
+        assert out.returncode != 0 and "spec.parameters[n].default: must be integer" in out.stderr, out.stderr
+        del bad_template["spec"]["parameters"]
+        out = apply_object(stack, bad_template, flows.ns, check=False)
+        assert out.returncode != 0 and "spec.template.definition.methods.again.listen" in out.stderr, out.stderr
+
+        mark = len(stack.stub.ledger())
+        flows.apply("shared", {"templateRef": ref, "inputs": {"topic": "dogs"}})
+        st = flows.wait_phase("shared", "Succeeded", timeout=RUN_TIMEOUT)
+        assert st["definition"] == "ArticleFlow" and st["template"]["kind"] == "ClusterFlowTemplate"
+        assert "dogs" in stack.stub.ledger()[mark]["lastUser"]
+        assert usage_of(st) == stack.usage_since(mark)
+        # The template names the Flow's template for good: a Flow cannot be moved to another one.
+        patch = json.dumps({"spec": {"templateRef": {"name": "review"}}})
+        out = stack.cluster.kubectl("patch", "flow", "shared", "-n", flows.ns, "--type=merge", "-p", patch, check=False)
+        assert out.returncode != 0 and "spec.templateRef is immutable" in out.stderr, out.stderr
+    finally:
+        stack.cluster.kubectl("delete", "clusterflowtemplate", name, "--ignore-not-found", check=False)

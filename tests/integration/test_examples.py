@@ -100,3 +100,19 @@ def test_budget_retries(stack: RealRunnerStack, flows: Flows) -> None:
     usage = Usage.model_validate(st["usage"])
     assert usage == stack.usage_since(mark)
     assert usage.total_tokens > obj["spec"]["budget"]["maxTotalTokens"]
+
+
+def test_a_template_and_a_flow_of_it(stack: RealRunnerStack, flows: Flows) -> None:
+    templates = EXAMPLES.parent / "templates"
+    assert sorted(p.name for p in templates.glob("*.yaml")) == ["nightly-report.yaml", "report-flow.yaml"]
+    path = templates / "report-flow.yaml"
+    text = path.read_text()
+    assert re.search(r"^# Documented end state: Succeeded", text, re.MULTILINE)
+    name, mark = yaml.safe_load(text)["metadata"]["name"], len(stack.stub.ledger())
+    apply(stack, flows, templates / "nightly-report.yaml")
+    stack.cluster.kubectl("apply", "-n", flows.ns, "-f", str(path))
+    st = flows.wait_phase(name, "Succeeded", timeout=RUN_TIMEOUT)
+    assert (st["template"]["name"], st["template"]["generation"]) == ("nightly-report", 1)
+    assert "Write a 150-word report about Kubernetes operators." in stack.stub.ledger()[mark]["lastUser"]
+    usage = Usage.model_validate(st["usage"])
+    assert usage == stack.usage_since(mark) and usage.successful_requests == 1

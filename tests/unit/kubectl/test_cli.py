@@ -13,8 +13,8 @@ import pytest
 
 from flowkube_kubectl import cli
 
-# Records its argv, then answers the n-th call of a kind ("get flow", "patch flow", ...) with the
-# n-th canned reply of that kind (the last one repeats).
+# Records its argv (and what `create -f -` reads), then answers the n-th call of a kind ("get flow",
+# "patch flow", ...) with the n-th canned reply of that kind (the last one repeats).
 FAKE = """\
 import json, sys
 from pathlib import Path
@@ -22,6 +22,9 @@ d = Path(__file__).parent
 key = " ".join(sys.argv[1:3])
 with (d / "argv.jsonl").open("a") as f:
     f.write(json.dumps(sys.argv[1:]) + "\\n")
+if sys.argv[1:4] == ["create", "-f", "-"]:
+    with (d / "stdin.jsonl").open("a") as f:
+        f.write(json.dumps(sys.stdin.read()) + "\\n")
 n = sum(" ".join(json.loads(line)[:2]) == key for line in (d / "argv.jsonl").read_text().splitlines()) - 1
 replies = json.loads((d / "replies.json").read_text()).get(key) or [{}]
 r = replies[min(n, len(replies) - 1)]
@@ -44,6 +47,11 @@ class Kubectl:
     def calls(self) -> list[list[str]]:
         path = self.d / "argv.jsonl"
         return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def created(self) -> list[Any]:
+        """The objects `create -f -` read, parsed."""
+        path = self.d / "stdin.jsonl"
+        return [json.loads(json.loads(line)) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 @pytest.fixture
@@ -127,6 +135,15 @@ def test_double_dash_ends_flags(kubectl: Kubectl) -> None:
     (["console", "--timeout", "3"], "unknown flag --timeout for console"),
     (["frobnicate"], "unknown command 'frobnicate'"),
     ([], "missing command"),
+    (["run-template"], "usage: kubectl flow run-template TEMPLATE"),
+    (["run-template", "t", "-p", "words"], "-p 'words' needs KEY=VALUE"),
+    (["run-template", "t", "-p", "=300"], "-p '=300' needs KEY=VALUE"),
+    (["run-template", "t", "-p", "a=1", "--param=a=2"], "-p a given twice"),
+    (["run-template", "t", "-p", "notes=@/no/such/file"], "-p notes=@/no/such/file: cannot read '/no/such/file'"),
+    (["run-template", "t", "--name", "x", "--generate-name"], "--name needs a name, and goes without"),
+    (["run-template", "t", "--name="], "--name needs a name"),
+    (["run-template", "t", "--dry-run=server"], "--dry-run is client-side only"),
+    (["say", "chat", "hi", "-p", "a=1"], "unknown flag -p/--param for say"),
 ])
 def test_usage_errors_name_the_problem_and_run_nothing(kubectl: Kubectl, capsys: pytest.CaptureFixture[str],
                                                        argv: list[str], expected: str) -> None:
@@ -145,6 +162,7 @@ def test_help_shows_the_usage_lines(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["say", "--help"]) == 0
     out = capsys.readouterr().out
     assert "kubectl flow say NAME TEXT [--timeout SECONDS]" in out and "kubectl flow chat NAME" in out
+    assert "kubectl flow run-template TEMPLATE [-p KEY=VALUE]... [--cluster-template]" in out
 
 
 def test_kubectl_errors_pass_through(kubectl: Kubectl, capsys: pytest.CaptureFixture[str]) -> None:
@@ -339,3 +357,124 @@ def test_get_shows_each_sinks_last_delivery() -> None:
     pager = next(line for line in text.splitlines() if "pager" in line)
     assert "Failed" in pager and "Rejected HTTP 404" in pager
     assert "404: no such hook" in text
+
+
+# --- run-template -------------------------------------------------------------------------------------------------
+
+def template(kind: str = "FlowTemplate", name: str = "summarize", ns: str | None = "team") -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name} | ({"namespace": ns} if ns else {})
+    return {"apiVersion": "flowkube.io/v1alpha1", "kind": kind, "metadata": meta, "spec": {
+        "parameters": [
+            {"name": "topic", "type": "string", "required": True, "description": "What to summarize"},
+            {"name": "words", "type": "integer", "default": 300},
+            {"name": "tags", "type": "array"},
+            {"name": "version", "type": "string"},
+        ],
+        "template": {"definition": {"name": "Summarize"}},
+    }}
+
+
+GET_TEMPLATE = ["get", "flowtemplates", "summarize", "-o", "json"]
+CREATE = ["create", "-f", "-", "-o", "json"]
+
+
+@pytest.mark.parametrize(("text", "value"), [
+    ("300", 300), ("-2", -2), ("2.5", 2.5), ("true", True), ("false", False), ("null", None),
+    ('["a", "b"]', ["a", "b"]), ('{"k": 1}', {"k": 1}), ('"300"', "300"), ('"@x"', "@x"),
+    ("hello", "hello"), ("hello world", "hello world"), ("", ""), ("007", "007"), ("1.2.3", "1.2.3"),
+    ("NaN", "NaN"), ("-Infinity", "-Infinity"), ("[1,", "[1,"), ("[" * 100_000, "[" * 100_000),
+])
+def test_a_param_is_json_when_it_parses_else_text(text: str, value: Any) -> None:
+    assert cli.param_value(text) == value
+
+
+def test_a_string_parameter_keeps_the_text_unless_it_is_a_json_string() -> None:
+    texts = {"version": "1.10", "topic": '"quoted"', "words": "300", "tags": '["a"]', "other": "true"}
+    assert cli.template_inputs(texts, template()["spec"]) == {
+        "version": "1.10", "topic": "quoted", "words": 300, "tags": ["a"], "other": True}
+
+
+def test_params_in_every_flag_form_and_from_a_file(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("line one\nline two\n")
+    (tmp_path / "tags.json").write_text('["x", "y"]\n')
+    a = cli.parse(["run-template", "summarize", "-pa=1", "-p=b=x=y", "--param", "c=3", "--param=d=4",
+                   "-p", f"notes=@{tmp_path}/notes.txt", "-p", f"tags=@{tmp_path}/tags.json"])
+    texts = cli.read_params(a.params)
+    assert texts == {"a": "1", "b": "x=y", "c": "3", "d": "4", "notes": "line one\nline two\n",
+                     "tags": '["x", "y"]\n'}
+    assert cli.template_inputs(texts, template()["spec"])["tags"] == ["x", "y"]
+
+
+def test_run_template_creates_the_flow_and_prints_its_name(kubectl: Kubectl,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    kubectl.on("get flowtemplates", template())
+    kubectl.on("create -f", {"kind": "Flow", "metadata": {"name": "summarize-x7k2p", "namespace": "team"}})
+    rc = cli.main(["run-template", "summarize", "-p", "topic=kubernetes", "-p", "words=300", "-n", "team",
+                   "-p", 'tags=["a", "b"]', "-p", "version=1.10"])
+    assert rc == 0
+    assert kubectl.calls() == [[*GET_TEMPLATE, "--namespace=team"], [*CREATE, "--namespace=team"]]
+    assert kubectl.created() == [{
+        "apiVersion": "flowkube.io/v1alpha1", "kind": "Flow", "metadata": {"generateName": "summarize-"},
+        "spec": {"templateRef": {"name": "summarize", "kind": "FlowTemplate"},
+                 "inputs": {"topic": "kubernetes", "words": 300, "tags": ["a", "b"], "version": "1.10"}}}]
+    out = capsys.readouterr()
+    assert out.out == "summarize-x7k2p\n" and "kubectl flow get summarize-x7k2p" in out.err
+
+
+def test_run_template_from_a_cluster_template_with_a_name(kubectl: Kubectl,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    kubectl.on("get clusterflowtemplates", template("ClusterFlowTemplate", "weekly", ns=None))
+    kubectl.on("create -f", {"kind": "Flow", "metadata": {"name": "weekly-1"}})
+    # kubectl's --cluster (a kubeconfig cluster) still reaches kubectl beside --cluster-template
+    assert cli.main(["run-template", "weekly", "--cluster-template", "--cluster", "c1", "--name", "weekly-1",
+                     "-p", "topic=news"]) == 0
+    assert kubectl.calls() == [["get", "clusterflowtemplates", "weekly", "-o", "json", "--cluster=c1"],
+                               [*CREATE, "--cluster=c1"]]
+    assert kubectl.created() == [{
+        "apiVersion": "flowkube.io/v1alpha1", "kind": "Flow", "metadata": {"name": "weekly-1"},
+        "spec": {"templateRef": {"name": "weekly", "kind": "ClusterFlowTemplate"}, "inputs": {"topic": "news"}}}]
+    assert capsys.readouterr().out == "weekly-1\n"
+
+
+def test_run_template_refuses_bad_inputs_and_creates_nothing(kubectl: Kubectl,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    kubectl.on("get flowtemplates", template())
+    assert cli.main(["run-template", "summarize", "-p", "words=many", "-p", "colour=red", "-n", "team"]) == 1
+    assert kubectl.calls() == [[*GET_TEMPLATE, "--namespace=team"]]
+    err = capsys.readouterr().err
+    where = 'FlowTemplate "summarize" in namespace "team"'
+    assert f"spec.inputs.colour: {where} has no parameter 'colour'" in err
+    assert f"spec.inputs.words: must be integer (a parameter of {where}), not string" in err
+    assert f"spec.inputs.topic: required by {where} (What to summarize)" in err
+    assert f"{where} takes:" in err and "-p topic=...  (string, required) What to summarize" in err
+    assert "-p words=...  (integer, default 300)" in err
+
+
+def test_run_template_dry_run_prints_the_flow_and_creates_nothing(kubectl: Kubectl,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    kubectl.on("get flowtemplates", template())
+    assert cli.main(["run-template", "summarize", "-p", "topic=k8s", "--dry-run"]) == 0
+    assert kubectl.calls() == [GET_TEMPLATE]
+    assert json.loads(capsys.readouterr().out) == {
+        "apiVersion": "flowkube.io/v1alpha1", "kind": "Flow", "metadata": {"generateName": "summarize-"},
+        "spec": {"templateRef": {"name": "summarize", "kind": "FlowTemplate"}, "inputs": {"topic": "k8s"}}}
+
+
+def test_run_template_of_a_missing_template(kubectl: Kubectl, capsys: pytest.CaptureFixture[str]) -> None:
+    kubectl.on("get flowtemplates", rc=1,
+               err='Error from server (NotFound): flowtemplates.flowkube.io "summarize" not found\n')
+    assert cli.main(["run-template", "summarize", "-p", "topic=k8s"]) == 1
+    assert kubectl.calls() == [GET_TEMPLATE]
+    err = capsys.readouterr().err
+    assert 'kubectl flow: error: FlowTemplate "summarize" not found in the current namespace' in err
+    assert "add --cluster-template" in err
+
+
+def test_run_template_passes_other_kubectl_errors_through(kubectl: Kubectl,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    kubectl.on("get flowtemplates", template())
+    denied = 'Error from server (Forbidden): admission webhook "flows.flowkube.io" denied the request: nope\n'
+    kubectl.on("create -f", rc=1, err=denied)
+    assert cli.main(["run-template", "summarize", "-p", "topic=k8s"]) == 1
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == denied

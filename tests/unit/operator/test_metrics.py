@@ -143,3 +143,17 @@ def test_spend_per_flow_and_model_and_a_namespace_rollup_that_keeps_deleted_flow
     m.update(("team-a", "f2"), None)  # deleted: its series go, its spend stays in the namespace's counter
     s = samples(m.render())
     assert not any('flow="f2"' in k for k in s) and s[rollup] == 0.5125
+
+
+def test_flows_of_a_template_carry_its_name_and_spend_sums_by_template() -> None:
+    m = FlowMetrics(per_flow=False)
+    for name in ("night-1", "night-2"):
+        b = body(name)
+        b["spec"] = {"templateRef": {"name": "nightly"}}
+        m.update(("team-a", name), b)
+    m.update(("team-a", "adhoc"), body("adhoc"))
+    text = m.render()
+    assert ('flowkube_flow_llm_requests_total{namespace="team-a",definition="research",template="nightly",'
+            'model="gpt-4o"} 4') in text
+    assert 'flowkube_flow_llm_requests_total{namespace="team-a",definition="research",model="gpt-4o"} 2' in text
+    assert 'flowkube_namespace_cost_usd_total{namespace="team-a",definition="research",template="nightly",' in text
