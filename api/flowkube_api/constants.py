@@ -19,6 +19,10 @@ TEMPLATE_PLURAL = "flowtemplates"
 CLUSTER_TEMPLATE_KIND = "ClusterFlowTemplate"
 CLUSTER_TEMPLATE_PLURAL = "clusterflowtemplates"
 TEMPLATE_PARAMETERS_LIMIT = 64
+# CronFlows start Flows on a schedule; each Flow carries the CronFlow's name and its scheduled time.
+CRONFLOW_KIND = "CronFlow"
+CRONFLOW_PLURAL = "cronflows"
+CRONFLOW_NAME_LIMIT = 52  # + "-" + minutes since the epoch (8 digits until 2160) fits a Flow's 63
 
 PREFIX = GROUP  # label / annotation key prefix
 
@@ -27,6 +31,8 @@ LABEL_FLOW = f"{PREFIX}/flow"
 LABEL_RUN = f"{PREFIX}/run"
 LABEL_TRIGGER = f"{PREFIX}/trigger"
 LABEL_COMPONENT = f"{PREFIX}/component"
+LABEL_CRONFLOW = f"{PREFIX}/cronflow"  # on a Flow a CronFlow started: the CronFlow's name
+ANNOTATION_SCHEDULED = f"{PREFIX}/scheduled-at"  # on such a Flow: the scheduled time it was started for
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "flowkube"
 COMPONENT_RUNNER = "runner"

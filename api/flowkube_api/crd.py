@@ -13,12 +13,13 @@ from typing import Any
 import yaml
 
 from flowkube_api import constants as c
-from flowkube_api.models import FlowSpec, FlowStatus, FlowTemplateSpec
+from flowkube_api.models import CronFlowSpec, CronFlowStatus, FlowSpec, FlowStatus, FlowTemplateSpec
 
 CRD_DIR = Path(__file__).resolve().parents[2] / "crds"
 CRD_FILE = CRD_DIR / f"{c.GROUP}_{c.PLURAL}.yaml"
-KINDS = (c.KIND, c.TEMPLATE_KIND, c.CLUSTER_TEMPLATE_KIND)
-PLURALS = {c.KIND: c.PLURAL, c.TEMPLATE_KIND: c.TEMPLATE_PLURAL, c.CLUSTER_TEMPLATE_KIND: c.CLUSTER_TEMPLATE_PLURAL}
+KINDS = (c.KIND, c.TEMPLATE_KIND, c.CLUSTER_TEMPLATE_KIND, c.CRONFLOW_KIND)
+PLURALS = {c.KIND: c.PLURAL, c.TEMPLATE_KIND: c.TEMPLATE_PLURAL, c.CLUSTER_TEMPLATE_KIND: c.CLUSTER_TEMPLATE_PLURAL,
+           c.CRONFLOW_KIND: c.CRONFLOW_PLURAL}
 CRD_FILES = {kind: CRD_DIR / f"{c.GROUP}_{plural}.yaml" for kind, plural in PLURALS.items()}
 
 _DROP = {"title", "default"}  # defaults are applied by the operator, not stored by the API server
@@ -76,7 +77,7 @@ def _open_maps(out: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _schema_of(model: type[FlowSpec] | type[FlowStatus] | type[FlowTemplateSpec]) -> dict[str, Any]:
+def _schema_of(model: type[Any]) -> dict[str, Any]:
     raw = model.model_json_schema(by_alias=True, mode="validation")
     defs = raw.pop("$defs", {})
     return _structural(raw, defs)
@@ -84,6 +85,8 @@ def _schema_of(model: type[FlowSpec] | type[FlowStatus] | type[FlowTemplateSpec]
 
 def crd(kind: str = c.KIND) -> dict[str, Any]:
     """The CRD of ``kind`` (one of KINDS)."""
+    if kind == c.CRONFLOW_KIND:
+        return _cronflow_crd()
     if kind != c.KIND:
         return _template_crd(kind)
     printer_columns: list[dict[str, Any]] = [
@@ -146,6 +149,41 @@ def _template_crd(kind: str) -> dict[str, Any]:
     names = {"kind": kind, "listKind": f"{kind}List", "plural": plural, "singular": plural[:-1],
              "shortNames": ["cft" if cluster else "ft"], "categories": ["flowkube"]}
     return _definition(names, "Cluster" if cluster else "Namespaced", schema, printer_columns, status=False)
+
+
+def _cronflow_crd() -> dict[str, Any]:
+    printer_columns: list[dict[str, Any]] = [
+        {"name": "Schedule", "type": "string", "jsonPath": ".spec.schedule"},
+        {"name": "Time-Zone", "type": "string", "jsonPath": ".spec.timeZone"},
+        {"name": "Suspend", "type": "boolean", "jsonPath": ".spec.suspend"},
+        {"name": "Last-Schedule", "type": "date", "jsonPath": ".status.lastScheduleTime"},
+        {"name": "Tokens", "type": "integer", "jsonPath": ".status.usage.totalTokens",
+         "description": "Tokens of every Flow it started"},
+        {"name": "Cost", "type": "string", "jsonPath": ".status.usage.cost",
+         "description": "USD spent by every Flow it started"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+        {"name": "Active", "type": "string", "jsonPath": ".status.active", "priority": 1},
+    ]
+    schema = {
+        "type": "object",
+        "description": "Flows started on a schedule, as a CronJob starts Jobs.",
+        "required": ["spec"],
+        "x-kubernetes-validations": [
+            {"rule": f"size(self.metadata.name) <= {c.CRONFLOW_NAME_LIMIT}",
+             "message": f"metadata.name must be at most {c.CRONFLOW_NAME_LIMIT} characters: its Flows are named "
+                        "<name>-<scheduled minute>"},
+        ],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": _schema_of(CronFlowSpec),
+            "status": _schema_of(CronFlowStatus),
+        },
+    }
+    names = {"kind": c.CRONFLOW_KIND, "listKind": f"{c.CRONFLOW_KIND}List", "plural": c.CRONFLOW_PLURAL,
+             "singular": "cronflow", "shortNames": ["cfl"], "categories": ["flowkube", "all"]}
+    return _definition(names, "Namespaced", schema, printer_columns, status=True)
 
 
 def _definition(names: dict[str, Any], scope: str, schema: dict[str, Any], columns: list[dict[str, Any]], *,

@@ -15,9 +15,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import contextlib
 import datetime as dt
-import heapq
 import logging
 import socket
 import time
@@ -34,6 +32,7 @@ from flowkube_api.base import parse_time
 from flowkube_api.report import RunReport
 from flowkube_operator import notify, resources, selfmetrics
 from flowkube_operator.cache import FlowCache, FlowListener, Key
+from flowkube_operator.cronflows import CronFlows
 from flowkube_operator.informer import Informer
 from flowkube_operator.kube import (
     ApiError,
@@ -49,6 +48,9 @@ from flowkube_operator.notifier import Notifier
 from flowkube_operator.reconcile import Plan, RunIntent, late_pods, plan
 from flowkube_operator.settings import Settings
 from flowkube_operator.templatecache import TemplateCache
+from flowkube_operator.workqueue import NotLeadingError, WorkQueue, merge_patch
+
+__all__ = ["Controller", "ForeignObjectError", "NotLeadingError", "WorkQueue", "merge_patch"]
 
 Body = dict[str, Any]
 log = logging.getLogger("flowkube.controller")
@@ -56,75 +58,6 @@ log = logging.getLogger("flowkube.controller")
 
 class ForeignObjectError(Exception):
     """An object we would create exists, owned by another Flow (an earlier one of the same name)."""
-
-
-class NotLeadingError(Exception):
-    """This replica may no longer write: its Lease ran out (the next leader reconciles the Flow)."""
-
-
-def merge_patch(old: Any, new: Any) -> Any:
-    """RFC 7386 merge patch turning old into new (lists are replaced whole)."""
-    if not isinstance(old, dict) or not isinstance(new, dict):
-        return new
-    patch: Body = {}
-    for k in old.keys() - new.keys():
-        patch[k] = None
-    for k, v in new.items():
-        if k not in old:
-            patch[k] = v
-        elif old[k] != v:
-            patch[k] = merge_patch(old[k], v)
-    return patch
-
-
-class WorkQueue:
-    """De-duplicating queue with delayed adds; a key is handed to one worker at a time."""
-
-    def __init__(self) -> None:
-        self._queue: asyncio.Queue[Key] = asyncio.Queue()
-        self._queued: set[Key] = set()
-        self._active: set[Key] = set()
-        self._dirty: set[Key] = set()
-        self._delayed: list[tuple[float, Key]] = []
-        self._wake = asyncio.Event()
-
-    def add(self, key: Key) -> None:
-        if key in self._active:
-            self._dirty.add(key)
-        elif key not in self._queued:
-            self._queued.add(key)
-            self._queue.put_nowait(key)
-        selfmetrics.QUEUE_DEPTH.set(len(self._queued))
-
-    def add_after(self, key: Key, seconds: float) -> None:
-        heapq.heappush(self._delayed, (time.monotonic() + seconds, key))
-        selfmetrics.DELAYED.set(len(self._delayed))
-        self._wake.set()
-
-    async def get(self) -> Key:
-        key = await self._queue.get()
-        self._queued.discard(key)
-        self._active.add(key)
-        selfmetrics.QUEUE_DEPTH.set(len(self._queued))
-        return key
-
-    def done(self, key: Key) -> None:
-        self._active.discard(key)
-        if key in self._dirty:
-            self._dirty.discard(key)
-            self.add(key)
-
-    async def run_timers(self) -> None:
-        while True:
-            now = time.monotonic()
-            while self._delayed and self._delayed[0][0] <= now:
-                _, key = heapq.heappop(self._delayed)
-                self.add(key)
-            selfmetrics.DELAYED.set(len(self._delayed))
-            timeout = self._delayed[0][0] - now if self._delayed else None
-            self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
 
 
 class Controller(FlowCache):
@@ -139,7 +72,9 @@ class Controller(FlowCache):
     def __init__(self, settings: Settings, listeners: Sequence[FlowListener] = (), *,
                  fence: Callable[[], bool] = lambda: True, state_ca: str = "",
                  notifier: Notifier | None = None) -> None:
-        super().__init__(listeners)
+        # CronFlows share the client, the fence and the Events; they hear of their Flows from this cache.
+        self.cron = CronFlows(lambda: self.kube, lambda: self.fence(), self._post_event)
+        super().__init__([*listeners, self.cron.flow_changed])
         self.notifier = notifier
         self.settings = settings
         self.kube: Kube | None = None
@@ -181,7 +116,8 @@ class Controller(FlowCache):
     def informers(self, kube: Callable[[], Kube | None], namespaces: list[str]) -> list[Informer]:
         """The caches' watches, the templates', and the notifier's Secrets."""
         extra = self.notifier.informers(kube, namespaces) if self.notifier is not None else []
-        return super().informers(kube, namespaces) + self.templates.informers(kube, namespaces) + extra
+        return (super().informers(kube, namespaces) + self.templates.informers(kube, namespaces)
+                + self.cron.informers(kube, namespaces) + extra)
 
     async def _offer_when_ready(self, notifier: Notifier) -> None:
         """Once the notification Secrets are listed and the cluster's ranges known, every Flow is looked
@@ -235,6 +171,7 @@ class Controller(FlowCache):
         self._tasks.append(asyncio.create_task(self._recheck_pods_forever()))
         for _ in range(self.settings.workers):
             self._tasks.append(asyncio.create_task(self._worker()))
+        self.cron.start()
         if self.notifier is not None:
             self._tasks.append(asyncio.create_task(self.notifier.learn_cluster(self.kube)))
             self._tasks.append(asyncio.create_task(self._offer_when_ready(self.notifier)))
@@ -248,6 +185,7 @@ class Controller(FlowCache):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
+        await self.cron.stop()
         if self.notifier is not None:
             await self.notifier.stop()
 
@@ -569,8 +507,9 @@ class Controller(FlowCache):
                                      "earlier Flow of the same name; waiting for it to be gone")
         return None, existing
 
-    def _post_event(self, flow: Body, etype: str, reason: str, message: str) -> None:
-        """Events are history for `kubectl describe`; posting one never holds up a reconcile."""
+    def _post_event(self, flow: Body, etype: str, reason: str, message: str, kind: str = c.KIND) -> None:
+        """Events are history for `kubectl describe`; posting one never holds up a reconcile. (``flow``
+        is the object the Event is about: a Flow, or a CronFlow.)"""
         assert self.kube is not None
         meta = flow["metadata"]
         now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
@@ -578,7 +517,7 @@ class Controller(FlowCache):
             "apiVersion": "events.k8s.io/v1", "kind": "Event",
             # Named as client-go names Events: the object's name and a hex timestamp.
             "metadata": {"name": f"{meta['name']}.{time.time_ns():x}", "namespace": meta["namespace"]},
-            "regarding": {"apiVersion": c.API_VERSION, "kind": c.KIND, "name": meta["name"],
+            "regarding": {"apiVersion": c.API_VERSION, "kind": kind, "name": meta["name"],
                           "namespace": meta["namespace"], "uid": meta["uid"],
                           "resourceVersion": meta.get("resourceVersion", "")},
             "reason": reason, "note": message[:1024], "type": etype, "action": "Reconcile",

@@ -94,15 +94,25 @@ def _register_spec_checks(registry: kopf.OperatorRegistry, app: App) -> None:
     @kopf.on.validate(c.GROUP, c.VERSION, c.PLURAL, id="validate-flows", operations=["CREATE", "UPDATE"],
                       side_effects=False, registry=registry)
     async def validate_flow(*, spec: kopf.Spec, body: kopf.Body, namespace: str | None, **_: Any) -> None:
-        checked: dict[str, Any] = dict(spec)
-        if checked.get("templateRef"):  # the spec it runs is checked: its template's, with its own over it
-            checked, refused = await webhook.template_problem(checked, namespace or "", body.get("status"),
-                                                              app.template)
-            if refused:
-                raise kopf.AdmissionError(refused, code=422)
-        problem = await spec_problem(checked)
+        problem = await flow_problem(dict(spec), namespace or "", body.get("status"))
         if problem:
             raise kopf.AdmissionError(problem, code=422)
+
+    @kopf.on.validate(c.GROUP, c.VERSION, c.CRONFLOW_PLURAL, id="validate-cronflows",
+                      operations=["CREATE", "UPDATE"], side_effects=False, registry=registry)
+    async def validate_cronflow(*, spec: kopf.Spec, namespace: str | None, **_: Any) -> None:
+        # The Flows it starts are checked now, as each would be at its time.
+        own = await flow_problem(dict((spec.get("flowTemplate") or {}).get("spec") or {}), namespace or "", None)
+        problem = webhook.schedule_problem(spec) or (own.replace("spec.", "spec.flowTemplate.spec.") if own else None)
+        if problem:
+            raise kopf.AdmissionError(problem, code=422)
+
+    async def flow_problem(spec: dict[str, Any], namespace: str, status: Any) -> str | None:
+        if spec.get("templateRef"):  # the spec it runs is checked: its template's, with its own over it
+            spec, refused = await webhook.template_problem(spec, namespace, status, app.template)
+            if refused:
+                return refused
+        return await spec_problem(spec)
 
     async def spec_problem(spec: dict[str, Any]) -> str | None:
         return (limits.spec_problem(spec) or "; ".join(resources.pod_policy_problems(spec, app.settings))

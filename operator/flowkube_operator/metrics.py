@@ -14,7 +14,7 @@ from decimal import Decimal
 from typing import Any
 
 from flowkube_api.base import parse_time
-from flowkube_api.constants import Phase, Trigger
+from flowkube_api.constants import LABEL_CRONFLOW, Phase, Trigger
 from flowkube_operator.resources import definition_name
 
 Body = dict[str, Any]
@@ -87,9 +87,11 @@ def contributions(body: Body) -> dict[tuple[str, Labels], float]:
     """Every sample one Flow adds, with the full label set (flow included)."""
     meta, st = body.get("metadata") or {}, body.get("status") or {}
     ns, name, definition = meta.get("namespace", ""), meta.get("name", ""), _definition(body)
-    # A Flow of a template carries its name: spend and usage sum by template (and by CronFlow later).
+    # A Flow of a template, or started by a CronFlow, carries its name: spend and usage sum by either.
     template = str(((body.get("spec") or {}).get("templateRef") or {}).get("name") or "")
-    of_template: Labels = (("template", template),) if template else ()
+    cronflow = str((meta.get("labels") or {}).get(LABEL_CRONFLOW) or "")
+    of_template: Labels = ((("template", template),) if template else ()) + (
+        (("cronflow", cronflow),) if cronflow else ())
     base = (("namespace", ns), ("flow", name), ("definition", definition), *of_template)
     out: dict[tuple[str, Labels], float] = {}
     usage = st.get("usage") or {}

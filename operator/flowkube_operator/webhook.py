@@ -18,7 +18,7 @@ import aiohttp
 import kopf
 from aiohttp import web
 
-from flowkube_api import templates
+from flowkube_api import cron, templates
 from flowkube_api.models import ConversationStatus, FeedbackRequest
 from flowkube_operator.inbox import validate_message, validate_response
 from flowkube_operator.kube import Kube
@@ -160,6 +160,19 @@ def template_spec_problem(spec: Body) -> str | None:
         if want and default is not None and templates.parameter_problems(
                 {"parameters": [p]}, {p["name"]: default}, "this template"):
             return f"spec.parameters[{p['name']}].default: must be {want}"
+    return None
+
+
+def schedule_problem(spec: Body) -> str | None:
+    """A CronFlow's schedule and time zone, as its controller will read them (flowkube_api.cron)."""
+    try:
+        cron.parse("@daily", spec.get("timeZone"))
+    except cron.ScheduleError as e:
+        return f"spec.timeZone: {e}"
+    try:
+        cron.parse(str(spec.get("schedule") or ""))
+    except cron.ScheduleError as e:
+        return f"spec.schedule: {e}"
     return None
 
 

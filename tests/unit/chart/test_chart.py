@@ -245,10 +245,13 @@ def test_user_roles(helm: Path) -> None:
     assert _grants(viewer["rules"]) == {(c.GROUP, "flows"): {"get", "list", "watch"},
                                         (c.GROUP, "flows/status"): {"get", "list", "watch"},
                                         (c.GROUP, "flowtemplates"): {"get", "list", "watch"},
+                                        (c.GROUP, "cronflows"): {"get", "list", "watch"},
+                                        (c.GROUP, "cronflows/status"): {"get", "list", "watch"},
                                         (c.GROUP, "clusterflowtemplates"): {"get", "list", "watch"}}
     assert viewer["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
     every = {"get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"}
-    assert _grants(editor["rules"]) == {(c.GROUP, "flows"): every, (c.GROUP, "flowtemplates"): every}
+    assert _grants(editor["rules"]) == {(c.GROUP, "flows"): every, (c.GROUP, "flowtemplates"): every,
+                                        (c.GROUP, "cronflows"): every}
     # Shared templates are a platform team's: a role of their own, in no default role.
     shared = named(objs, "ClusterRole", "flowkube-clusterflowtemplate-editor")
     assert _grants(shared["rules"]) == {(c.GROUP, "clusterflowtemplates"): every}
@@ -261,7 +264,11 @@ def test_user_roles(helm: Path) -> None:
 
 
 EXPECTED_OPERATOR_GRANTS = {
-    (c.GROUP, "flows"): {"get", "list", "watch", "patch", "delete"},
+    # create: a CronFlow's scheduled Flows; delete: TTLs and a CronFlow's history limits.
+    (c.GROUP, "flows"): {"get", "list", "watch", "create", "patch", "delete"},
+    (c.GROUP, "cronflows"): {"get", "list", "watch"},
+    (c.GROUP, "cronflows/status"): {"get", "patch", "update"},
+    (c.GROUP, "cronflows/finalizers"): {"update"},
     (c.GROUP, "flows/status"): {"get", "patch", "update"},
     (c.GROUP, "flows/finalizers"): {"update"},
     (c.GROUP, "flowtemplates"): {"get", "list", "watch"},  # read at admission, copied at a Flow's start
@@ -528,6 +535,7 @@ def test_webhooks(helm: Path) -> None:
         ("/validate-flows", "flows", ("CREATE", "UPDATE"), "Fail"),
         ("/validate-flowtemplates", "flowtemplates", ("CREATE", "UPDATE"), "Fail"),
         ("/validate-clusterflowtemplates", "clusterflowtemplates", ("CREATE", "UPDATE"), "Fail"),
+        ("/validate-cronflows", "cronflows", ("CREATE", "UPDATE"), "Fail"),
         ("/validate-flows-status", "flows/status", ("UPDATE",), "Ignore"),
         ("/mutate-flows-status", "flows/status", ("UPDATE",), "Ignore"),
     }
@@ -554,7 +562,7 @@ def test_webhooks(helm: Path) -> None:
     flipped = render(helm, "--set", "webhook.failurePolicy.flows=Ignore",
                      "--set", "webhook.failurePolicy.status=Fail")
     policies = [h["failurePolicy"] for h in of_kind(flipped, "ValidatingWebhookConfiguration")[0]["webhooks"]]
-    assert policies == ["Ignore", "Ignore", "Ignore", "Fail"]  # Flows and templates; feedback
+    assert policies == ["Ignore"] * 4 + ["Fail"]  # Flows, templates, CronFlows; feedback
 
 
 def test_service_monitor_needs_the_api_and_the_switch(helm: Path) -> None:

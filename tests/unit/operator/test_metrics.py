@@ -157,3 +157,12 @@ def test_flows_of_a_template_carry_its_name_and_spend_sums_by_template() -> None
             'model="gpt-4o"} 4') in text
     assert 'flowkube_flow_llm_requests_total{namespace="team-a",definition="research",model="gpt-4o"} 2' in text
     assert 'flowkube_namespace_cost_usd_total{namespace="team-a",definition="research",template="nightly",' in text
+
+
+def test_flows_of_a_cronflow_carry_its_name() -> None:
+    m = FlowMetrics(per_flow=True)
+    b = body("nightly-29000000")
+    b["metadata"]["labels"] = {"flowkube.io/cronflow": "nightly"}
+    m.update(("team-a", "nightly-29000000"), b)
+    assert ('flowkube_flow_llm_requests_total{namespace="team-a",flow="nightly-29000000",definition="research",'
+            'cronflow="nightly",model="gpt-4o"} 2') in m.render()

@@ -1,0 +1,194 @@
+"""CronFlows: the watch, the index of the Flows each one started, and the leader's reconcile.
+
+Every replica watches CronFlows and indexes the Flows they started (from the Flow cache's changes:
+label `flowkube.io/cronflow`), so a new leader starts with warm caches. Only the leader reconciles:
+`cronplan.plan` decides, this applies, in the order that survives a crash at any point (cronplan's
+docstring): create the scheduled Flow, write the status, delete what the plan deletes.
+
+A CronFlow is queued when it changes, when one of its Flows starts, ends or goes, and at its next
+scheduled time (a timer per CronFlow, not a scan).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from flowkube_api import constants as c
+from flowkube_operator.cronplan import Child, CronPlan, plan
+from flowkube_operator.informer import Informer
+from flowkube_operator.kube import ApiError, Kube, delete_if_same, flow_path, ns_path
+from flowkube_operator.workqueue import NotLeadingError, WorkQueue, merge_patch
+
+Body = dict[str, Any]
+Key = tuple[str, str]
+log = logging.getLogger("flowkube.cronflows")
+FAILED_CREATE_RETRY = 30.0  # seconds before a Flow the API server refused is tried again
+PostEvent = Callable[[Body, str, str, str, str], None]  # (object, type, reason, message, kind)
+
+
+def cronflow_path(namespace: str, name: str | None = None, sub: str | None = None) -> str:
+    return ns_path(namespace, c.CRONFLOW_PLURAL, name, group=c.GROUP, version=c.VERSION, sub=sub)
+
+
+def scheduled_flow(cronflow: Body, name: str, scheduled: dt.datetime) -> Body:
+    """The Flow a CronFlow starts for ``scheduled``: its flowTemplate, labelled, annotated and owned."""
+    meta, spec = cronflow["metadata"], cronflow.get("spec") or {}
+    template = spec.get("flowTemplate") or {}
+    tmeta = template.get("metadata") or {}
+    return {
+        "apiVersion": c.API_VERSION, "kind": c.KIND,
+        "metadata": {
+            "name": name, "namespace": meta["namespace"],
+            "labels": {**(tmeta.get("labels") or {}), c.LABEL_CRONFLOW: meta["name"]},
+            "annotations": {**(tmeta.get("annotations") or {}),
+                            c.ANNOTATION_SCHEDULED: scheduled.strftime("%Y-%m-%dT%H:%M:%SZ")},
+            "ownerReferences": [{"apiVersion": c.API_VERSION, "kind": c.CRONFLOW_KIND, "name": meta["name"],
+                                 "uid": meta["uid"], "controller": True, "blockOwnerDeletion": True}],
+        },
+        "spec": template.get("spec") or {},
+    }
+
+
+class CronFlows:
+    def __init__(self, kube: Callable[[], Kube | None], fence: Callable[[], bool], post_event: PostEvent,
+                 clock: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.UTC), workers: int = 2) -> None:
+        self.kube, self.fence, self.post_event, self.clock = kube, fence, post_event, clock
+        self.cronflows: dict[Key, Body] = {}
+        self.children: dict[Key, dict[str, Child]] = {}  # (namespace, cronflow) -> its Flows by name
+        self._cronflow_of: dict[Key, Key] = {}  # a Flow's key -> its CronFlow's, for the Flows in children
+        self.queue = WorkQueue(gauges=False)
+        self.leading = False
+        self.workers = workers
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- what the watches tell -----------------------------------------------------------------------
+
+    def informers(self, kube: Callable[[], Kube | None], namespaces: list[str]) -> list[Informer]:
+        return [Informer(kube, cronflow_path(ns) if ns else f"/apis/{c.GROUP}/{c.VERSION}/{c.CRONFLOW_PLURAL}",
+                         c.API_VERSION, c.CRONFLOW_KIND, self.event) for ns in namespaces or [""]]
+
+    def event(self, event_type: str, body: Body) -> None:
+        meta = body.get("metadata") or {}
+        key = (meta.get("namespace", ""), meta.get("name", ""))
+        if event_type == "DELETED":
+            self.cronflows.pop(key, None)
+            return
+        self.cronflows[key] = body
+        self._enqueue(key)
+
+    def flow_changed(self, key: Key, body: Body | None) -> None:
+        """A listener of the Flow cache: keep the index of CronFlows' Flows, and queue a CronFlow
+        when one of its Flows comes, ends or goes (not at every status write of a running one)."""
+        owner = ((body.get("metadata") or {}).get("labels") or {}).get(c.LABEL_CRONFLOW) if body else None
+        was = self._cronflow_of.get(key)
+        if was is not None and (owner is None or was != (key[0], owner)):  # gone, or no longer its
+            flows = self.children.get(was, {})
+            flows.pop(key[1], None)
+            if not flows:
+                self.children.pop(was, None)
+            del self._cronflow_of[key]
+            self._enqueue(was)
+        if owner is None or body is None:
+            return
+        cf = (key[0], owner)
+        self._cronflow_of[key] = cf
+        flows = self.children.setdefault(cf, {})
+        new, old = Child.of(body), flows.get(key[1])
+        flows[key[1]] = new
+        if old is None or (old.ended, old.deleting, old.uid) != (new.ended, new.deleting, new.uid):
+            self._enqueue(cf)
+
+    def _enqueue(self, key: Key) -> None:
+        if self.leading:
+            self.queue.add(key)
+
+    # -- leading -------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.leading:
+            return
+        self.leading = True
+        for key in list(self.cronflows):
+            self.queue.add(key)
+        self._tasks.append(asyncio.create_task(self.queue.run_timers()))
+        self._tasks += [asyncio.create_task(self._worker()) for _ in range(self.workers)]
+
+    async def stop(self) -> None:
+        self.leading = False
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+
+    async def _worker(self) -> None:
+        while True:
+            key = await self.queue.get()
+            try:
+                await self.reconcile(key)
+            except asyncio.CancelledError:
+                raise
+            except ApiError as e:
+                if e.status != 409:  # a conflict is a newer CronFlow: its event queues it again
+                    log.warning("cronflow %s/%s: %s; trying again", *key, e)
+                self.queue.add_after(key, 1.0)
+            except Exception:
+                log.exception("cronflow %s/%s: reconcile failed; trying again", *key)
+                self.queue.add_after(key, 5.0)
+            finally:
+                self.queue.done(key)
+
+    # -- one reconcile -------------------------------------------------------------------------------
+
+    async def reconcile(self, key: Key) -> CronPlan | None:
+        body = self.cronflows.get(key)
+        kube = self.kube()
+        if body is None or kube is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+            return None
+        uid = body["metadata"]["uid"]
+        children = [ch for ch in self.children.get(key, {}).values() if ch.owner == uid]
+        p = plan(body, children, self.clock())
+        if p.create is not None and not await self._create(kube, body, p):
+            p.status.last_schedule_time = p.old.last_schedule_time  # not started: the time stays due
+            p.status.active = [a for a in p.status.active or [] if a != p.create[0]] or None
+            p.events = [e for e in p.events if e[1] != "Started"]
+            p.create, p.requeue_after = None, FAILED_CREATE_RETRY
+        new_status, old_status = p.status.dump(), body.get("status") or {}
+        if new_status != old_status:
+            self._fence()
+            patch = {"metadata": {"resourceVersion": body["metadata"]["resourceVersion"]},
+                     "status": merge_patch(old_status, new_status)}
+            written = await kube.merge_patch(cronflow_path(*key, sub="status"), patch)
+            if self.cronflows.get(key) is body:
+                self.cronflows[key] = written
+        for name in p.delete:
+            self._fence()
+            child = self.children.get(key, {}).get(name)
+            await kube.delete(flow_path(key[0], name), delete_if_same(child.uid) if child else None)
+        for etype, reason, message in p.events:
+            self.post_event(body, etype, reason, message, c.CRONFLOW_KIND)
+        if p.requeue_after is not None:
+            self.queue.add_after(key, p.requeue_after)
+        return p
+
+    async def _create(self, kube: Kube, cronflow: Body, p: CronPlan) -> bool:
+        """The scheduled Flow, created (or there already: its name is the time's); False when the API
+        server refuses it (an Event says why; tried again later)."""
+        assert p.create is not None
+        name, scheduled = p.create
+        self._fence()
+        try:
+            await kube.create(flow_path(cronflow["metadata"]["namespace"]), scheduled_flow(cronflow, name, scheduled))
+        except ApiError as e:
+            if e.status in (401, 403, 422, 400, 404):
+                self.post_event(cronflow, "Warning", "FailedCreate", f"Flow {name}: {e}", c.CRONFLOW_KIND)
+                return False
+            raise
+        return True
+
+    def _fence(self) -> None:
+        if not self.fence():
+            raise NotLeadingError

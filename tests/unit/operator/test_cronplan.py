@@ -1,0 +1,126 @@
+"""The CronFlow reconcile: one Flow per scheduled time, concurrency policies, deadlines, history."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from flowkube_api import cron
+from flowkube_api.models import Usage
+from flowkube_operator.cronplan import Child, CronPlan, plan
+
+T0 = dt.datetime(2026, 11, 27, 2, 0, tzinfo=dt.UTC)  # a scheduled time of "0 * * * *"
+HOUR = dt.timedelta(hours=1)
+
+
+def cronflow(**spec: Any) -> dict[str, Any]:
+    return {"metadata": {"name": "nightly", "namespace": "team", "uid": "cf1", "generation": 1,
+                         "creationTimestamp": "2026-11-27T00:30:00Z"},
+            "spec": {"schedule": "0 * * * *", "flowTemplate": {"spec": {"flowRef": "pkg.mod:Report"}}, **spec}}
+
+
+def child(at: dt.datetime, phase: str = "Running", tokens: int = 0, **kw: Any) -> Child:
+    usage = Usage(total_tokens=tokens, prompt_tokens=tokens, successful_requests=1) if tokens else None
+    return Child(name=cron.flow_name("nightly", at), uid=f"u-{at:%H}", phase=phase, scheduled=at, created=at,
+                 finished_at=at + dt.timedelta(minutes=5) if phase in ("Succeeded", "Failed") else None,
+                 usage=usage, owner="cf1", **kw)
+
+
+def step(body: dict[str, Any], children: list[Child], now: dt.datetime) -> CronPlan:
+    p = plan(body, children, now)
+    body["status"] = p.status.dump()
+    return p
+
+
+def test_each_scheduled_time_starts_one_flow_named_after_it_and_the_next_is_timed() -> None:
+    body = cronflow()
+    p = step(body, [], T0 + dt.timedelta(seconds=3))
+    assert p.create == (cron.flow_name("nightly", T0), T0)
+    assert body["status"]["lastScheduleTime"] == "2026-11-27T02:00:00Z"
+    assert body["status"]["active"] == [p.create[0]]
+    assert p.requeue_after is not None and abs(p.requeue_after - (3600 - 3)) < 1
+    # Again (a restart, a new leader, the same instant): the Flow is there; nothing more starts.
+    again = plan(body, [child(T0)], T0 + dt.timedelta(seconds=4))
+    assert again.create is None and again.delete == []
+    # The status write after the create was lost: the Flow is found by its name, not started twice.
+    lost = cronflow()
+    p = step(lost, [child(T0)], T0 + dt.timedelta(seconds=5))
+    assert p.create is None and lost["status"]["lastScheduleTime"] == "2026-11-27T02:00:00Z"
+
+
+def test_missed_times_start_only_the_latest_and_only_within_the_starting_deadline() -> None:
+    body = cronflow()
+    body["status"] = {"lastScheduleTime": "2026-11-26T20:00:00Z"}
+    p = step(body, [], T0 + dt.timedelta(minutes=10))
+    assert p.create == (cron.flow_name("nightly", T0), T0)
+    assert ("Warning", "MissedSchedules") in [(e[0], e[1]) for e in p.events]
+    late = cronflow(startingDeadlineSeconds=300)
+    late["status"] = {"lastScheduleTime": "2026-11-27T01:00:00Z"}
+    p = step(late, [], T0 + dt.timedelta(minutes=10))
+    assert p.create is None and late["status"]["lastSkipped"]["reason"] == "MissedDeadline"
+    assert [e[1] for e in p.events] == ["MissedDeadline"]
+    assert plan(late, [], T0 + dt.timedelta(minutes=11)).events == [], "said once"
+
+
+def test_forbid_waits_for_the_running_flow_and_replace_deletes_it() -> None:
+    running = child(T0 - HOUR)
+    body = cronflow(concurrencyPolicy="Forbid")
+    body["status"] = {"lastScheduleTime": "2026-11-27T01:00:00Z"}
+    p = step(body, [running], T0 + dt.timedelta(seconds=1))
+    assert p.create is None and body["status"]["lastSkipped"]["reason"] == "ConcurrencyForbidden"
+    assert body["status"]["lastScheduleTime"] == "2026-11-27T01:00:00Z"
+    # It ends: the time it waited for starts now (no deadline set).
+    ended = child(T0 - HOUR, "Succeeded", tokens=10)
+    p = step(body, [ended], T0 + dt.timedelta(minutes=2))
+    assert p.create == (cron.flow_name("nightly", T0), T0)
+
+    body = cronflow(concurrencyPolicy="Replace")
+    body["status"] = {"lastScheduleTime": "2026-11-27T01:00:00Z"}
+    p = step(body, [child(T0 - HOUR, tokens=7)], T0 + dt.timedelta(seconds=1))
+    assert p.create is not None and p.delete == [running.name]
+    assert body["status"]["prunedUsage"]["totalTokens"] == 7 and body["status"]["pruning"] == ["u-01"]
+    assert body["status"]["active"] == [p.create[0]]
+    # The delete was lost with a restart: the replaced Flow is deleted again, its tokens not counted twice.
+    p = step(body, [child(T0 - HOUR, tokens=7), child(T0)], T0 + dt.timedelta(seconds=2))
+    assert p.create is None and p.delete == [running.name]
+    assert body["status"]["usage"]["totalTokens"] == 7
+
+
+def test_allow_runs_them_side_by_side() -> None:
+    body = cronflow()
+    body["status"] = {"lastScheduleTime": "2026-11-27T01:00:00Z"}
+    p = step(body, [child(T0 - HOUR)], T0 + dt.timedelta(seconds=1))
+    assert p.create is not None and p.delete == []
+    assert len(body["status"]["active"]) == 2
+
+
+def test_history_limits_prune_the_oldest_and_their_usage_stays_in_the_total_once() -> None:
+    body = cronflow(successfulFlowsHistoryLimit=2, failedFlowsHistoryLimit=0)
+    body["status"] = {"lastScheduleTime": "2026-11-27T02:00:00Z"}
+    flows = [child(T0 - n * HOUR, "Succeeded", tokens=10 * (n + 1)) for n in range(4)]
+    flows.append(child(T0 - 5 * HOUR, "Failed", tokens=1))
+    now = T0 + dt.timedelta(minutes=30)
+    p = step(body, flows, now)
+    assert sorted(p.delete) == sorted([flows[2].name, flows[3].name, flows[4].name]), "oldest two, the failed one"
+    total = sum(10 * (n + 1) for n in range(4)) + 1
+    assert body["status"]["usage"]["totalTokens"] == total
+    assert body["status"]["prunedUsage"]["totalTokens"] == 30 + 40 + 1
+    assert body["status"]["lastSuccessfulTime"] == "2026-11-27T02:05:00Z"
+    # Deleting: still seen (with deletionTimestamp), then gone; the total never moves.
+    deleting = [*flows[:2], *(Child(**{**ch.__dict__, "deleting": True}) for ch in flows[2:])]
+    p = step(body, deleting, now)
+    assert p.delete == [] and body["status"]["usage"]["totalTokens"] == total
+    p = step(body, flows[:2], now)
+    assert body["status"]["usage"]["totalTokens"] == total and "pruning" not in body["status"]
+
+
+def test_suspended_starts_nothing_and_a_flow_of_another_cronflow_is_not_counted() -> None:
+    body = cronflow(suspend=True)
+    p = step(body, [], T0 + dt.timedelta(seconds=1))
+    assert p.create is None and p.requeue_after is None
+
+
+def test_an_invalid_schedule_is_said_not_run() -> None:
+    body = cronflow(schedule="61 * * * *")
+    p = step(body, [], T0)
+    assert p.create is None and body["status"]["lastSkipped"]["reason"] == "InvalidSchedule"
