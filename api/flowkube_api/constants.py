@@ -33,6 +33,7 @@ LABEL_TRIGGER = f"{PREFIX}/trigger"
 LABEL_COMPONENT = f"{PREFIX}/component"
 LABEL_CRONFLOW = f"{PREFIX}/cronflow"  # on a Flow a CronFlow started: the CronFlow's name
 ANNOTATION_SCHEDULED = f"{PREFIX}/scheduled-at"  # on such a Flow: the scheduled time it was started for
+ANNOTATION_TRIGGERED_BY = f"{PREFIX}/triggered-by"  # on one `kubectl flow trigger` started: "kubectl-flow"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "flowkube"
 COMPONENT_RUNNER = "runner"

@@ -8,6 +8,8 @@
     kubectl flow console [--port PORT] [--no-browser]  the web console on this machine, with your kubeconfig
     kubectl flow run-template TEMPLATE [-p KEY=VALUE]... [--cluster-template] [--name NAME | --generate-name]
                               [--dry-run]              start a Flow from a FlowTemplate, print its name
+    kubectl flow trigger CRONFLOW [--name NAME]
+                              [--dry-run]              start a CronFlow's Flow now, print its name
 
 run-template reads the template (a ClusterFlowTemplate with --cluster-template: kubectl's own --cluster
 names a kubeconfig cluster) and checks the parameters before it creates anything. The Flow is named
@@ -15,6 +17,12 @@ NAME, or TEMPLATE-<suffix> by the API server (--generate-name, the default); --d
 instead. -p/--param KEY=VALUE sets spec.inputs.KEY, once per key: VALUE is JSON when it parses as
 JSON (300, true, '["a", "b"]', '{"k": 1}', '"quoted text"') and text otherwise, and kept as text for
 a parameter of type string; KEY=@FILE reads VALUE from FILE (quote a text that starts with @: '"@x"').
+
+trigger starts one Flow of a CronFlow now, as `kubectl create job --from=cronjob/NAME` does for a
+CronJob: its flowTemplate, labelled flowkube.io/cronflow and owned by the CronFlow like a scheduled
+one (so its concurrencyPolicy, history limits and usage count it), annotated flowkube.io/scheduled-at
+(now) and flowkube.io/triggered-by: kubectl-flow. The Flow is named NAME, or CRONFLOW-manual-<suffix>
+by the API server; --dry-run prints it instead.
 
 Flags go anywhere on the line; `--` ends them (for a TEXT that starts with `-`). kubectl's own
 -n/--namespace, --context, --kubeconfig, --cluster, --user, --as, --as-group, --request-timeout,
@@ -41,10 +49,15 @@ from pathlib import Path
 from typing import Any
 
 from flowkube_api.constants import (
+    ANNOTATION_SCHEDULED,
+    ANNOTATION_TRIGGERED_BY,
     API_VERSION,
     CLUSTER_TEMPLATE_KIND,
     CLUSTER_TEMPLATE_PLURAL,
+    CRONFLOW_KIND,
+    CRONFLOW_PLURAL,
     KIND,
+    LABEL_CRONFLOW,
     PLURAL,
     SINGULAR,
     TEMPLATE_KIND,
@@ -57,6 +70,7 @@ from flowkube_api.templates import describe_ref, parameter_problems
 
 POLL_INTERVAL = 0.3  # seconds between reads of a Flow while `say` waits for its reply
 HISTORY = 6  # messages `chat` shows when it starts
+TRIGGERED_BY = "kubectl-flow"  # the value of ANNOTATION_TRIGGERED_BY on a Flow `trigger` started
 
 _KUBE_VALUE_FLAGS = {"-n": "--namespace", "-s": "--server"} | {
     f: f for f in ("--namespace", "--context", "--kubeconfig", "--cluster", "--user", "--as", "--as-group",
@@ -72,6 +86,7 @@ _COMMANDS: dict[str, tuple[str, int, frozenset[str]]] = {
     "chat": ("NAME", 1, frozenset({"--timeout"})),
     "console": ("", 0, frozenset({"--port", "--no-browser"})),
     "run-template": ("TEMPLATE", 1, frozenset({"--name", "--generate-name", "--cluster-template", "--dry-run"})),
+    "trigger": ("CRONFLOW", 1, frozenset({"--name", "--dry-run"})),
 }
 _BOOL_COMMAND_FLAGS = frozenset({"--no-browser", "--generate-name", "--cluster-template", "--dry-run"})
 _OFF = ("false", "0", "none")  # a boolean flag's values that turn it off (--dry-run=none as in kubectl)
@@ -186,6 +201,11 @@ def _check_values(a: Args) -> None:
 
 def _on(a: Args, flag: str) -> bool:
     return a.opts.get(flag, "false").lower() not in _OFF
+
+
+def _namespace(a: Args) -> str:
+    """The -n/--namespace given (the last one, as kubectl takes it), or "" for kubeconfig's."""
+    return next((k.partition("=")[2] for k in reversed(a.kube) if k.startswith("--namespace=")), "")
 
 
 def _kubectl(args: list[str], kube: list[str], stdin: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -540,7 +560,7 @@ def run_template(a: Args) -> int:
     cluster = _on(a, "--cluster-template")
     kind, plural = (CLUSTER_TEMPLATE_KIND, CLUSTER_TEMPLATE_PLURAL) if cluster else (TEMPLATE_KIND, TEMPLATE_PLURAL)
     ref = {"name": a.pos[0], "kind": kind}
-    namespace = next((k.partition("=")[2] for k in reversed(a.kube) if k.startswith("--namespace=")), "")
+    namespace = _namespace(a)
     try:
         template = _json(["get", plural, a.pos[0]], a.kube)
     except KubectlError as e:
@@ -569,11 +589,59 @@ def run_template(a: Args) -> int:
     return 0
 
 
+def trigger_flow(cronflow: dict[str, Any], now: datetime, name: str | None = None) -> dict[str, Any]:
+    """The Flow `trigger` creates: the operator's scheduled Flow (flowkube_operator.cronflows.scheduled_flow,
+    which the plugin may not import; a unit test keeps the two alike) for ``now``, named NAME or
+    CRONFLOW-manual-<suffix> by the API server, annotated as started by kubectl flow, and owned without
+    blockOwnerDeletion (that needs the update permission on cronflows/finalizers, which a user may lack)."""
+    meta, spec = cronflow["metadata"], cronflow.get("spec") or {}
+    template = spec.get("flowTemplate") or {}
+    tmeta = template.get("metadata") or {}
+    return {
+        "apiVersion": API_VERSION, "kind": KIND,
+        "metadata": {
+            **({"name": name} if name else {"generateName": f"{meta['name']}-manual-"}),
+            "namespace": meta["namespace"],
+            "labels": {**(tmeta.get("labels") or {}), LABEL_CRONFLOW: meta["name"]},
+            "annotations": {**(tmeta.get("annotations") or {}),
+                            ANNOTATION_SCHEDULED: now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                            ANNOTATION_TRIGGERED_BY: TRIGGERED_BY},
+            "ownerReferences": [{"apiVersion": API_VERSION, "kind": CRONFLOW_KIND, "name": meta["name"],
+                                 "uid": meta["uid"], "controller": True}],
+        },
+        "spec": template.get("spec") or {},
+    }
+
+
+def trigger(a: Args) -> int:
+    """Read the CronFlow, then create its Flow for now (or print it)."""
+    try:
+        cronflow = _json(["get", CRONFLOW_PLURAL, a.pos[0]], a.kube)
+    except KubectlError as e:
+        if "(NotFound)" not in str(e):
+            raise
+        namespace = _namespace(a)
+        where = f' in namespace "{namespace}"' if namespace else " in the current namespace"
+        print(f'kubectl flow: error: {CRONFLOW_KIND} "{a.pos[0]}" not found{where} (kubectl get {CRONFLOW_PLURAL})',
+              file=sys.stderr)
+        return 1
+    body = trigger_flow(cronflow, datetime.now(UTC), a.opts.get("--name"))
+    if _on(a, "--dry-run"):
+        print(json.dumps(body, indent=2))
+        return 0
+    name = _json(["create", "-f", "-"], a.kube, json.dumps(body))["metadata"]["name"]
+    print(name)
+    print(f"Follow it: kubectl flow get {name}", file=sys.stderr)
+    return 0
+
+
 def _run(a: Args) -> int:
     if a.cmd == "console":
         return console(a)
     if a.cmd == "run-template":
         return run_template(a)
+    if a.cmd == "trigger":
+        return trigger(a)
     timeout = float(a.opts.get("--timeout", 300))
     if a.cmd == "feedback":
         out = _patch(a.pos[0], feedback_patch(a.pos[1], a.opts.get("--request-id")), a.kube)

@@ -116,3 +116,43 @@ def test_a_template_and_a_flow_of_it(stack: RealRunnerStack, flows: Flows) -> No
     assert "Write a 150-word report about Kubernetes operators." in stack.stub.ledger()[mark]["lastUser"]
     usage = Usage.model_validate(st["usage"])
     assert usage == stack.usage_since(mark) and usage.successful_requests == 1
+
+
+def test_a_cronflow_of_the_template_triggered_now(stack: RealRunnerStack, flows: Flows) -> None:
+    """examples/cronflows/ runs at 02:00 Berlin time: `kubectl flow trigger` starts its Flow now, and
+    the CronFlow counts it (status.active, then status.usage)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    cronflows = EXAMPLES.parent / "cronflows"
+    assert sorted(p.name for p in cronflows.glob("*.yaml")) == ["nightly-report.yaml"]
+    assert re.search(r"^# Documented end state: once a night", (cronflows / "nightly-report.yaml").read_text(),
+                     re.MULTILINE)
+    apply(stack, flows, EXAMPLES.parent / "templates" / "nightly-report.yaml")
+    stack.cluster.kubectl("apply", "-n", flows.ns, "-f", str(cronflows / "nightly-report.yaml"))
+    env = {**os.environ, "KUBECONFIG": str(stack.cluster.kubeconfig), "KUBECTL": str(stack.cluster.bins["kubectl"])}
+    mark = len(stack.stub.ledger())
+    out = subprocess.run([sys.executable, "-m", "flowkube_kubectl", "-n", flows.ns, "trigger", "nightly-operators"],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    name = out.stdout.strip()
+    assert name.startswith("nightly-operators-manual-"), name
+    st = flows.wait_phase(name, "Succeeded", timeout=RUN_TIMEOUT)
+    assert st["template"]["name"] == "nightly-report"
+    assert "report about Kubernetes operators." in stack.stub.ledger()[mark]["lastUser"]
+    usage = Usage.model_validate(st["usage"])
+    assert usage == stack.usage_since(mark)
+
+    def cronflow_counted() -> dict[str, Any] | None:
+        got = json.loads(stack.cluster.kubectl("get", "cronflow", "nightly-operators", "-n", flows.ns,
+                                               "-o", "json").stdout).get("status") or {}
+        return got if (got.get("usage") or {}).get("totalTokens") == usage.total_tokens else None
+
+    from flowkube_devstack.cluster import wait_for
+
+    wait_for(lambda: cronflow_counted() is not None, 60, "the CronFlow's usage counting the triggered Flow")
+    status = cronflow_counted()
+    assert status is not None and not status.get("active") and status["lastSuccessfulTime"]
+    assert "lastScheduleTime" not in status, "a triggered run is not a scheduled time"

@@ -478,3 +478,148 @@ def test_run_template_passes_other_kubectl_errors_through(kubectl: Kubectl,
     assert cli.main(["run-template", "summarize", "-p", "topic=k8s"]) == 1
     out = capsys.readouterr()
     assert out.out == "" and out.err == denied
+
+
+# --- trigger ------------------------------------------------------------------------------------------------------
+
+def cronflow(name: str = "nightly", ns: str = "team") -> dict[str, Any]:
+    return {"apiVersion": "flowkube.io/v1alpha1", "kind": "CronFlow",
+            "metadata": {"name": name, "namespace": ns, "uid": "cf-uid-1", "resourceVersion": "7"},
+            "spec": {"schedule": "0 2 * * *", "timeZone": "Europe/Berlin", "concurrencyPolicy": "Forbid",
+                     "flowTemplate": {
+                         "metadata": {"labels": {"team": "platform"}, "annotations": {"owner": "alice"}},
+                         "spec": {"templateRef": {"name": "nightly-report"}, "inputs": {"topic": "k8s"}}}}}
+
+
+GET_CRONFLOW = ["get", "cronflows", "nightly", "-o", "json"]
+
+
+def _stamp(text: str) -> datetime:
+    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+
+
+def test_trigger_creates_the_cronflows_flow_and_prints_its_name(kubectl: Kubectl,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    kubectl.on("get cronflows", cronflow())
+    kubectl.on("create -f", {"kind": "Flow", "metadata": {"name": "nightly-manual-x7k2p", "namespace": "team"}})
+    before = datetime.now(UTC).replace(microsecond=0)
+    assert cli.main(["trigger", "nightly", "-n", "team"]) == 0
+    after = datetime.now(UTC)
+    assert kubectl.calls() == [[*GET_CRONFLOW, "--namespace=team"], [*CREATE, "--namespace=team"]]
+    [created] = kubectl.created()
+    scheduled = created["metadata"]["annotations"].pop("flowkube.io/scheduled-at")
+    assert before <= _stamp(scheduled) <= after
+    assert created == {
+        "apiVersion": "flowkube.io/v1alpha1", "kind": "Flow",
+        "metadata": {
+            "generateName": "nightly-manual-", "namespace": "team",
+            "labels": {"team": "platform", "flowkube.io/cronflow": "nightly"},
+            "annotations": {"owner": "alice", "flowkube.io/triggered-by": "kubectl-flow"},
+            "ownerReferences": [{"apiVersion": "flowkube.io/v1alpha1", "kind": "CronFlow", "name": "nightly",
+                                 "uid": "cf-uid-1", "controller": True}],
+        },
+        "spec": {"templateRef": {"name": "nightly-report"}, "inputs": {"topic": "k8s"}}}
+    out = capsys.readouterr()
+    assert out.out == "nightly-manual-x7k2p\n" and "kubectl flow get nightly-manual-x7k2p" in out.err
+
+
+def test_trigger_with_a_name(kubectl: Kubectl, capsys: pytest.CaptureFixture[str]) -> None:
+    kubectl.on("get cronflows", cronflow())
+    kubectl.on("create -f", {"kind": "Flow", "metadata": {"name": "nightly-now", "namespace": "team"}})
+    assert cli.main(["--context=prod", "trigger", "--name", "nightly-now", "nightly"]) == 0
+    assert kubectl.calls() == [[*GET_CRONFLOW, "--context=prod"], [*CREATE, "--context=prod"]]
+    [created] = kubectl.created()
+    assert created["metadata"]["name"] == "nightly-now" and "generateName" not in created["metadata"]
+    assert capsys.readouterr().out == "nightly-now\n"
+
+
+def test_trigger_of_a_cronflow_without_template_metadata() -> None:
+    cf = cronflow()
+    del cf["spec"]["flowTemplate"]["metadata"]
+    meta = cli.trigger_flow(cf, datetime(2024, 5, 1, 10, 0, 30, 123, tzinfo=UTC))["metadata"]
+    assert meta["labels"] == {"flowkube.io/cronflow": "nightly"}
+    assert meta["annotations"] == {"flowkube.io/scheduled-at": "2024-05-01T10:00:30Z",
+                                   "flowkube.io/triggered-by": "kubectl-flow"}
+
+
+def test_trigger_dry_run_prints_the_flow_and_creates_nothing(kubectl: Kubectl,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    kubectl.on("get cronflows", cronflow())
+    assert cli.main(["trigger", "nightly", "--dry-run"]) == 0
+    assert kubectl.calls() == [GET_CRONFLOW]
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["metadata"]["generateName"] == "nightly-manual-"
+    assert printed["metadata"]["labels"]["flowkube.io/cronflow"] == "nightly"
+    assert printed["metadata"]["annotations"]["flowkube.io/triggered-by"] == "kubectl-flow"
+    assert printed["spec"] == cronflow()["spec"]["flowTemplate"]["spec"]
+
+
+@pytest.mark.parametrize(("argv", "where"), [
+    (["trigger", "nightly"], " in the current namespace"),
+    (["trigger", "nightly", "-n", "team"], ' in namespace "team"'),
+])
+def test_trigger_of_a_missing_cronflow(kubectl: Kubectl, capsys: pytest.CaptureFixture[str],
+                                       argv: list[str], where: str) -> None:
+    kubectl.on("get cronflows", rc=1,
+               err='Error from server (NotFound): cronflows.flowkube.io "nightly" not found\n')
+    assert cli.main(argv) == 1
+    assert [c[:5] for c in kubectl.calls()] == [GET_CRONFLOW]
+    err = capsys.readouterr().err
+    assert f'kubectl flow: error: CronFlow "nightly" not found{where} (kubectl get cronflows)' in err
+
+
+def test_trigger_passes_other_kubectl_errors_through(kubectl: Kubectl, capsys: pytest.CaptureFixture[str]) -> None:
+    kubectl.on("get cronflows", cronflow())
+    denied = ('Error from server (Forbidden): flows.flowkube.io is forbidden: User "bob" cannot create '
+              'resource "flows" in API group "flowkube.io" in the namespace "team"\n')
+    kubectl.on("create -f", rc=1, err=denied)
+    assert cli.main(["trigger", "nightly"]) == 1
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == denied
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["trigger"], "usage: kubectl flow trigger CRONFLOW"),
+    (["trigger", "a", "b"], "usage: kubectl flow trigger CRONFLOW"),
+    (["trigger", "nightly", "--generate-name"], "unknown flag --generate-name for trigger"),
+    (["trigger", "nightly", "--cluster-template"], "unknown flag --cluster-template for trigger"),
+    (["trigger", "nightly", "-p", "a=1"], "unknown flag -p/--param for trigger"),
+    (["trigger", "nightly", "--name="], "--name needs a name"),
+    (["trigger", "nightly", "--dry-run=server"], "--dry-run is client-side only"),
+])
+def test_trigger_usage_errors(kubectl: Kubectl, capsys: pytest.CaptureFixture[str], argv: list[str],
+                              expected: str) -> None:
+    assert cli.main(argv) == 2
+    assert expected in capsys.readouterr().err
+    assert kubectl.calls() == []
+
+
+def test_help_shows_trigger(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--help"]) == 0
+    assert "kubectl flow trigger CRONFLOW [--name NAME]" in capsys.readouterr().out
+
+
+def _paths(doc: Any, at: tuple[Any, ...] = ()) -> set[tuple[Any, ...]]:
+    """Every key path of a JSON document (list items by index)."""
+    items = doc.items() if isinstance(doc, dict) else enumerate(doc) if isinstance(doc, list) else ()
+    return {at} | {p for k, v in items for p in _paths(v, (*at, k))}
+
+
+def test_trigger_flow_is_the_operators_scheduled_flow_but_for_the_documented_differences() -> None:
+    """The plugin may not import the operator: its copy of scheduled_flow is held to it here."""
+    from flowkube_operator.cronflows import scheduled_flow
+
+    now = datetime(2024, 5, 1, 10, 0, 0, tzinfo=UTC)
+    theirs = scheduled_flow(cronflow(), "nightly-28577040", now)
+    ours = cli.trigger_flow(cronflow(), now)
+    assert _paths(ours) - _paths(theirs) == {("metadata", "generateName"),
+                                             ("metadata", "annotations", "flowkube.io/triggered-by")}
+    assert _paths(theirs) - _paths(ours) == {("metadata", "name"),
+                                             ("metadata", "ownerReferences", 0, "blockOwnerDeletion")}
+    # and the same values, the differences taken out
+    del theirs["metadata"]["name"], theirs["metadata"]["ownerReferences"][0]["blockOwnerDeletion"]
+    del ours["metadata"]["generateName"], ours["metadata"]["annotations"]["flowkube.io/triggered-by"]
+    assert ours == theirs
+    named = cli.trigger_flow(cronflow(), now, "nightly-28577040")
+    assert _paths(named) - _paths(scheduled_flow(cronflow(), "nightly-28577040", now)) == {
+        ("metadata", "annotations", "flowkube.io/triggered-by")}
