@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from flowkube_api import templates
 from flowkube_api.constants import Phase
 
 Body = dict[str, Any]
@@ -187,7 +188,8 @@ def _pretty(value: Any) -> str:
 
 
 def detail(flow: Body) -> Detail:
-    st, spec = flow.get("status") or {}, flow.get("spec") or {}
+    # A Flow of a template shows the inputs it runs with: its own over the template's and the defaults.
+    st, spec = flow.get("status") or {}, templates.effective_flow(flow).get("spec") or {}
     fb, conv = st.get("feedback") or {}, st.get("conversation")
     s = summarise(flow)
     req = fb.get("request") if s.waiting == "feedback" else None

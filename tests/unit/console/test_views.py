@@ -101,3 +101,11 @@ def test_ages_read_as_kubectl_prints_them() -> None:
     assert views.age("2026-11-27T11:00:00Z", NOW) == "60m"
     assert views.age("2026-11-25T12:00:00Z", NOW) == "2d"
     assert views.age(None, NOW) == "-"
+
+
+def test_a_flow_of_a_template_shows_the_inputs_it_runs_with() -> None:
+    f = flow("t", "Running", template={"kind": "FlowTemplate", "name": "report", "spec": {
+        "parameters": [{"name": "words", "default": 200}], "template": {"flowRef": "a:B", "inputs": {"style": "plain"}}}})
+    f["spec"] = {"templateRef": {"name": "report"}, "inputs": {"topic": "operators"}}
+    shown = views.detail(f).inputs.text
+    assert '"topic": "operators"' in shown and '"words": 200' in shown and '"style": "plain"' in shown
