@@ -19,6 +19,8 @@ TEMPLATE_PLURAL = "flowtemplates"
 CLUSTER_TEMPLATE_KIND = "ClusterFlowTemplate"
 CLUSTER_TEMPLATE_PLURAL = "clusterflowtemplates"
 TEMPLATE_PARAMETERS_LIMIT = 64
+# A template's spec as JSON, at most: every Flow of it keeps a copy in its status (status.template).
+TEMPLATE_SPEC_LIMIT = 256 * 1024
 # CronFlows start Flows on a schedule; each Flow carries the CronFlow's name and its scheduled time.
 CRONFLOW_KIND = "CronFlow"
 CRONFLOW_PLURAL = "cronflows"

@@ -6,7 +6,7 @@ Each field takes `*` (or `?`), numbers, ranges `a-b`, steps `*/n`, `a-b/n` and `
 them separated by commas; months and weekdays also by name (`jan`, `mon`), Sunday is 0 or 7. The
 macros `@yearly` (`@annually`), `@monthly`, `@weekly`, `@daily` (`@midnight`) and `@hourly` stand for
 their usual schedules. As in cron (and CronJob), when both day-of-month and day-of-week are
-restricted, a day matching either runs.
+restricted (anything but `*` or `?`: `*/2` is restricted), a day matching either runs.
 
 Times are wall-clock times in the CronFlow's `timeZone` (IANA, default UTC): across a daylight-saving
 change, a time that does not exist that day (the hour skipped in spring) does not run, and a time
@@ -40,7 +40,7 @@ class ScheduleError(ValueError):
 def _value(text: str, lo: int, hi: int, names: dict[str, int], field: str) -> int:
     v = names.get(text.lower()) if names else None
     if v is None:
-        if not text.isdigit():
+        if not (text.isascii() and text.isdigit()):
             raise ScheduleError(f"{field}: {text!r} is not a number" + (" or a name" if names else ""))
         v = int(text)
     if not lo <= v <= hi:
@@ -56,7 +56,7 @@ def _field(text: str, lo: int, hi: int, names: dict[str, int], field: str) -> fr
         base, _, step_text = part.partition("/")
         step = 1
         if step_text:
-            if not step_text.isdigit() or int(step_text) == 0:
+            if not (step_text.isascii() and step_text.isdigit()) or int(step_text) == 0:
                 raise ScheduleError(f"{field}: step {step_text!r} must be a positive number")
             step = int(step_text)
         if base in ("*", "?"):
@@ -140,7 +140,7 @@ def parse(schedule: str, time_zone: str | None = None) -> Schedule:
     """The schedule, or ScheduleError saying what is wrong with it."""
     try:
         zone = ZoneInfo(time_zone or "UTC")
-    except (ZoneInfoNotFoundError, ValueError):
+    except (ZoneInfoNotFoundError, ValueError, OSError):  # OSError: a directory of zones ("America")
         raise ScheduleError(f"unknown time zone {time_zone!r} (an IANA name such as Europe/Berlin)") from None
     text = MACROS.get(schedule.strip().lower(), schedule.strip())
     if text.startswith("@"):
@@ -150,9 +150,11 @@ def parse(schedule: str, time_zone: str | None = None) -> Schedule:
         raise ScheduleError(f"{len(parts)} fields; a schedule has five: minute hour day-of-month month day-of-week")
     values = [_field(p, lo, hi, names, name) for p, (name, lo, hi, names) in zip(parts, _FIELDS, strict=True)]
     weekdays = frozenset(d % 7 for d in values[4])
+    # As CronJob's parser: a field is unrestricted only as `*` or `?` (a step makes it restricted).
+    everything = ("*", "?", "*/1", "?/1")
     s = Schedule(values[0], values[1], values[2], values[3], weekdays,
-                 day_restricted=not parts[2].startswith(("*", "?")),
-                 weekday_restricted=not parts[4].startswith(("*", "?")), zone=zone)
+                 day_restricted=parts[2] not in everything, weekday_restricted=parts[4] not in everything,
+                 zone=zone)
     if s.next_after(dt.datetime(2000, 1, 1, tzinfo=dt.UTC)) is None:
         raise ScheduleError(f"{schedule!r} never runs (no such day in {SEARCH_YEARS} years)")
     return s

@@ -53,8 +53,9 @@ def _json_size(value: Any) -> int:
     return len(json.dumps(value, separators=(",", ":")).encode("utf-8"))
 
 
-def spec_problem(spec: Mapping[str, Any]) -> str | None:
-    """Why this Flow spec is over a bound, naming the field, or None."""
+def spec_problem(spec: Mapping[str, Any], *, own: bool = False) -> str | None:
+    """Why this Flow spec is over a bound, naming the field, or None. ``own``: only the Flow's own
+    fields of a Flow of a template (before it is merged with its template's: its size and depth)."""
     pod_fields: list[tuple[str, Any]] = []
     for path in _POD_FIELDS:
         value: Any = spec
@@ -67,6 +68,11 @@ def spec_problem(spec: Mapping[str, Any]) -> str | None:
     for name, value in pod_fields:
         if value is not None and (size := _json_size(value)) > POD_FIELD_LIMIT:
             return f"{name} is {size} bytes as JSON; the limit is {POD_FIELD_LIMIT}"
+    if own:
+        inputs = spec.get("inputs")
+        if inputs is not None and (size := _json_size(inputs)) > SPEC_ENV_LIMIT:
+            return f"spec.inputs is {size} bytes as JSON; the limit is {SPEC_ENV_LIMIT}"
+        return None
     try:  # the text the runner pods would get (the API server checked the schema before the webhook)
         size = len(runner_spec_env(FlowSpec.model_validate(spec)).encode("utf-8"))
     except ValidationError as e:

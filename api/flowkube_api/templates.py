@@ -28,6 +28,7 @@ from flowkube_api import constants as c
 
 Body = dict[str, Any]
 
+PROBLEMS_SHOWN = 10  # problems (and names in one) a refusal lists: its size is bounded whatever the Flow holds
 BY_NAME = ("env", "notifications")  # lists merged entry by entry, keyed by `name`
 
 _TYPES: dict[str, tuple[type, ...]] = {
@@ -80,9 +81,13 @@ def parameter_problems(template_spec: Mapping[str, Any], inputs: Mapping[str, An
     problems = []
     if params:
         names = {str(p.get("name")) for p in params}
-        for key in sorted(set(given) - names):
-            problems.append(f"spec.inputs.{key}: {what} has no parameter {key!r} "
-                            f"(its parameters: {', '.join(sorted(names))})")
+        unknown = sorted(set(given) - names)
+        if unknown:  # one line however many: a message never grows with the inputs times the parameters
+            listed = ", ".join(f"{k[:64]!r}" for k in unknown[:PROBLEMS_SHOWN])
+            more = f" and {len(unknown) - PROBLEMS_SHOWN} more" if len(unknown) > PROBLEMS_SHOWN else ""
+            params_listed = ", ".join(sorted(names)[:PROBLEMS_SHOWN]) + (" ..." if len(names) > PROBLEMS_SHOWN else "")
+            problems.append(f"spec.inputs.{unknown[0][:64]}: {what} has no parameter {listed}{more} "
+                            f"(its parameters: {params_listed})")
     for p in params:
         name, want = str(p.get("name")), p.get("type")
         if name in given:
@@ -91,7 +96,9 @@ def parameter_problems(template_spec: Mapping[str, Any], inputs: Mapping[str, An
                 problems.append(f"spec.inputs.{name}: must be {want} (a parameter of {what}), not {_json_type(value)}")
         elif p.get("required") and "default" not in p:
             problems.append(f"spec.inputs.{name}: required by {what}"
-                            + (f" ({p['description']})" if p.get("description") else ""))
+                            + (f" ({str(p['description'])[:200]})" if p.get("description") else ""))
+    if len(problems) > PROBLEMS_SHOWN:
+        problems = [*problems[:PROBLEMS_SHOWN], f"and {len(problems) - PROBLEMS_SHOWN} more"]
     return problems
 
 

@@ -87,6 +87,7 @@ class Controller(FlowCache):
         self.leading = False  # workers run: this replica is the one status writer
         self.fence = fence
         self.templates = TemplateCache(wake=self._enqueue)
+        self._informers: list[Informer] = []  # the watches CronFlows wait for (see _start_cron_when_listed)
 
     def _enqueue(self, key: Key) -> None:
         if self.leading:  # a follower's view is queued all at once when it begins to lead
@@ -116,8 +117,18 @@ class Controller(FlowCache):
     def informers(self, kube: Callable[[], Kube | None], namespaces: list[str]) -> list[Informer]:
         """The caches' watches, the templates', and the notifier's Secrets."""
         extra = self.notifier.informers(kube, namespaces) if self.notifier is not None else []
-        return (super().informers(kube, namespaces) + self.templates.informers(kube, namespaces)
-                + self.cron.informers(kube, namespaces) + extra)
+        self._informers = (super().informers(kube, namespaces) + self.templates.informers(kube, namespaces)
+                           + self.cron.informers(kube, namespaces))
+        return self._informers + extra
+
+    async def _start_cron_when_listed(self) -> None:
+        """CronFlows are planned from the Flows they started: only once every Flow, template and
+        CronFlow is listed (a CronFlow that saw none of its Flows would start a Forbid one again, and
+        forget what it was deleting). The templates' first list also wakes the Flows that waited."""
+        await asyncio.gather(*(i.synced.wait() for i in self._informers))
+        for key in list(self.templates.woken()):
+            self.queue.add(key)
+        self.cron.start()
 
     async def _offer_when_ready(self, notifier: Notifier) -> None:
         """Once the notification Secrets are listed and the cluster's ranges known, every Flow is looked
@@ -171,7 +182,7 @@ class Controller(FlowCache):
         self._tasks.append(asyncio.create_task(self._recheck_pods_forever()))
         for _ in range(self.settings.workers):
             self._tasks.append(asyncio.create_task(self._worker()))
-        self.cron.start()
+        self._tasks.append(asyncio.create_task(self._start_cron_when_listed()))
         if self.notifier is not None:
             self._tasks.append(asyncio.create_task(self.notifier.learn_cluster(self.kube)))
             self._tasks.append(asyncio.create_task(self._offer_when_ready(self.notifier)))
@@ -294,6 +305,8 @@ class Controller(FlowCache):
             late[pod_name] = await self._load_report(*key, uid, pod_name, pods[pod_name])
         cap = self.settings.retry_backoff_cap_seconds
         template = self._template_of(key, body)
+        if template is None and not self.templates.synced() and self.templates.waits(key):
+            return  # not "not found" before the templates are listed: queued again once they are
         p = plan(body, pods, report, backoff_cap=cap, report_checked=checked, late=late, template=template)
         if p.need_report and active is not None:
             report = await self._load_report(*key, uid, active, pods.get(active))
@@ -320,7 +333,7 @@ class Controller(FlowCache):
         tkey = templates.template_key(key[0], ref)
         found = self.templates.get(tkey)
         if found is None:
-            self.templates.wait(tkey, key)
+            self.templates.wait(tkey, key)  # queued when it comes (or when the first list is in)
         return found
 
     async def _active_report(self, key: Key, uid: str, pods: dict[str, PodView], run: Body,
@@ -407,8 +420,8 @@ class Controller(FlowCache):
         new_status = p.status.dump()
         if new_status != old_status:
             body = await self._write_status(key, body, old_status, new_status)
-        if intent is not None and not intent.first:
-            await self._create_runner_pod(body, intent)
+        if intent is not None and not intent.first:  # from the Flow as written: its template's spec again
+            await self._create_runner_pod(templates.effective_flow(body), intent)
         if p.prune_reports:
             await self._prune_reports(ns, name, p.prune_reports)
         for pod_name in p.delete_pods:

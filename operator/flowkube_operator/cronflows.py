@@ -21,6 +21,7 @@ from flowkube_api import constants as c
 from flowkube_operator.cronplan import Child, CronPlan, plan
 from flowkube_operator.informer import Informer
 from flowkube_operator.kube import ApiError, Kube, delete_if_same, flow_path, ns_path
+from flowkube_operator.meta import owner_uid
 from flowkube_operator.workqueue import NotLeadingError, WorkQueue, merge_patch
 
 Body = dict[str, Any]
@@ -150,12 +151,12 @@ class CronFlows:
             return None
         uid = body["metadata"]["uid"]
         children = [ch for ch in self.children.get(key, {}).values() if ch.owner == uid]
-        p = plan(body, children, self.clock())
-        if p.create is not None and not await self._create(kube, body, p):
-            p.status.last_schedule_time = p.old.last_schedule_time  # not started: the time stays due
-            p.status.active = [a for a in p.status.active or [] if a != p.create[0]] or None
-            p.events = [e for e in p.events if e[1] != "Started"]
-            p.create, p.requeue_after = None, FAILED_CREATE_RETRY
+        now = self.clock()
+        p = plan(body, children, now)
+        refused = await self._create(kube, body, p) if p.create is not None else None
+        if refused is not None:  # not started: the time stays due, nothing is replaced for it
+            p = plan(body, children, now, refused=refused)
+            p.requeue_after = FAILED_CREATE_RETRY
         new_status, old_status = p.status.dump(), body.get("status") or {}
         if new_status != old_status:
             self._fence()
@@ -174,20 +175,24 @@ class CronFlows:
             self.queue.add_after(key, p.requeue_after)
         return p
 
-    async def _create(self, kube: Kube, cronflow: Body, p: CronPlan) -> bool:
-        """The scheduled Flow, created (or there already: its name is the time's); False when the API
-        server refuses it (an Event says why; tried again later)."""
+    async def _create(self, kube: Kube, cronflow: Body, p: CronPlan) -> str | None:
+        """Create the scheduled Flow (one there already under the time's name is it, if the CronFlow
+        owns it); why the API server refused it, else None."""
         assert p.create is not None
         name, scheduled = p.create
+        ns, uid = cronflow["metadata"]["namespace"], cronflow["metadata"]["uid"]
         self._fence()
         try:
-            await kube.create(flow_path(cronflow["metadata"]["namespace"]), scheduled_flow(cronflow, name, scheduled))
+            created = await kube.create(flow_path(ns), scheduled_flow(cronflow, name, scheduled))
         except ApiError as e:
-            if e.status in (401, 403, 422, 400, 404):
-                self.post_event(cronflow, "Warning", "FailedCreate", f"Flow {name}: {e}", c.CRONFLOW_KIND)
-                return False
+            if e.status in (400, 401, 403, 404, 422):
+                return str(e)
             raise
-        return True
+        if created is None:  # AlreadyExists: ours (a lost write), or someone else's Flow of that name
+            existing = await kube.get(flow_path(ns, name))
+            if existing is not None and owner_uid(existing.get("metadata") or {}) != uid:
+                return "a Flow of that name exists and is not this CronFlow's"
+        return None
 
     def _fence(self) -> None:
         if not self.fence():

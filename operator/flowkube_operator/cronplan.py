@@ -83,7 +83,9 @@ class CronPlan:
     requeue_after: float | None = None
 
 
-def plan(cronflow: Body, children: list[Child], now: dt.datetime) -> CronPlan:
+def plan(cronflow: Body, children: list[Child], now: dt.datetime, refused: str | None = None) -> CronPlan:
+    """``refused``: why the API server refused the Flow an earlier plan of this reconcile would start
+    (that time is then skipped for now, and nothing is replaced for it)."""
     meta = cronflow.get("metadata") or {}
     spec = CronFlowSpec.model_validate(cronflow.get("spec") or {})
     old = CronFlowStatus.model_validate(cronflow.get("status") or {})
@@ -102,8 +104,8 @@ def plan(cronflow: Body, children: list[Child], now: dt.datetime) -> CronPlan:
         _finish(st, live, p)
         return p
     if not spec.suspend:
-        _schedule(str(meta.get("name", "")), spec, schedule, live, p, now,
-                  since=st.last_schedule_time or parse_time(meta.get("creationTimestamp")) or now)
+        since = st.last_schedule_time or parse_time(meta.get("creationTimestamp")) or now
+        _schedule(str(meta.get("name", "")), spec, schedule, (children, live), p, (now, since), refused)
         following = schedule.next_after(now)
         if following is not None:
             p.requeue_after = max((following - now).total_seconds(), 0.05)
@@ -111,15 +113,17 @@ def plan(cronflow: Body, children: list[Child], now: dt.datetime) -> CronPlan:
     return p
 
 
-def _schedule(name: str, spec: CronFlowSpec, schedule: cron.Schedule, live: list[Child], p: CronPlan,
-              now: dt.datetime, since: dt.datetime) -> None:
-    st = p.status
+def _schedule(name: str, spec: CronFlowSpec, schedule: cron.Schedule, flows: tuple[list[Child], list[Child]],
+              p: CronPlan, times: tuple[dt.datetime, dt.datetime], refused: str | None) -> None:
+    """Start the latest time due, if it may start. ``flows``: (all its Flows, those not being deleted);
+    ``times``: (now, the time after which times are due)."""
+    (children, live), (now, since), st = flows, times, p.status
     due = schedule.latest_at_or_before(now, since)
     if due is None:
         return
     flow = cron.flow_name(name, due)
     policy = spec.concurrency_policy or "Allow"
-    if any(ch.name == flow for ch in live):  # started already (the status write after its create was lost)
+    if any(ch.name == flow for ch in children):  # started already (the status write after its create was lost)
         st.last_schedule_time = due
         if policy == "Replace":  # and the Flows it replaces may not have been deleted
             _replace(p, [ch for ch in live if not ch.ended and ch.name != flow])
@@ -129,16 +133,19 @@ def _schedule(name: str, spec: CronFlowSpec, schedule: cron.Schedule, live: list
         _skip(p, due, "MissedDeadline", f"{due:%Y-%m-%dT%H:%M:%SZ} was missed by {late:.0f} s, over "
               f"startingDeadlineSeconds={spec.starting_deadline_seconds}")
         return
-    missed = schedule.count_between(since, now)
-    if missed > 1:
-        p.events.append(("Warning", "MissedSchedules", f"{missed if missed < 100 else 'over 100'} scheduled times "
-                         f"passed since {since:%Y-%m-%dT%H:%M:%SZ}; starting only the latest, "
-                         f"{due:%Y-%m-%dT%H:%M:%SZ}"))
+    if refused is not None:
+        _skip(p, due, "FailedCreate", f"Flow {flow}: {refused}")
+        return
     running = [ch for ch in live if not ch.ended]
     if running and policy == "Forbid":
         _skip(p, due, "ConcurrencyForbidden", f"{', '.join(ch.name for ch in running)} still running "
               "(concurrencyPolicy: Forbid)")
         return
+    missed = schedule.count_between(since, now)
+    if missed > 1:
+        p.events.append(("Warning", "MissedSchedules", f"{missed if missed < 100 else 'over 100'} scheduled times "
+                         f"passed since {since:%Y-%m-%dT%H:%M:%SZ}; starting only the latest, "
+                         f"{due:%Y-%m-%dT%H:%M:%SZ}"))
     if policy == "Replace":
         _replace(p, running)
     p.create = (flow, due)

@@ -94,7 +94,7 @@ def _register_spec_checks(registry: kopf.OperatorRegistry, app: App) -> None:
     @kopf.on.validate(c.GROUP, c.VERSION, c.PLURAL, id="validate-flows", operations=["CREATE", "UPDATE"],
                       side_effects=False, registry=registry)
     async def validate_flow(*, spec: kopf.Spec, body: kopf.Body, namespace: str | None, **_: Any) -> None:
-        problem = await flow_problem(dict(spec), namespace or "", body.get("status"))
+        problem = await _flow_problem(app, dict(spec), namespace or "", body.get("status"))
         if problem:
             raise kopf.AdmissionError(problem, code=422)
 
@@ -102,28 +102,35 @@ def _register_spec_checks(registry: kopf.OperatorRegistry, app: App) -> None:
                       operations=["CREATE", "UPDATE"], side_effects=False, registry=registry)
     async def validate_cronflow(*, spec: kopf.Spec, namespace: str | None, **_: Any) -> None:
         # The Flows it starts are checked now, as each would be at its time.
-        own = await flow_problem(dict((spec.get("flowTemplate") or {}).get("spec") or {}), namespace or "", None)
+        own = await _flow_problem(app, dict((spec.get("flowTemplate") or {}).get("spec") or {}), namespace or "", None)
         problem = webhook.schedule_problem(spec) or (own.replace("spec.", "spec.flowTemplate.spec.") if own else None)
         if problem:
             raise kopf.AdmissionError(problem, code=422)
-
-    async def flow_problem(spec: dict[str, Any], namespace: str, status: Any) -> str | None:
-        if spec.get("templateRef"):  # the spec it runs is checked: its template's, with its own over it
-            spec, refused = await webhook.template_problem(spec, namespace, status, app.template)
-            if refused:
-                return refused
-        return await spec_problem(spec)
-
-    async def spec_problem(spec: dict[str, Any]) -> str | None:
-        return (limits.spec_problem(spec) or "; ".join(resources.pod_policy_problems(spec, app.settings))
-                or await app.validator.problem(spec))
 
     for plural in (c.TEMPLATE_PLURAL, c.CLUSTER_TEMPLATE_PLURAL):
         @kopf.on.validate(c.GROUP, c.VERSION, plural, id=f"validate-{plural}", operations=["CREATE", "UPDATE"],
                           side_effects=False, registry=registry)
         async def validate_template(*, spec: kopf.Spec, **_: Any) -> None:
             # The template's Flow spec as a Flow's: its messages name spec.template.<field>.
-            own = await spec_problem(dict(spec.get("template") or {}))
+            own = await _spec_problem(app, dict(spec.get("template") or {}))
             problem = webhook.template_spec_problem(spec) or (own.replace("spec.", "spec.template.") if own else None)
             if problem:
                 raise kopf.AdmissionError(problem, code=422)
+
+
+async def _flow_problem(app: App, spec: dict[str, Any], namespace: str, status: Any) -> str | None:
+    """Why a Flow spec (a CronFlow's flowTemplate.spec too) is refused, naming the field, or None."""
+    if spec.get("templateRef"):  # the spec it runs is checked: its template's, with its own over it
+        own = limits.spec_problem(spec, own=True)  # the Flow's own bytes first, before anything reads them
+        if own:
+            return own
+        spec, refused = await webhook.template_problem(spec, namespace, status, app.template)
+        if refused:
+            return refused
+    return await _spec_problem(app, spec)
+
+
+async def _spec_problem(app: App, spec: dict[str, Any]) -> str | None:
+    """The checks of a spec a runner pod would run: the bounds, the runner pod policy, the definition."""
+    return (limits.spec_problem(spec) or "; ".join(resources.pod_policy_problems(spec, app.settings))
+            or await app.validator.problem(spec))

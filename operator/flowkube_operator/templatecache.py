@@ -68,6 +68,15 @@ class TemplateCache:
     def get(self, key: TemplateKey) -> Body | None:
         return self.templates.get(key)
 
+    def woken(self) -> set[FlowKey]:
+        """Every Flow noted as waiting (taken: they are queued again once the first lists are in)."""
+        flows = {f for waiting in self.waiting.values() for f in waiting}
+        self.waiting.clear()
+        return flows
+
+    def waits(self, flow: FlowKey) -> bool:
+        return any(flow in flows for flows in self.waiting.values())
+
     def wait(self, key: TemplateKey, flow: FlowKey) -> None:
         """``flow`` waits for the template ``key``: queue it when the template comes."""
         self.waiting.setdefault(key, set()).add(flow)

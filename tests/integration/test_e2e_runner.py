@@ -309,7 +309,8 @@ def test_a_cluster_template_serves_every_namespace_and_bad_uses_are_refused_at_a
         assert 'spec.templateRef: FlowTemplate "nowhere"' in refused({"templateRef": {"name": "nowhere"}})
         assert "exactly one of spec.definition, spec.flowRef or spec.templateRef" in refused(
             {"templateRef": ref, "flowRef": ARTICLE_FLOW})
-        bad_template = {"apiVersion": "flowkube.io/v1alpha1", "kind": "FlowTemplate", "metadata": {"name": "loop"},
+        bad_template: dict[str, Any] = {
+                        "apiVersion": "flowkube.io/v1alpha1", "kind": "FlowTemplate", "metadata": {"name": "loop"},
                         "spec": {"parameters": [{"name": "n", "type": "integer", "default": "three"}],
                                  "template": {"definition": LOOP}}}
         out = apply_object(stack, bad_template, flows.ns, check=False)

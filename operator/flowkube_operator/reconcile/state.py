@@ -4,6 +4,7 @@ moves shared by every concern."""
 from __future__ import annotations
 
 import datetime as dt
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,7 +117,13 @@ class FlowState:
             if self.old.message != message:
                 self.plan.event(Reason.TEMPLATE_NOT_FOUND, message, warning=True)
             return False
-        self.st.template = TemplateStatus.model_validate(snapshot(self.template))
+        taken = snapshot(self.template)
+        size = len(json.dumps(taken["spec"], separators=(",", ":")).encode("utf-8"))
+        if size > c.TEMPLATE_SPEC_LIMIT:  # admitted while the webhook was off: its copy would not fit
+            self._terminal(Phase.FAILED, Reason.INVALID_SPEC, f"{what} is {size} bytes as JSON; a template's limit "
+                           f"is {c.TEMPLATE_SPEC_LIMIT}")
+            return False
+        self.st.template = TemplateStatus.model_validate(taken)
         effective, problems = template_problems(self.template, str(self.meta.get("namespace") or ""), self.own_spec)
         if problems:
             self._terminal(Phase.FAILED, Reason.INVALID_INPUTS, "; ".join(problems))

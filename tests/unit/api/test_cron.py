@@ -72,3 +72,13 @@ def test_a_scheduled_times_flow_name_is_the_same_every_time() -> None:
     t = at("2026-11-27T02:00:00")
     assert cron.flow_name("nightly", t) == cron.flow_name("nightly", t) == f"nightly-{int(t.timestamp()) // 60}"
     assert len(cron.flow_name("x" * 52, at("2160-01-01T00:00:00"))) <= 63
+
+
+def test_a_stepped_day_field_is_restricted_as_in_cronjob_and_odd_input_is_a_schedule_error() -> None:
+    # */2 in day-of-month is restricted: the odd days OR Mondays (CronJob's parser agrees).
+    s = cron.parse("0 0 */2 * mon")
+    assert s.next_after(at("2026-11-27T00:00:00")) == at("2026-11-29T00:00:00")  # Sunday the 29th: odd
+    assert s.next_after(at("2026-11-29T00:00:00")) == at("2026-11-30T00:00:00")  # Monday the 30th
+    for schedule, zone in (("² * * * *", None), ("*/² * * * *", None), ("* * * * *", "America")):
+        with pytest.raises(cron.ScheduleError):
+            cron.parse(schedule, zone)

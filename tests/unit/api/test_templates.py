@@ -71,12 +71,13 @@ def test_parameters_refuse_what_does_not_fit_naming_the_parameter(inputs: dict[s
 
 def test_a_template_without_parameters_takes_any_inputs_and_a_cluster_template_names_no_namespace() -> None:
     spec = {"template": {"flowRef": "pkg.mod:Flow"}}
-    ref = {"templateRef": {"name": "shared", "kind": "ClusterFlowTemplate"}, "inputs": {"free": 1}}
+    shared = {"name": "shared", "kind": "ClusterFlowTemplate"}
+    ref: dict[str, Any] = {"templateRef": shared, "inputs": {"free": 1}}
     effective, found = templates.problems({"spec": spec}, "team", ref)
     assert found == [] and effective == {"flowRef": "pkg.mod:Flow", "inputs": {"free": 1}}
-    assert templates.template_key("team", ref["templateRef"]) == ("ClusterFlowTemplate", "", "shared")
+    assert templates.template_key("team", shared) == ("ClusterFlowTemplate", "", "shared")
     assert templates.template_key("team", {"name": "t"}) == ("FlowTemplate", "team", "t")
-    assert templates.describe_ref("team", ref["templateRef"]) == 'ClusterFlowTemplate "shared"'
+    assert templates.describe_ref("team", shared) == 'ClusterFlowTemplate "shared"'
 
 
 def test_a_flow_runs_the_copy_in_its_status_not_the_template_as_it_is_now() -> None:
@@ -100,3 +101,11 @@ def test_the_models_refuse_bad_parameter_names_and_types() -> None:
         FlowTemplate.model_validate({"spec": {"parameters": [{"name": "n", "type": "int"}],
                                               "template": {"flowRef": "a:B"}}})
     assert FlowSpec.model_validate({"templateRef": {"name": "t"}}).template_ref is not None
+
+
+def test_a_refusal_stays_small_however_many_inputs_and_parameters() -> None:
+    spec = {"parameters": [{"name": f"p{'x' * 120}{i}"} for i in range(64)], "template": {"flowRef": "a:B"}}
+    inputs = {f"k{'y' * 120}{i}": i for i in range(5000)}
+    _, found = templates.problems({"spec": spec}, "team", {**REF, "inputs": inputs})
+    assert len(found) == 1 and len(found[0]) < 4000, len(found[0])
+    assert "and 4990 more" in found[0]

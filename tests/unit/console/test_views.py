@@ -104,8 +104,9 @@ def test_ages_read_as_kubectl_prints_them() -> None:
 
 
 def test_a_flow_of_a_template_shows_the_inputs_it_runs_with() -> None:
-    f = flow("t", "Running", template={"kind": "FlowTemplate", "name": "report", "spec": {
-        "parameters": [{"name": "words", "default": 200}], "template": {"flowRef": "a:B", "inputs": {"style": "plain"}}}})
+    tspec = {"parameters": [{"name": "words", "default": 200}],
+             "template": {"flowRef": "a:B", "inputs": {"style": "plain"}}}
+    f = flow("t", "Running", template={"kind": "FlowTemplate", "name": "report", "spec": tspec})
     f["spec"] = {"templateRef": {"name": "report"}, "inputs": {"topic": "operators"}}
     shown = views.detail(f).inputs.text
     assert '"topic": "operators"' in shown and '"words": 200' in shown and '"style": "plain"' in shown

@@ -623,3 +623,15 @@ def test_trigger_flow_is_the_operators_scheduled_flow_but_for_the_documented_dif
     named = cli.trigger_flow(cronflow(), now, "nightly-28577040")
     assert _paths(named) - _paths(scheduled_flow(cronflow(), "nightly-28577040", now)) == {
         ("metadata", "annotations", "flowkube.io/triggered-by")}
+
+
+def test_run_template_of_a_cluster_template_one_may_not_read_leaves_the_check_to_the_server(
+        kubectl: Kubectl, capsys: pytest.CaptureFixture[str]) -> None:
+    kubectl.on("get clusterflowtemplates", rc=1,
+               err='Error from server (Forbidden): clusterflowtemplates.flowkube.io "weekly" is forbidden\n')
+    kubectl.on("create -f", {"kind": "Flow", "metadata": {"name": "weekly-x1"}})
+    assert cli.main(["run-template", "weekly", "--cluster-template", "-p", "words=300"]) == 0
+    assert kubectl.created()[0]["spec"] == {"templateRef": {"name": "weekly", "kind": "ClusterFlowTemplate"},
+                                            "inputs": {"words": 300}}
+    out = capsys.readouterr()
+    assert out.out == "weekly-x1\n" and "checked when the Flow is created" in out.err

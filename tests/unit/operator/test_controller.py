@@ -368,3 +368,56 @@ def test_deletes_carry_the_uid_the_plan_saw_and_a_namesake_is_left_alone() -> No
         await Kube.delete(kube, "/api/v1/namespaces/ns/pods/f-0", {"preconditions": {"uid": "old"}})  # type: ignore[arg-type]
 
     asyncio.run(namesake())  # the 409 of a failed precondition: the object is another one; done
+
+
+def test_a_resume_of_a_template_flow_makes_its_pod_from_the_template_after_the_status_write() -> None:
+    """A resume is recorded first and its pod made from the Flow as written: that answer holds only the
+    Flow's own spec (templateRef, inputs), so the pod must come from the template copy in its status."""
+    taken = {"kind": "FlowTemplate", "name": "tpl", "generation": 1,
+             "spec": {"template": {"flowRef": "pkg.mod:Tpl", "image": "runner:tpl"}}}
+    paused = flow(10, "AwaitingFeedback")
+    paused["spec"] = {"templateRef": {"name": "tpl"}, "inputs": {"topic": "x"}}
+    paused["status"] = {
+        "phase": "AwaitingFeedback", "template": taken, "startedAt": "2026-11-24T01:00:00Z",
+        "runs": [{"pod": "f-0", "trigger": "kickoff", "result": "Paused", "startedAt": "2026-11-24T01:00:00Z",
+                  "finishedAt": "2026-11-24T01:01:00Z"}],
+        "feedback": {"request": {"id": "r1", "method": "review", "message": "ok?",
+                                 "requestedAt": "2026-11-24T01:01:00Z"},
+                     "response": {"text": "approved"}}}
+
+    class Kube(RecordingKube):
+        async def merge_patch(self, path: str, patch: dict[str, Any]) -> dict[str, Any]:
+            self.calls.append(("PATCH", path, patch))
+            return {"metadata": {**paused["metadata"], "resourceVersion": "13"}, "spec": paused["spec"],
+                    "status": merge(paused["status"], patch["status"])}
+
+    def merge(old: Any, patch: Any) -> Any:
+        if not isinstance(old, dict) or not isinstance(patch, dict):
+            return patch
+        out = dict(old)
+        for k, v in patch.items():
+            if v is None:
+                out.pop(k, None)
+            else:
+                out[k] = merge(old.get(k), v)
+        return out
+
+    async def scenario(kube: Kube) -> None:
+        ctl = Controller(Settings())
+        ctl.leading = True
+        ctl.flow_event("ADDED", paused)
+        ctl.attach(kube)  # type: ignore[arg-type]
+        try:
+            await ctl.reconcile(("ns", "f"))
+        finally:
+            await asyncio.gather(*ctl._background)
+
+    kube = Kube()
+    asyncio.run(scenario(kube))
+    writes = [(verb, path.rsplit("/", 1)[-1]) for verb, path, _ in kube.calls if not path.endswith("/events")]
+    assert writes == [("PATCH", "status"), ("POST", "pods")]
+    pod_body = next(body for verb, path, body in kube.calls if verb == "POST" and path.endswith("/pods"))
+    container = pod_body["spec"]["containers"][0]
+    assert container["image"] == "runner:tpl"
+    spec_env = next(e["value"] for e in container["env"] if e["name"] == "FLOWKUBE_SPEC")
+    assert "pkg.mod:Tpl" in spec_env and '"topic":"x"' in spec_env.replace(" ", "")

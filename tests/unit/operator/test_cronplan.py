@@ -124,3 +124,33 @@ def test_an_invalid_schedule_is_said_not_run() -> None:
     body = cronflow(schedule="61 * * * *")
     p = step(body, [], T0)
     assert p.create is None and body["status"]["lastSkipped"]["reason"] == "InvalidSchedule"
+
+
+def test_a_refused_create_replaces_nothing_and_says_why() -> None:
+    body = cronflow(concurrencyPolicy="Replace")
+    body["status"] = {"lastScheduleTime": "2026-11-27T01:00:00Z"}
+    running = child(T0 - HOUR, tokens=7)
+    p = plan(body, [running], T0 + dt.timedelta(seconds=1), refused="422: spec.inputs.topic: required")
+    assert p.create is None and p.delete == [], "the running Flow stays when its replacement cannot start"
+    assert p.status.last_skipped is not None and p.status.last_skipped.reason == "FailedCreate"
+    assert p.status.last_schedule_time == T0 - HOUR and not p.status.pruning
+
+
+def test_a_time_whose_flow_is_being_deleted_is_not_started_again() -> None:
+    # The status write after the create was lost, and the Flow failed and is pruned meanwhile.
+    body = cronflow(failedFlowsHistoryLimit=0)
+    body["status"] = {"lastScheduleTime": "2026-11-27T01:00:00Z"}
+    failed = child(T0, "Failed", tokens=2)
+    p = step(body, [failed], T0 + dt.timedelta(minutes=10))
+    assert p.create is None and p.delete == [failed.name]
+    assert body["status"]["lastScheduleTime"] == "2026-11-27T02:00:00Z"
+
+
+def test_forbid_waiting_says_so_once_and_says_nothing_of_missed_times_meanwhile() -> None:
+    body = cronflow(concurrencyPolicy="Forbid")
+    body["status"] = {"lastScheduleTime": "2026-11-27T00:00:00Z"}
+    running = child(T0 - 2 * HOUR)
+    p = step(body, [running], T0 + dt.timedelta(seconds=1))
+    assert [e[1] for e in p.events] == ["ConcurrencyForbidden"]
+    p = step(body, [running], T0 + dt.timedelta(seconds=30))
+    assert p.events == []

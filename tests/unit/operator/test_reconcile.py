@@ -729,7 +729,8 @@ def test_a_flow_waits_for_its_template_then_takes_it_once_and_runs_it() -> None:
     p = plan(body, {}, now=T0)
     body["status"] = p.status.dump()
     assert body["status"]["phase"] == Phase.PENDING and p.create_pod is None
-    assert body["status"]["message"] == 'FlowTemplate "article" in namespace "ns" not found: the Flow starts once it exists'
+    assert body["status"]["message"] == ('FlowTemplate "article" in namespace "ns" not found: '
+                                         "the Flow starts once it exists")
     assert cond(body, "Running")["reason"] == Reason.TEMPLATE_NOT_FOUND
     assert [e[1] for e in p.events] == [Reason.TEMPLATE_NOT_FOUND]
     assert plan(body, {}, now=T0).events == [], "said once, not at every reconcile"

@@ -145,3 +145,16 @@ def test_a_flow_of_a_template_is_checked_against_the_template_or_the_copy_its_st
     assert template_spec_problem({"parameters": [{"name": "n", "type": "integer", "default": "three"}]}) == (
         "spec.parameters[n].default: must be integer")
     assert template_spec_problem({"parameters": [{"name": "n", "type": "integer", "default": 3}]}) is None
+
+
+def test_a_template_too_big_to_copy_into_its_flows_status_is_refused() -> None:
+    from flowkube_operator.webhook import template_spec_problem
+
+    big = {"parameters": [{"name": "n", "default": "x" * (300 * 1024)}], "template": {"flowRef": "a:B"}}
+    problem = template_spec_problem(big)
+    assert problem is not None and "a template's limit is 262144" in problem
+    deep: Any = 1
+    for _ in range(40):
+        deep = [deep]
+    nested = template_spec_problem({"parameters": [{"name": "d", "default": deep}]})
+    assert nested is not None and "spec.parameters[d].default nests" in nested
