@@ -103,22 +103,8 @@ def crd(kind: str = c.KIND) -> dict[str, Any]:
          "description": "Messages a conversation answered"},
         {"name": "Flow-ID", "type": "string", "jsonPath": ".status.flowId", "priority": 1},
     ]
-    schema = {
-        "type": "object",
-        "description": "A crewAI Flow run as Kubernetes runner pods.",
-        "required": ["spec"],
-        "x-kubernetes-validations": [
-            {"rule": "size(self.metadata.name) <= 63",
-             "message": "metadata.name must be at most 63 characters: it is a label value on runner pods"},
-        ],
-        "properties": {
-            "apiVersion": {"type": "string"},
-            "kind": {"type": "string"},
-            "metadata": {"type": "object"},
-            "spec": _schema_of(FlowSpec),
-            "status": _schema_of(FlowStatus),
-        },
-    }
+    schema = _object("A crewAI Flow run as Kubernetes runner pods.", FlowSpec, FlowStatus,
+                     (63, "it is a label value on runner pods"))
     names = {"kind": c.KIND, "listKind": f"{c.KIND}List", "plural": c.PLURAL, "singular": c.SINGULAR,
              "shortNames": list(c.SHORT_NAMES), "categories": list(c.CATEGORIES)}
     return _definition(names, "Namespaced", schema, printer_columns, status=True)
@@ -133,19 +119,10 @@ def _template_crd(kind: str) -> dict[str, Any]:
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
         {"name": "Description", "type": "string", "jsonPath": ".spec.description", "priority": 1},
     ]
-    schema = {
-        "type": "object",
-        "description": ("A Flow spec with declared parameters, shared by every namespace's Flows "
-                        "(spec.templateRef.kind: ClusterFlowTemplate)." if cluster else
-                        "A Flow spec with declared parameters, for the Flows of its namespace (spec.templateRef)."),
-        "required": ["spec"],
-        "properties": {
-            "apiVersion": {"type": "string"},
-            "kind": {"type": "string"},
-            "metadata": {"type": "object"},
-            "spec": _schema_of(FlowTemplateSpec),
-        },
-    }
+    schema = _object("A Flow spec with declared parameters, shared by every namespace's Flows "
+                     "(spec.templateRef.kind: ClusterFlowTemplate)." if cluster else
+                     "A Flow spec with declared parameters, for the Flows of its namespace (spec.templateRef).",
+                     FlowTemplateSpec)
     names = {"kind": kind, "listKind": f"{kind}List", "plural": plural, "singular": plural[:-1],
              "shortNames": ["cft" if cluster else "ft"], "categories": ["flowkube"]}
     return _definition(names, "Cluster" if cluster else "Namespaced", schema, printer_columns, status=False)
@@ -164,26 +141,26 @@ def _cronflow_crd() -> dict[str, Any]:
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
         {"name": "Active", "type": "string", "jsonPath": ".status.active", "priority": 1},
     ]
-    schema = {
-        "type": "object",
-        "description": "Flows started on a schedule, as a CronJob starts Jobs.",
-        "required": ["spec"],
-        "x-kubernetes-validations": [
-            {"rule": f"size(self.metadata.name) <= {c.CRONFLOW_NAME_LIMIT}",
-             "message": f"metadata.name must be at most {c.CRONFLOW_NAME_LIMIT} characters: its Flows are named "
-                        "<name>-<scheduled minute>"},
-        ],
-        "properties": {
-            "apiVersion": {"type": "string"},
-            "kind": {"type": "string"},
-            "metadata": {"type": "object"},
-            "spec": _schema_of(CronFlowSpec),
-            "status": _schema_of(CronFlowStatus),
-        },
-    }
+    schema = _object("Flows started on a schedule, as a CronJob starts Jobs.", CronFlowSpec, CronFlowStatus,
+                     (c.CRONFLOW_NAME_LIMIT, "its Flows are named <name>-<scheduled minute>"))
     names = {"kind": c.CRONFLOW_KIND, "listKind": f"{c.CRONFLOW_KIND}List", "plural": c.CRONFLOW_PLURAL,
              "singular": "cronflow", "shortNames": ["cfl"], "categories": ["flowkube", "all"]}
     return _definition(names, "Namespaced", schema, printer_columns, status=True)
+
+
+def _object(description: str, spec: type[Any], status: type[Any] | None = None,
+            name_limit: tuple[int, str] | None = None) -> dict[str, Any]:
+    """The openAPIV3Schema of a resource: its spec and status models, and a bound on its name (why)."""
+    schema: dict[str, Any] = {"type": "object", "description": description, "required": ["spec"]}
+    if name_limit is not None:
+        schema["x-kubernetes-validations"] = [
+            {"rule": f"size(self.metadata.name) <= {name_limit[0]}",
+             "message": f"metadata.name must be at most {name_limit[0]} characters: {name_limit[1]}"}]
+    schema["properties"] = {"apiVersion": {"type": "string"}, "kind": {"type": "string"},
+                            "metadata": {"type": "object"}, "spec": _schema_of(spec)}
+    if status is not None:
+        schema["properties"]["status"] = _schema_of(status)
+    return schema
 
 
 def _definition(names: dict[str, Any], scope: str, schema: dict[str, Any], columns: list[dict[str, Any]], *,

@@ -31,10 +31,7 @@ Body = dict[str, Any]
 PROBLEMS_SHOWN = 10  # problems (and names in one) a refusal lists: its size is bounded whatever the Flow holds
 BY_NAME = ("env", "notifications")  # lists merged entry by entry, keyed by `name`
 
-_TYPES: dict[str, tuple[type, ...]] = {
-    "string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
-    "object": (dict,), "array": (list,),
-}
+_TYPES = ("string", "integer", "number", "boolean", "object", "array")  # JSON Schema's, as parameters declare
 
 
 def template_key(namespace: str, ref: Mapping[str, Any]) -> tuple[str, str, str]:
@@ -66,11 +63,10 @@ def _json_type(value: Any) -> str:
 
 
 def _type_ok(value: Any, want: str) -> bool:
-    if isinstance(value, bool):
-        return want == "boolean"
-    if want == "integer" and isinstance(value, float):
-        return value.is_integer()  # JSON has one number type: 3.0 is an integer to JSON Schema
-    return isinstance(value, _TYPES[want])
+    have = _json_type(value)
+    if want == "integer" and have == "number":
+        return float(value).is_integer()  # JSON has one number type: 3.0 is an integer to JSON Schema
+    return have == want or (want == "number" and have == "integer")
 
 
 def parameter_problems(template_spec: Mapping[str, Any], inputs: Mapping[str, Any] | None, what: str) -> list[str]:

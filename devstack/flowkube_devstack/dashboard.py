@@ -99,6 +99,12 @@ def build() -> dict[str, Any]:
         .with_panel(_ts("Spend per hour by model, USD", "currencyUSD",
                         _q(f"sum by (model) (increase(flowkube_namespace_cost_usd_total{{{NS}}}[1h]))",
                            "{{model}}")))
+        .with_panel(_ts("Spend per day by template, USD", "currencyUSD",
+                        _q(f'sum by (namespace, template) (increase(flowkube_namespace_cost_usd_total{{{NS},'
+                           'template!=""}[1d]))', "{{namespace}}/{{template}}")))
+        .with_panel(_ts("Spend per day by CronFlow, USD", "currencyUSD",
+                        _q(f'sum by (namespace, cronflow) (increase(flowkube_namespace_cost_usd_total{{{NS},'
+                           'cronflow!=""}[1d]))', "{{namespace}}/{{cronflow}}")))
         .with_row(dashboard.Row("Flows and feedback"))
         .with_panel(_ts("Flows by phase", "short",
                         _q(f"sum by (phase) (flowkube_flows{{{NS}}})", "{{phase}}")))

@@ -584,7 +584,11 @@ def run_template(a: Args) -> int:
             print(f"kubectl flow: error: {problem}", file=sys.stderr)
         print("\n".join(_parameter_lines(what, tspec)), file=sys.stderr)
         return 1
-    body = template_flow(a.pos[0], kind, inputs, a.opts.get("--name"))
+    return _create_flow(a, template_flow(a.pos[0], kind, inputs, a.opts.get("--name")))
+
+
+def _create_flow(a: Args, body: dict[str, Any]) -> int:
+    """Create the Flow and print its name (with --dry-run: print the Flow instead)."""
     if _on(a, "--dry-run"):
         print(json.dumps(body, indent=2))
         return 0
@@ -630,14 +634,7 @@ def trigger(a: Args) -> int:
         print(f'kubectl flow: error: {CRONFLOW_KIND} "{a.pos[0]}" not found{where} (kubectl get {CRONFLOW_PLURAL})',
               file=sys.stderr)
         return 1
-    body = trigger_flow(cronflow, datetime.now(UTC), a.opts.get("--name"))
-    if _on(a, "--dry-run"):
-        print(json.dumps(body, indent=2))
-        return 0
-    name = _json(["create", "-f", "-"], a.kube, json.dumps(body))["metadata"]["name"]
-    print(name)
-    print(f"Follow it: kubectl flow get {name}", file=sys.stderr)
-    return 0
+    return _create_flow(a, trigger_flow(cronflow, datetime.now(UTC), a.opts.get("--name")))
 
 
 def _run(a: Args) -> int:
