@@ -113,7 +113,8 @@ def _register_spec_checks(registry: kopf.OperatorRegistry, app: App) -> None:
         async def validate_template(*, spec: kopf.Spec, **_: Any) -> None:
             # The template's Flow spec as a Flow's: its messages name spec.template.<field>.
             own = await _spec_problem(app, dict(spec.get("template") or {}))
-            problem = webhook.template_spec_problem(dict(spec)) or (own.replace("spec.", "spec.template.") if own else None)
+            problem = (webhook.template_spec_problem(dict(spec))
+                       or (own.replace("spec.", "spec.template.") if own else None))
             if problem:
                 raise kopf.AdmissionError(problem, code=422)
 
