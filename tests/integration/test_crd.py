@@ -14,8 +14,12 @@ from flowkube_devstack.cluster import LocalCluster, wait_for
 
 @pytest.fixture(scope="module")
 def flow_crd(cluster: LocalCluster) -> Iterator[None]:
-    cluster.kubectl("apply", "--server-side", "-f", str(crd.CRD_FILE))
-    cluster.kubectl("wait", "--for=condition=Established", "crd/flows.flowkube.io", "--timeout=60s")
+    # Every CRD of the category `flowkube`: `kubectl get flowkube` lists them all (its discovery may
+    # know them from an earlier cluster at the same address).
+    for path in crd.CRD_FILES.values():
+        cluster.kubectl("apply", "--server-side", "-f", str(path))
+    cluster.kubectl("wait", "--for=condition=Established", *(f"crd/{p}.flowkube.io" for p in crd.PLURALS.values()),
+                    "--timeout=60s")
     yield
 
 
@@ -30,7 +34,8 @@ def test_valid_flow_is_accepted_and_listed_with_printer_columns(cluster: LocalCl
     rc, err = _apply(cluster, namespace, "ok", {"flowRef": "pkg.flows:Research", "retries": {"limit": 2}})
     assert rc == 0, err
     out = cluster.kubectl("get", "fl", "-n", namespace).stdout
-    assert out.split("\n")[0].split() == ["NAME", "PHASE", "DEFINITION", "TOKENS", "COST", "AGE", "MESSAGE"]
+    assert out.split("\n")[0].split() == ["NAME", "PHASE", "DEFINITION", "TEMPLATE", "TOKENS", "COST", "AGE",
+                                           "MESSAGE"]
 
     def listed() -> bool:
         return "ok" in cluster.kubectl("get", "flowkube", "-n", namespace, "-o", "name").stdout
@@ -42,8 +47,11 @@ def test_valid_flow_is_accepted_and_listed_with_printer_columns(cluster: LocalCl
 @pytest.mark.parametrize(
     ("spec", "expected"),
     [
-        ({}, "exactly one of spec.definition or spec.flowRef must be set"),
-        ({"flowRef": "a:B", "definition": {"name": "x"}}, "exactly one of spec.definition or spec.flowRef"),
+        ({}, "exactly one of spec.definition, spec.flowRef or spec.templateRef must be set"),
+        ({"flowRef": "a:B", "definition": {"name": "x"}}, "exactly one of spec.definition, spec.flowRef or"),
+        ({"templateRef": {"name": "t"}, "definition": {"name": "x"}}, "exactly one of spec.definition, spec.flowRef"),
+        ({"templateRef": {"name": "Not_A_Name"}}, "spec.templateRef.name"),
+        ({"templateRef": {"name": "t", "kind": "Job"}}, "spec.templateRef.kind"),
         ({"flowRef": "not a ref"}, "spec.flowRef"),
         ({"definition": {"methods": []}}, "spec.definition.name: Required value"),
         ({"flowRef": "a:B", "retries": {"limit": -1}}, "spec.retries.limit"),
