@@ -53,6 +53,15 @@ def _json_size(value: Any) -> int:
     return len(json.dumps(value, separators=(",", ":")).encode("utf-8"))
 
 
+def template_problem(spec: Mapping[str, Any], what: str = "spec") -> str | None:
+    """Why a FlowTemplate's spec is too big (every Flow of it keeps a copy in its status), or None."""
+    size = _json_size(spec)
+    if size > c.TEMPLATE_SPEC_LIMIT:
+        return (f"{what} is {size} bytes as JSON; a template's limit is {c.TEMPLATE_SPEC_LIMIT} (every Flow of it "
+                "keeps a copy in its status)")
+    return None
+
+
 def spec_problem(spec: Mapping[str, Any], *, own: bool = False) -> str | None:
     """Why this Flow spec is over a bound, naming the field, or None. ``own``: only the Flow's own
     fields of a Flow of a template (before it is merged with its template's: its size and depth)."""
@@ -85,4 +94,5 @@ def spec_problem(spec: Mapping[str, Any], *, own: bool = False) -> str | None:
     return None
 
 
-__all__ = ["DEPTH_LIMIT", "POD_FIELD_LIMIT", "SPEC_ENV_LIMIT", "depth_over", "runner_spec_env", "spec_problem"]
+__all__ = ["DEPTH_LIMIT", "POD_FIELD_LIMIT", "SPEC_ENV_LIMIT", "depth_over", "runner_spec_env", "spec_problem",
+           "template_problem"]

@@ -8,11 +8,11 @@ when a template of that name appears or changes (no scan of every Flow per templ
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Any
 
 from flowkube_api import constants as c
+from flowkube_api.templates import template_key
 from flowkube_operator.informer import Informer
 from flowkube_operator.kube import Kube
 
@@ -50,14 +50,9 @@ class TemplateCache:
     def synced(self) -> bool:
         return all(i.synced.is_set() for i in self._informers)
 
-    async def wait_synced(self) -> None:
-        await asyncio.gather(*(i.synced.wait() for i in self._informers))
-
     def event(self, event_type: str, body: Body) -> None:
         meta = body.get("metadata") or {}
-        kind = str(body.get("kind") or c.TEMPLATE_KIND)
-        key = (kind, "" if kind == c.CLUSTER_TEMPLATE_KIND else str(meta.get("namespace") or ""),
-               str(meta.get("name") or ""))
+        key = template_key(str(meta.get("namespace") or ""), {"kind": body.get("kind"), "name": meta.get("name")})
         if event_type == "DELETED":
             self.templates.pop(key, None)
             return

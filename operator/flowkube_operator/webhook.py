@@ -18,9 +18,7 @@ import aiohttp
 import kopf
 from aiohttp import web
 
-from flowkube_api import constants as c
-from flowkube_api import cron, templates
-from flowkube_api.limits import DEPTH_LIMIT, depth_over
+from flowkube_api import cron, limits, templates
 from flowkube_api.models import ConversationStatus, FeedbackRequest
 from flowkube_operator.inbox import validate_message, validate_response
 from flowkube_operator.kube import Kube
@@ -158,13 +156,13 @@ async def template_problem(spec: Body, namespace: str, status: Body | None,
 def template_spec_problem(spec: Body) -> str | None:
     """A FlowTemplate's own checks besides its schema: its size (each Flow of it keeps a copy in its
     status), its parameters' defaults' depth, and each default of its parameter's type."""
-    size = len(json.dumps(spec, separators=(",", ":")).encode("utf-8"))
-    if size > c.TEMPLATE_SPEC_LIMIT:
-        return (f"spec is {size} bytes as JSON; a template's limit is {c.TEMPLATE_SPEC_LIMIT} (every Flow of it "
-                "keeps a copy in its status)")
+    too_big = limits.template_problem(spec)
+    if too_big:
+        return too_big
     for p in spec.get("parameters") or []:
-        if depth_over(p.get("default")):
-            return f"spec.parameters[{p['name']}].default nests objects and lists more than {DEPTH_LIMIT} levels deep"
+        if limits.depth_over(p.get("default")):
+            return (f"spec.parameters[{p['name']}].default nests objects and lists more than {limits.DEPTH_LIMIT} "
+                    "levels deep")
     for p in spec.get("parameters") or []:
         want, default = p.get("type"), p.get("default")
         if want and default is not None and templates.parameter_problems(

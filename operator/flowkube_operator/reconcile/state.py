@@ -4,7 +4,6 @@ moves shared by every concern."""
 from __future__ import annotations
 
 import datetime as dt
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,7 +12,7 @@ from pydantic import ValidationError
 
 from flowkube_api import constants as c
 from flowkube_api.constants import Phase, Reason, RunResult, Trigger
-from flowkube_api.limits import spec_problem
+from flowkube_api.limits import spec_problem, template_problem
 from flowkube_api.models import (
     FeedbackStatus,
     FlowSpec,
@@ -118,10 +117,9 @@ class FlowState:
                 self.plan.event(Reason.TEMPLATE_NOT_FOUND, message, warning=True)
             return False
         taken = snapshot(self.template)
-        size = len(json.dumps(taken["spec"], separators=(",", ":")).encode("utf-8"))
-        if size > c.TEMPLATE_SPEC_LIMIT:  # admitted while the webhook was off: its copy would not fit
-            self._terminal(Phase.FAILED, Reason.INVALID_SPEC, f"{what} is {size} bytes as JSON; a template's limit "
-                           f"is {c.TEMPLATE_SPEC_LIMIT}")
+        too_big = template_problem(taken["spec"], what)
+        if too_big:  # admitted while the webhook was off: its copy would not fit
+            self._terminal(Phase.FAILED, Reason.INVALID_SPEC, too_big)
             return False
         self.st.template = TemplateStatus.model_validate(taken)
         effective, problems = template_problems(self.template, str(self.meta.get("namespace") or ""), self.own_spec)
