@@ -24,6 +24,16 @@ def scripted_operator(cluster: LocalCluster, **kwargs: Any) -> ChartOperator:
                          **kwargs)
 
 
+@pytest.fixture(scope="module")
+def ha(cluster: LocalCluster) -> Iterator[ChartOperator]:
+    """The chart's operator with two replicas (leader election) and the scripted runner, per module."""
+    op = scripted_operator(cluster, values=["replicaCount=2"]).start()
+    try:
+        yield op
+    finally:
+        op.stop()
+
+
 class PodWatch:
     """Every version of the matching objects (pods, unless told otherwise) the API server shows, as
     `kubectl get --watch` prints them: what the kubelet reported of a pod before it was deleted,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,18 +17,9 @@ import pytest
 from flowkube_api import cron
 from flowkube_devstack.cluster import LocalCluster, wait_for
 from flowkube_devstack.operator import ChartOperator
-from tests.integration.conftest import Flows, scripted_operator, watched_pods
+from tests.integration.conftest import Flows, watched_pods
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def ha(cluster: LocalCluster) -> Iterator[ChartOperator]:
-    op = scripted_operator(cluster, values=["replicaCount=2"]).start()
-    try:
-        yield op
-    finally:
-        op.stop()
 
 
 def cronflow(name: str, plan: list[dict[str, Any]], **spec: Any) -> dict[str, Any]:

@@ -21,7 +21,6 @@ import json
 import re
 import time
 import urllib.error
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,21 +28,12 @@ import pytest
 
 from flowkube_devstack.cluster import LocalCluster, wait_for
 from flowkube_devstack.operator import ChartOperator
-from tests.integration.conftest import Flows, PodWatch, scripted_operator, watched_pods
+from tests.integration.conftest import Flows, PodWatch, watched_pods
 
 pytestmark = pytest.mark.slow
 
 TAKEOVER_LIMIT = 15.0
 BURST = 8
-
-
-@pytest.fixture(scope="module")
-def ha(cluster: LocalCluster) -> Iterator[ChartOperator]:
-    op = scripted_operator(cluster, values=["replicaCount=2"]).start()
-    try:
-        yield op
-    finally:
-        op.stop()
 
 
 def flow(name: str, tokens: int) -> dict[str, Any]:
