@@ -13,6 +13,8 @@ import pytest
 
 from flowkube_devstack.cluster import ClusterError, LocalCluster, wait_for
 
+pytest_plugins = ["tests.budget"]  # each test's time budget, and the slowest modules at the end
+
 # Fixtures whose binaries are built from the Kubernetes Go modules: a test that takes one is marked
 # `controlplane` whether or not its author said so, and `-m "not controlplane"` needs no Go.
 BUILT_FROM_GO = frozenset({"cluster", "helm"})

@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from flowkube_operator import selfmetrics
 from flowkube_operator.kube import ApiError, Kube
 
 Body = dict[str, Any]
@@ -105,6 +106,7 @@ class Informer:
             self._deliver_deleted(self._known[key])
         self._rv = str(page.get("metadata", {}).get("resourceVersion", ""))
         self.synced.set()
+        selfmetrics.CACHE_SYNCED.labels(self.path).set(1)
 
     def _params(self, **params: str) -> dict[str, str]:
         return {**params, "labelSelector": self.label_selector} if self.label_selector else params

@@ -62,3 +62,9 @@ NOTIFICATION_SECONDS = Histogram(
     ["event"], registry=REGISTRY,
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900),
 )
+CACHE_SYNCED = Gauge(
+    "flowkube_operator_cache_synced",
+    "1 once a watched collection's first list is in this replica's cache (0 before, and while it lists again), "
+    "by the collection's API path (the operator's own configuration: its watched namespaces).",
+    ["resource"], registry=REGISTRY,
+)
