@@ -43,7 +43,7 @@ from flowkube_operator.kube import (
     flow_path,
     ns_path,
 )
-from flowkube_operator.meta import PodView, owner_uid
+from flowkube_operator.meta import Doomed, PodView, owner_uid
 from flowkube_operator.notifier import Notifier
 from flowkube_operator.reconcile import Plan, RunIntent, late_pods, plan
 from flowkube_operator.settings import Settings
@@ -424,21 +424,28 @@ class Controller(FlowCache):
             await self._create_runner_pod(templates.effective_flow(body), intent)
         if p.prune_reports:
             await self._prune_reports(ns, name, p.prune_reports)
-        for pod_name in p.delete_pods:
-            self._may_write()
-            # Only the pod the plan saw: a Flow re-created under the same name may have a new pod
-            # of that name by now, which a reconcile still holding the old body must not delete.
-            view = self.pods.get(key, {}).get(pod_name)
-            await self.kube.delete(ns_path(ns, "pods", pod_name),
-                                   delete_if_same(view.uid) if view and view.uid else None)
+        for doomed in p.delete_pods:
+            # Only the pod the plan saw, by the uid it saw (not the cache's entry now, which may be
+            # gone or another pod's): a Flow re-created under the same name may have a new pod of
+            # that name by now, which a reconcile still holding the old body must not delete.
+            await self._delete_doomed(ns_path(ns, "pods", doomed.name), doomed)
         for etype, reason, message in p.events:
             self._post_event(body, etype, reason, message)
-        if p.delete_flow:
-            self._may_write()
-            await self.kube.delete(flow_path(ns, name), delete_if_same(body["metadata"]["uid"]))
+        if p.delete_flow is not None:
+            await self._delete_doomed(flow_path(ns, name), p.delete_flow)
         elif p.requeue_after is not None:
             self.queue.add_after(key, p.requeue_after)
         return body
+
+    async def _delete_doomed(self, path: str, doomed: Doomed) -> None:
+        """Delete what a plan decided on, never without its uid as the precondition: a name alone
+        could delete an object made again under it since the plan looked."""
+        assert self.kube is not None
+        if not doomed.uid:
+            log.warning("not deleting %s: the plan saw no uid for it", path)
+            return
+        self._may_write()
+        await self.kube.delete(path, delete_if_same(doomed.uid))
 
     async def _create_first(self, key: Key, body: Body, p: Plan, intent: RunIntent) -> None:
         """A kickoff's or retry's pod, before the status write that records its run with the pod's

@@ -165,10 +165,9 @@ class CronFlows:
             written = await kube.merge_patch(cronflow_path(*key, sub="status"), patch)
             if self.cronflows.get(key) is body:
                 self.cronflows[key] = written
-        for name in p.delete:
+        for doomed in p.delete:  # by the uid the plan saw: a Flow made again under the name is another
             self._fence()
-            child = self.children.get(key, {}).get(name)
-            await kube.delete(flow_path(key[0], name), delete_if_same(child.uid) if child else None)
+            await kube.delete(flow_path(key[0], doomed.name), delete_if_same(doomed.uid))
         for etype, reason, message in p.events:
             self.post_event(body, etype, reason, message, c.CRONFLOW_KIND)
         if p.requeue_after is not None:

@@ -32,7 +32,7 @@ from typing import Any
 from flowkube_api import cron
 from flowkube_api.base import parse_time
 from flowkube_api.models import CronFlowSkip, CronFlowSpec, CronFlowStatus, Usage
-from flowkube_operator.meta import owner_uid
+from flowkube_operator.meta import Doomed, owner_uid
 
 Body = dict[str, Any]
 DEFAULT_SUCCEEDED_KEPT = 3
@@ -78,7 +78,7 @@ class CronPlan:
     status: CronFlowStatus
     old: CronFlowStatus  # the status before: what was said already
     create: tuple[str, dt.datetime] | None = None  # (Flow name, scheduled time)
-    delete: list[str] = field(default_factory=list)  # Flow names: Replace's running ones, pruned history
+    delete: list[Doomed] = field(default_factory=list)  # Flows, by the uid seen: Replace's running ones, pruned
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
     requeue_after: float | None = None
 
@@ -93,7 +93,8 @@ def plan(cronflow: Body, children: list[Child], now: dt.datetime, refused: str |
     p = CronPlan(status=st, old=old)
     st.observed_generation = meta.get("generation")
     _prune(spec, st, children, p)
-    live = [ch for ch in children if not ch.deleting and ch.name not in p.delete]
+    doomed = {d.name for d in p.delete}
+    live = [ch for ch in children if not ch.deleting and ch.name not in doomed]
     succeeded = [ch.finished_at for ch in children if ch.phase == "Succeeded" and ch.finished_at]
     if succeeded:
         st.last_successful_time = max([*succeeded, *([st.last_successful_time] if st.last_successful_time else [])])
@@ -159,7 +160,7 @@ def _replace(p: CronPlan, running: list[Child]) -> None:
         return
     for ch in running:
         _fold(p.status, ch)
-    p.delete += [ch.name for ch in running]
+    p.delete += [Doomed(ch.name, ch.uid) for ch in running]
     p.events.append(("Normal", "Replaced", f"deleted {', '.join(ch.name for ch in running)} "
                      "(concurrencyPolicy: Replace)"))
 
@@ -193,11 +194,12 @@ def _prune(spec: CronFlowSpec, st: CronFlowStatus, children: list[Child], p: Cro
             _fold(st, ch)
     # Every Flow decided on (pruned, or replaced by an earlier reconcile whose delete was lost) goes.
     decided = set(st.pruning or [])
-    p.delete += [ch.name for ch in children if ch.uid in decided and not ch.deleting]
+    p.delete += [Doomed(ch.name, ch.uid) for ch in children if ch.uid in decided and not ch.deleting]
 
 
 def _finish(st: CronFlowStatus, live: list[Child], p: CronPlan) -> None:
-    active = {ch.name for ch in live if not ch.ended and ch.name not in p.delete}
+    doomed = {d.name for d in p.delete}
+    active = {ch.name for ch in live if not ch.ended and ch.name not in doomed}
     if p.create is not None:
         active.add(p.create[0])
     st.active = sorted(active) or None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from flowkube_api import constants as c
 from flowkube_api.base import parse_time
@@ -30,6 +30,15 @@ def orphaned_by_namesake(meta: Body, flow_name: str, flow_uid: str) -> bool:
     ref = next((r for r in meta.get("ownerReferences") or [] if r.get("controller")), None)
     return (ref is not None and ref.get("kind") == c.KIND and str(ref.get("apiVersion")).split("/")[0] == c.GROUP
             and ref.get("name") == flow_name and bool(ref.get("uid")) and ref.get("uid") != flow_uid)
+
+
+class Doomed(NamedTuple):
+    """An object a plan decided to delete, as the plan saw it: the DELETE carries this uid as its
+    precondition, so an object made again under the name since (a re-created Flow's new pod, a new
+    Flow of the name) is never deleted by a decision about the one before it."""
+
+    name: str
+    uid: str
 
 
 # -- runner pods ------------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ from flowkube_api.constants import Phase
 from flowkube_api.report import RunReport
 from flowkube_operator.conditions import describe
 from flowkube_operator.inbox import validate_message, validate_response
-from flowkube_operator.meta import PodView
+from flowkube_operator.meta import Doomed, PodView
 from flowkube_operator.reconcile.rules import (
     DISRUPTION_REASONS,
     PERMANENT_REASONS,
@@ -127,7 +127,7 @@ class Reconciler(RunSteps):
             # A runner pod still alive after the end (the operator stopped between the final status
             # write and the delete) is stopped now: nothing it does can count any more. A pod whose
             # run ended on its final report is ending by itself.
-            self.plan.delete_pods += [n for n, v in self.pods.items()
+            self.plan.delete_pods += [Doomed(n, v.uid) for n, v in self.pods.items()
                                       if not v.terminated and not v.deleting and n not in reported]
             self._expire()
         else:
@@ -150,7 +150,7 @@ class Reconciler(RunSteps):
             pods.add(r.pod)
             left = (r.finished_at - self.now).total_seconds() + STOP_GRACE_SECONDS
             if left <= 0:
-                self.plan.delete_pods.append(r.pod)
+                self.plan.delete_pods.append(Doomed(r.pod, pod.uid))
             else:
                 self.plan.later(left)
         return pods
@@ -162,7 +162,7 @@ class Reconciler(RunSteps):
             return
         left = (finished + dt.timedelta(seconds=ttl) - self.now).total_seconds()
         if left <= 0:
-            self.plan.delete_flow = True
+            self.plan.delete_flow = Doomed(self.meta.get("name", ""), self.meta.get("uid", ""))
         else:
             self.plan.later(left)
 

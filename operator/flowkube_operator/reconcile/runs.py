@@ -13,7 +13,7 @@ from flowkube_api.models import (
     Run,
 )
 from flowkube_api.report import RunReport, Usage, excerpt
-from flowkube_operator.meta import PodView
+from flowkube_operator.meta import Doomed, PodView
 from flowkube_operator.reconcile.rules import (
     DISRUPTION_REASONS,
     PERMANENT_REASONS,
@@ -140,7 +140,7 @@ class RunSteps(WarmSteps):
             self._end_at_deadline(run, pod.exit_code, pod.finished_at)
         elif over >= 0:  # stop the pod; the run ends when it has stopped (_follow_ended)
             if not pod.deleting:
-                self.plan.delete_pods.append(run.pod)
+                self.plan.delete_pods.append(Doomed(run.pod, pod.uid))
             self.plan.later(STOP_GRACE_SECONDS - over + 0.5)
         else:
             self.plan.later(-over)

@@ -24,7 +24,7 @@ from flowkube_api.report import RunReport, TokenUsage, excerpt
 from flowkube_api.runspec import spec_error_text
 from flowkube_api.templates import describe_ref, effective_flow, snapshot
 from flowkube_api.templates import problems as template_problems
-from flowkube_operator.meta import PodView
+from flowkube_operator.meta import Doomed, PodView
 from flowkube_operator.reconcile.rules import POD_FIRST_TRIGGERS, budget_spent, running_seconds, total_usage
 
 Body = dict[str, Any]
@@ -51,8 +51,9 @@ class RunIntent:
 class Plan:
     status: FlowStatus
     create_pod: RunIntent | None = None
-    delete_pods: list[str] = field(default_factory=list)
-    delete_flow: bool = False
+    # What the plan decided to delete, each with the uid it saw: the edge deletes exactly that object.
+    delete_pods: list[Doomed] = field(default_factory=list)
+    delete_flow: Doomed | None = None  # the Flow itself (TTL)
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
     requeue_after: float | None = None
     need_report: bool = False  # plan again with the active run's report: it ends without one
@@ -190,7 +191,7 @@ class FlowState:
         """Delete a runner pod that still runs (once: not one already stopping)."""
         pod = self.pods.get(name)
         if pod is not None and not pod.terminated and not pod.deleting:
-            self.plan.delete_pods.append(name)
+            self.plan.delete_pods.append(Doomed(name, pod.uid))
 
     def _waiting_warm(self, run: Run) -> bool:
         """Is ``run`` (active) a warm pod waiting for a message or an answer? Status alone says so: a

@@ -330,44 +330,76 @@ def test_the_summary_wins_when_it_is_further_along_than_the_stored_report() -> N
     assert got.output == "the whole output"
 
 
-def test_deletes_carry_the_uid_the_plan_saw_and_a_namesake_is_left_alone() -> None:
-    """A Flow re-created under the same name (GitOps) must not lose its new pod, or itself, to a
-    reconcile that still holds the old body: every delete has a uid precondition, and the API
-    server's 409 for a namesake is not an error."""
+class ApiServerDeletes:
+    """The API server's DELETE as far as uids go: an object is deleted only while its uid matches the
+    precondition (409 otherwise), and a DELETE without one is recorded (none may be sent)."""
+
+    def __init__(self, objects: dict[str, str]) -> None:
+        self.objects = objects  # path -> uid of the object there now
+        self.sent: list[tuple[str, Any]] = []
+
+    async def request(self, method: str, path: str, body: Any = None, **_: Any) -> Any:
+        from flowkube_operator.kube import ApiError
+
+        assert method == "DELETE"
+        self.sent.append((path, body))
+        uid = ((body or {}).get("preconditions") or {}).get("uid")
+        if path not in self.objects:
+            raise ApiError(404, {"message": "not found"}, method, path)
+        if uid is not None and uid != self.objects[path]:
+            raise ApiError(409, {"message": f"Precondition failed: UID in precondition: {uid}"}, method, path)
+        del self.objects[path]
+
+    async def delete(self, path: str, body: Any = None) -> None:
+        from flowkube_operator.kube import Kube
+
+        await Kube.delete(self, path, body)  # type: ignore[arg-type]
+
+
+def _stop_and_expire(pods: list[dict[str, Any]], objects: dict[str, str]) -> ApiServerDeletes:
+    """Apply, with the pod cache holding ``pods`` at delete time, the plan a reconcile made when it
+    saw runner pod f-0 with uid pod-uid-old running in a finished Flow (stop it) past its TTL."""
     from flowkube_api.models import FlowStatus
-    from flowkube_operator.kube import ApiError
-    from flowkube_operator.reconcile import Plan
+    from flowkube_operator.meta import PodView
+    from flowkube_operator.reconcile import plan
 
-    class DeleteKube:
-        def __init__(self) -> None:
-            self.deleted: list[tuple[str, Any]] = []
-
-        async def delete(self, path: str, body: Any = None) -> None:
-            self.deleted.append((path, body))
-
-        async def request(self, method: str, path: str, body: Any = None, **_: Any) -> Any:
-            raise ApiError(409, {"message": "Precondition failed: UID in precondition: old, UID in object meta: new"},
-                           method, path)
-
-    ctl = Controller(Settings())
-    kube = DeleteKube()
-    ctl.kube = kube  # type: ignore[assignment]
-    running = pod("Running", 3)
-    running["metadata"]["uid"] = "pod-uid-old"
-    ctl.pod_event("ADDED", running)
     body = flow(4, "Succeeded")
-    status = FlowStatus.model_validate(body["status"])
-    body["status"] = status.dump()
-    asyncio.run(ctl._apply(("ns", "f"), body, Plan(status=status, delete_pods=["f-0"], delete_flow=True)))
-    assert [(p.rsplit("/", 2)[-2:], b["preconditions"]) for p, b in kube.deleted] == [
-        (["pods", "f-0"], {"uid": "pod-uid-old"}), (["flows", "f"], {"uid": "u"})]
+    body["spec"]["ttlSecondsAfterFinished"] = 0
+    body["status"] = {"phase": "Succeeded", "finishedAt": "2026-11-22T12:00:00Z"}
+    seen = {"f-0": PodView(name="f-0", phase="Running", created_at=None, uid="pod-uid-old")}
+    p = plan(body, seen)
+    body["status"] = FlowStatus.model_validate(body["status"]).dump()
+    p.status = FlowStatus.model_validate(body["status"])
+    ctl = Controller(Settings())
+    kube = ApiServerDeletes(objects)
+    ctl.kube = kube  # type: ignore[assignment]
+    for running in pods:
+        ctl.pod_event("ADDED", running)
+    asyncio.run(ctl._apply(("ns", "f"), body, p))
+    return kube
 
-    from flowkube_operator.kube import Kube
 
-    async def namesake() -> None:
-        await Kube.delete(kube, "/api/v1/namespaces/ns/pods/f-0", {"preconditions": {"uid": "old"}})  # type: ignore[arg-type]
+def test_a_pod_the_cache_lost_is_deleted_by_the_uid_the_plan_saw() -> None:
+    """The plan decides with the uid it saw; the cache may have dropped the pod by delete time (its
+    DELETED event raced the reconcile): the DELETE still carries the plan's uid, never none."""
+    pods, flows = "/api/v1/namespaces/ns/pods/f-0", "/apis/flowkube.io/v1alpha1/namespaces/ns/flows/f"
+    kube = _stop_and_expire([], {pods: "pod-uid-old", flows: "u"})
+    assert [(path, b["preconditions"]) for path, b in kube.sent] == [
+        (pods, {"uid": "pod-uid-old"}), (flows, {"uid": "u"})]
+    assert kube.objects == {}
 
-    asyncio.run(namesake())  # the 409 of a failed precondition: the object is another one; done
+
+def test_a_pod_made_again_under_the_name_is_not_deleted_by_a_plan_about_the_old_one() -> None:
+    """A Flow re-created under the same name (GitOps) must not lose its new pod, or itself, to a
+    reconcile that still holds the old body: the cache and the API server hold the new pod (uid
+    pod-uid-new) and the new Flow; the DELETEs carry the old uids, the API server's 409 for a
+    namesake is not an error, and both new objects stay."""
+    pods, flows = "/api/v1/namespaces/ns/pods/f-0", "/apis/flowkube.io/v1alpha1/namespaces/ns/flows/f"
+    new_pod = pod("Running", 3)
+    new_pod["metadata"]["uid"] = "pod-uid-new"
+    kube = _stop_and_expire([new_pod], {pods: "pod-uid-new", flows: "u-new"})
+    assert [b["preconditions"] for _, b in kube.sent] == [{"uid": "pod-uid-old"}, {"uid": "u"}]
+    assert kube.objects == {pods: "pod-uid-new", flows: "u-new"}
 
 
 def test_a_resume_of_a_template_flow_makes_its_pod_from_the_template_after_the_status_write() -> None:

@@ -282,7 +282,7 @@ def test_a_warm_pod_killed_while_it_waits_is_no_failure() -> None:
 def test_idle_timeout_and_max_turns_close_the_warm_run_and_stop_its_pod() -> None:
     body = warm_opened({"idleTimeoutSeconds": 30})
     p = step(body, pod("f-0", "Running"), at=40)
-    assert body["status"]["phase"] == Phase.SUCCEEDED and p.delete_pods == ["f-0"]
+    assert body["status"]["phase"] == Phase.SUCCEEDED and [d.name for d in p.delete_pods] == ["f-0"]
     assert body["status"]["runs"][0]["result"] == RunResult.SUCCEEDED
     assert cond(body, "Succeeded")["reason"] == Reason.CONVERSATION_IDLE
 
@@ -290,7 +290,7 @@ def test_idle_timeout_and_max_turns_close_the_warm_run_and_stop_its_pod() -> Non
     body["status"]["conversation"]["inbox"] = {"text": "only one"}
     step(body, pod("f-0", "Running"), at=2)
     p = step(body, pod("f-0", "Running"), warm("f-0", 1, "the one answer"), at=3)
-    assert body["status"]["phase"] == Phase.SUCCEEDED and p.delete_pods == ["f-0"]
+    assert body["status"]["phase"] == Phase.SUCCEEDED and [d.name for d in p.delete_pods] == ["f-0"]
     assert cond(body, "Succeeded")["reason"] == Reason.MAX_TURNS_REACHED
 
 
@@ -368,5 +368,5 @@ def test_a_warm_paused_pod_that_ends_first_leaves_the_request_or_hands_the_answe
 def test_a_warm_paused_pod_is_stopped_when_the_request_times_out() -> None:
     body, _ = warm_paused(feedback={"timeoutSeconds": 60})
     p = step(body, pod("f-0", "Running"), at=70)
-    assert body["status"]["phase"] == Phase.FAILED and p.delete_pods == ["f-0"]
+    assert body["status"]["phase"] == Phase.FAILED and [d.name for d in p.delete_pods] == ["f-0"]
     assert body["status"]["runs"][0]["result"] == RunResult.PAUSED

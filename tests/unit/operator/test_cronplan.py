@@ -77,12 +77,12 @@ def test_forbid_waits_for_the_running_flow_and_replace_deletes_it() -> None:
     body = cronflow(concurrencyPolicy="Replace")
     body["status"] = {"lastScheduleTime": "2026-11-27T01:00:00Z"}
     p = step(body, [child(T0 - HOUR, tokens=7)], T0 + dt.timedelta(seconds=1))
-    assert p.create is not None and p.delete == [running.name]
+    assert p.create is not None and p.delete == [(running.name, running.uid)]
     assert body["status"]["prunedUsage"]["totalTokens"] == 7 and body["status"]["pruning"] == ["u-01"]
     assert body["status"]["active"] == [p.create[0]]
     # The delete was lost with a restart: the replaced Flow is deleted again, its tokens not counted twice.
     p = step(body, [child(T0 - HOUR, tokens=7), child(T0)], T0 + dt.timedelta(seconds=2))
-    assert p.create is None and p.delete == [running.name]
+    assert p.create is None and [d.name for d in p.delete] == [running.name]
     assert body["status"]["usage"]["totalTokens"] == 7
 
 
@@ -101,7 +101,8 @@ def test_history_limits_prune_the_oldest_and_their_usage_stays_in_the_total_once
     flows.append(child(T0 - 5 * HOUR, "Failed", tokens=1))
     now = T0 + dt.timedelta(minutes=30)
     p = step(body, flows, now)
-    assert sorted(p.delete) == sorted([flows[2].name, flows[3].name, flows[4].name]), "oldest two, the failed one"
+    oldest_two_and_the_failed_one = sorted([flows[2].name, flows[3].name, flows[4].name])
+    assert sorted(d.name for d in p.delete) == oldest_two_and_the_failed_one
     total = sum(10 * (n + 1) for n in range(4)) + 1
     assert body["status"]["usage"]["totalTokens"] == total
     assert body["status"]["prunedUsage"]["totalTokens"] == 30 + 40 + 1
@@ -142,7 +143,7 @@ def test_a_time_whose_flow_is_being_deleted_is_not_started_again() -> None:
     body["status"] = {"lastScheduleTime": "2026-11-27T01:00:00Z"}
     failed = child(T0, "Failed", tokens=2)
     p = step(body, [failed], T0 + dt.timedelta(minutes=10))
-    assert p.create is None and p.delete == [failed.name]
+    assert p.create is None and [d.name for d in p.delete] == [failed.name]
     assert body["status"]["lastScheduleTime"] == "2026-11-27T02:00:00Z"
 
 

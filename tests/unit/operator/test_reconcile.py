@@ -34,7 +34,7 @@ def step(body: dict[str, Any], pods: dict[str, PodView] | None = None, report: R
 
 
 def pod(name: str, phase: str, exit_code: int | None = None, at: float = 0) -> dict[str, PodView]:
-    return {name: PodView(name=name, phase=phase, created_at=T0 + dt.timedelta(seconds=at),
+    return {name: PodView(name=name, phase=phase, created_at=T0 + dt.timedelta(seconds=at), uid=f"uid-{name}",
                           exit_code=exit_code, finished_at=T0 + dt.timedelta(seconds=at + 5)
                           if exit_code is not None else None)}
 
@@ -219,7 +219,7 @@ def test_waiting_for_feedback_does_not_count_against_the_deadline() -> None:
     p = step(body, pods, at=5050)
     assert body["status"]["phase"] == Phase.RUNNING and p.requeue_after == 45
     p = step(body, pods, at=5100)
-    assert p.delete_pods == ["f-1"] and body["status"]["phase"] == Phase.RUNNING  # stopping it
+    assert p.delete_pods == [("f-1", "uid-f-1")] and body["status"]["phase"] == Phase.RUNNING  # stopping the pod it saw
     step(body, pod("f-0", "Succeeded", exit_code=0), at=5102)  # f-1 is gone
     assert body["status"]["phase"] == Phase.FAILED
     assert cond(body, "Succeeded")["reason"] == Reason.DEADLINE_EXCEEDED
@@ -238,8 +238,8 @@ def test_ttl_deletes_the_finished_flow() -> None:
     body = flow(ttlSecondsAfterFinished=30)
     step(body)
     step(body, pod("f-0", "Succeeded", exit_code=0), report("f-0", RunResult.SUCCEEDED), at=1)
-    assert step(body, at=10).delete_flow is False
-    assert step(body, at=32).delete_flow is True
+    assert step(body, at=10).delete_flow is None
+    assert step(body, at=32).delete_flow == ("f", "u1")  # by the uid it saw
 
 
 def test_a_pod_deleted_from_outside_is_replaced_without_using_a_retry() -> None:
@@ -359,7 +359,7 @@ def test_a_run_over_the_deadline_ends_once_its_pod_is_gone_with_every_token() ->
     # At the deadline the pod is stopped, but the run stays open: the pod may still finish an LLM
     # call and write a newer interim report before it is gone.
     p = step(body, pod("f-0", "Running"), at=11)
-    assert p.delete_pods == ["f-0"] and body["status"]["runs"][0].get("finishedAt") is None
+    assert [d.name for d in p.delete_pods] == ["f-0"] and body["status"]["runs"][0].get("finishedAt") is None
     stopping = {"f-0": PodView(name="f-0", phase="Running", created_at=T0, deleting=True)}
     p = step(body, stopping, at=12)
     assert p.delete_pods == [] and body["status"]["phase"] == Phase.RUNNING  # not deleted twice
@@ -490,7 +490,7 @@ def test_a_finished_flow_stops_a_runner_pod_left_alive() -> None:
     step(body)
     step(body, pod("f-0", "Succeeded", exit_code=0), report("f-0", RunResult.SUCCEEDED), at=1)
     p = step(body, {**pod("f-0", "Succeeded", exit_code=0), **pod("f-9", "Running")}, at=5)
-    assert p.delete_pods == ["f-9"] and body["status"]["phase"] == Phase.SUCCEEDED
+    assert [d.name for d in p.delete_pods] == ["f-9"] and body["status"]["phase"] == Phase.SUCCEEDED
 
 
 def test_a_money_budget_stops_the_flow_before_another_run() -> None:
@@ -636,7 +636,7 @@ def test_a_final_report_ends_the_run_before_its_pod_has_and_the_pods_end_changes
     assert again.delete_pods == [] and again.status.dump() == st and again.requeue_after == 59.5
     # One that hangs on its way out is stopped a minute after its report.
     hung = plan(body, running, None, now=T0 + dt.timedelta(seconds=64))
-    assert hung.delete_pods == ["f-0"] and hung.status.dump() == st
+    assert [d.name for d in hung.delete_pods] == ["f-0"] and hung.status.dump() == st
     # It ends, later than the run did: its report is read once more (a later one's hint may have
     # been lost with an operator restart), and the same report changes nothing.
     ended = pod("f-0", "Succeeded", exit_code=0)
