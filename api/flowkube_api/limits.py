@@ -13,6 +13,10 @@ fails ``InvalidSpec`` instead of making a pod that cannot start).
   bounded on its own.
 - **Depth:** JSON nested deeper than any flow's inputs need is refused: deep nesting costs recursion
   in every parser on the way (the operator's, the runner's, crewAI's).
+- **Pod metadata:** ``podTemplate.metadata`` holds at most ``METADATA_KEYS_LIMIT`` labels and as many
+  annotations (Kubernetes bounds neither count, only the annotations' total of 256 KiB, which the
+  64 KiB field bound is under), and a label value is at most 63 characters, as Kubernetes requires
+  of a pod's: refused at apply, naming the key, instead of a pod the API server refuses later.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from flowkube_api.runspec import runner_spec_env, spec_error_text
 SPEC_ENV_LIMIT = 128 * 1024 - len(c.ENV_SPEC) - 2  # "NAME=value\0" within the kernel's 128 KiB
 POD_FIELD_LIMIT = 64 * 1024  # bytes of JSON per pod-shaped field (env, envFrom, tolerations, affinity)
 DEPTH_LIMIT = 32  # nesting levels of objects and lists in any free-form field
+METADATA_KEYS_LIMIT = 64  # labels, and annotations, of a Flow's pods (spec.podTemplate.metadata)
+LABEL_VALUE_LIMIT = 63  # Kubernetes' bound on a label value
 _POD_FIELDS = (("env",), ("envFrom",), ("podTemplate", "tolerations"), ("podTemplate", "affinity"),
                ("podTemplate", "nodeSelector"), ("podTemplate", "metadata"))
 
@@ -62,6 +68,22 @@ def template_problem(spec: Mapping[str, Any], what: str = "spec") -> str | None:
     return None
 
 
+def metadata_problem(metadata: Any) -> str | None:
+    """Why a podTemplate's labels or annotations are over their count, or a label value over its length."""
+    if not isinstance(metadata, Mapping):
+        return None
+    for part in ("labels", "annotations"):
+        values = metadata.get(part)
+        if isinstance(values, Mapping) and len(values) > METADATA_KEYS_LIMIT:
+            return f"spec.podTemplate.metadata.{part} has {len(values)} keys; the limit is {METADATA_KEYS_LIMIT}"
+    labels = metadata.get("labels")
+    for key, value in (labels.items() if isinstance(labels, Mapping) else ()):
+        if isinstance(value, str) and len(value) > LABEL_VALUE_LIMIT:
+            return (f"spec.podTemplate.metadata.labels[{json.dumps(key)}] is {len(value)} characters; a label "
+                    f"value's limit is {LABEL_VALUE_LIMIT}")
+    return None
+
+
 def spec_problem(spec: Mapping[str, Any], *, own: bool = False) -> str | None:
     """Why this Flow spec is over a bound, naming the field, or None. ``own``: only the Flow's own
     fields of a Flow of a template (before it is merged with its template's: its size and depth)."""
@@ -77,6 +99,8 @@ def spec_problem(spec: Mapping[str, Any], *, own: bool = False) -> str | None:
     for name, value in pod_fields:
         if value is not None and (size := _json_size(value)) > POD_FIELD_LIMIT:
             return f"{name} is {size} bytes as JSON; the limit is {POD_FIELD_LIMIT}"
+    if too_many := metadata_problem(dict(pod_fields)["spec.podTemplate.metadata"]):
+        return too_many
     if own:
         inputs = spec.get("inputs")
         if inputs is not None and (size := _json_size(inputs)) > SPEC_ENV_LIMIT:
@@ -94,5 +118,5 @@ def spec_problem(spec: Mapping[str, Any], *, own: bool = False) -> str | None:
     return None
 
 
-__all__ = ["DEPTH_LIMIT", "POD_FIELD_LIMIT", "SPEC_ENV_LIMIT", "depth_over", "runner_spec_env", "spec_problem",
-           "template_problem"]
+__all__ = ["DEPTH_LIMIT", "LABEL_VALUE_LIMIT", "METADATA_KEYS_LIMIT", "POD_FIELD_LIMIT", "SPEC_ENV_LIMIT",
+           "depth_over", "metadata_problem", "runner_spec_env", "spec_problem", "template_problem"]

@@ -92,6 +92,46 @@ def _kept(items: Any, path: str, refusal: Callable[[Body], str | None], problems
     return kept
 
 
+def reserved_prefix(key: str, prefixes: list[str]) -> str | None:
+    """The entry of ``prefixes`` (domains written ``istio.io/``) that reserves this label or annotation
+    key: its prefix is that domain or a subdomain of it (``sidecar.istio.io/inject``). Keys without a
+    prefix are the user's."""
+    if "/" not in key:
+        return None
+    domain = key.split("/", 1)[0].lower()
+    return next((p for p in prefixes if domain == p.rstrip("/") or domain.endswith("." + p.rstrip("/"))), None)
+
+
+def _metadata_kept(metadata: Any, prefixes: list[str], problems: list[str]) -> Body:
+    """A podTemplate's labels and annotations without the reserved keys, each of which adds its refusal."""
+    kept: Body = {}
+    for part in ("labels", "annotations"):
+        values = (metadata or {}).get(part) if isinstance(metadata, dict) else None
+        if not isinstance(values, dict):
+            continue
+        kept[part] = {}
+        for key, value in values.items():
+            entry = reserved_prefix(str(key), prefixes)
+            if entry is None:
+                kept[part][key] = value
+                continue
+            domain = str(key).split("/", 1)[0] + "/"
+            problems.append(f"spec.podTemplate.metadata.{part}[{json.dumps(key)}]: the prefix {domain} is reserved "
+                            f"(runnerPolicy.reservedMetadataPrefixes: {entry}"
+                            f"{' and its subdomains' if domain != entry else ''}): other controllers act on it "
+                            "for a pod, and a Flow may not set it on the pods the operator makes")
+    return kept
+
+
+def _enforced_env_problems(spec: Body, settings: Settings) -> list[str]:
+    """The variables of spec.env the chart enforces (runner.enforcedEnv), each named: a Flow cannot
+    override them, e.g. the model endpoint of a metering gateway."""
+    enforced = settings.runner_enforced_env
+    return [f"spec.env[{i}].name: {e['name']} is set by the operator in every runner pod (runner.enforcedEnv) "
+            "and a Flow may not override it"
+            for i, e in enumerate(spec.get("env") or []) if isinstance(e, dict) and e.get("name") in enforced]
+
+
 def _apply_policy(spec: Body, settings: Settings) -> tuple[list[str], Body]:
     """What the runner pod policy refuses in a Flow spec (each naming its field), and the spec with
     it left out. Creating a Flow is not creating a pod: without this, whoever may create Flows could
@@ -145,12 +185,37 @@ def _apply_policy(spec: Body, settings: Settings) -> tuple[list[str], Body]:
     kept["envFrom"] = _kept(spec.get("envFrom"), "spec.envFrom", env_from, problems)
     template["imagePullSecrets"] = _kept(template.get("imagePullSecrets"), "spec.podTemplate.imagePullSecrets",
                                          lambda s: f".name{why}" if (why := secret(s)) else None, problems)
+    template["metadata"] = _metadata_kept(template.get("metadata"), settings.runner_reserved_metadata_prefixes,
+                                          problems)
     return (problems, {**kept, "podTemplate": template}) if problems else ([], spec)
 
 
 def pod_policy_problems(spec: Body, settings: Settings) -> list[str]:
-    """What a Flow asks of its pod that the runner pod policy does not allow, each naming its field."""
-    return _apply_policy(spec, settings)[0]
+    """What a Flow asks of its pod that the runner pod policy does not allow, or that overrides an
+    enforced variable, each naming its field."""
+    return _apply_policy(spec, settings)[0] + _enforced_env_problems(spec, settings)
+
+
+def _with_flow_env(env: list[Body], spec: Body, settings: Settings) -> list[Body]:
+    """The operator's variables (``env``), then the chart's enforced ones, its defaults, and the
+    Flow's own: each name once, the first of these that sets it winning."""
+    # The chart's enforced variables: a Flow's own of those names are dropped (the webhook refuses
+    # them; a Flow admitted before they were enforced, or while the webhook was down, may hold one).
+    own = {e["name"] for e in env}
+    env = env + [{"name": k, "value": v} for k, v in sorted(settings.runner_enforced_env.items()) if k not in own]
+    own |= set(settings.runner_enforced_env)
+    # FLOWKUBE_ names are the operator's: a Flow's own are dropped (the CRD refuses them; a Flow
+    # stored before that rule may still hold one), the chart's defaults may tune two, and every
+    # other one the runner reads is set here, empty, so that envFrom cannot supply it.
+    user_env: list[Body] = [e for e in spec.get("env") or []
+                            if isinstance(e, dict) and not str(e.get("name", "")).startswith(c.ENV_PREFIX)]
+    user_names = {e.get("name") for e in user_env}
+    defaults = {k: v for k, v in settings.runner_default_env.items()
+                if k not in own and k not in user_names
+                and (not k.startswith(c.ENV_PREFIX) or k in c.RUNNER_TUNABLE_ENV)}
+    env += [{"name": k, "value": v} for k, v in sorted(defaults.items())]
+    env += [{"name": k, "value": ""} for k in c.RUNNER_ENV if k not in own and k not in defaults]
+    return env + [e for e in user_env if e.get("name") not in own]
 
 
 def runner_pod(  # noqa: PLR0913 - keyword-only: every input of the pod spec, each named
@@ -174,7 +239,11 @@ def runner_pod(  # noqa: PLR0913 - keyword-only: every input of the pod spec, ea
 
     The price overrides (``FLOWKUBE_PRICES``) are the operator's, set even when empty: the variables
     the operator sets win over a Flow's ``spec.env``, and a container's ``env`` over its ``envFrom``,
-    so a Flow cannot price its own calls (and so dodge its ``budget.maxCost``) by setting them.
+    so a Flow cannot price its own calls (and so dodge its ``budget.maxCost``) by setting them. The
+    chart's enforced variables (``runner_enforced_env``, e.g. a metering gateway's URL) win the same way.
+
+    The pod policy is applied here again (not only by the webhook): a Flow admitted before a rule,
+    or while the webhook was down, still gets no reserved label or annotation and no refused field.
 
     ``FLOWKUBE_SPEC`` is written from the validated spec (``runspec.RunnerSpec``, the model the runner
     reads it with); the pod policy touches none of its fields.
@@ -213,19 +282,7 @@ def runner_pod(  # noqa: PLR0913 - keyword-only: every input of the pod spec, ea
         env.append({"name": c.ENV_FEEDBACK_KEEP_WARM_SECONDS, "value": str(feedback_keep_warm_seconds)})
     if message is not None:
         env.append({"name": c.ENV_MESSAGE, "value": json.dumps(message, separators=(",", ":"), ensure_ascii=False)})
-    own = {e["name"] for e in env}
-    # FLOWKUBE_ names are the operator's: a Flow's own are dropped (the CRD refuses them; a Flow
-    # stored before that rule may still hold one), the chart's defaults may tune two, and every
-    # other one the runner reads is set here, empty, so that envFrom cannot supply it.
-    user_env: list[Body] = [e for e in spec.get("env") or []
-                            if isinstance(e, dict) and not str(e.get("name", "")).startswith(c.ENV_PREFIX)]
-    user_names = {e.get("name") for e in user_env}
-    defaults = {k: v for k, v in settings.runner_default_env.items()
-                if k not in own and k not in user_names
-                and (not k.startswith(c.ENV_PREFIX) or k in c.RUNNER_TUNABLE_ENV)}
-    env += [{"name": k, "value": v} for k, v in sorted(defaults.items())]
-    env += [{"name": k, "value": ""} for k in c.RUNNER_ENV if k not in own and k not in defaults]
-    env += [e for e in user_env if e.get("name") not in own]
+    env = _with_flow_env(env, spec, settings)
 
     container: Body = {
         "name": "runner",

@@ -11,8 +11,15 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from flowkube_api import constants as c
 from flowkube_api.prices import PriceOverrides
 from flowkube_operator.notify import DEFAULT_DENIED, Policy
+
+# Label and annotation key prefixes (domains, with their subdomains) other controllers act on for a pod.
+RESERVED_METADATA_PREFIXES = (
+    "kubernetes.io/", "k8s.io/", "flowkube.io/", "istio.io/", "linkerd.io/", "kuma.io/", "consul.hashicorp.com/",
+    "cni.cncf.io/", "projectcalico.org/", "cilium.io/", "vault.hashicorp.com/", "karpenter.sh/",
+)
 
 
 class Settings(BaseSettings):
@@ -31,6 +38,14 @@ class Settings(BaseSettings):
     runner_default_env: dict[str, str] = Field(
         default_factory=dict,
         description="JSON object of env vars every runner pod gets (a Flow's own spec.env wins).",
+    )
+    runner_enforced_env: dict[str, str] = Field(
+        default_factory=dict,
+        description="JSON object of env vars every runner pod gets that a Flow cannot override, e.g. "
+        '`{"OPENAI_BASE_URL": "http://metering-gateway.llm:8080/v1"}`: a Flow setting one in spec.env is '
+        "refused at apply (naming the variable), and the operator's value wins in the pod (env wins over "
+        "envFrom). Applies whether or not the runner policy is on. FLOWKUBE_ names other than the two a runner "
+        "reads for itself (FLOWKUBE_STATE_RETRY_SECONDS, FLOWKUBE_STATE_TOKEN_FILE) are refused at start-up.",
     )
     runner_prices: PriceOverrides = Field(
         default_factory=dict,
@@ -64,6 +79,15 @@ class Settings(BaseSettings):
         default=False, description="Let a Flow turn on crewAI's script steps (CREWAI_ALLOW_FLOW_SCRIPT_EXECUTION "
         "in spec.env). Off: refused at apply, and runner pods get it set to false (envFrom cannot turn it on): "
         "a script runs the Flow author's code, which could report less usage than it spent.")
+    runner_reserved_metadata_prefixes: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: list(RESERVED_METADATA_PREFIXES), description="Label and annotation key "
+        "prefixes a Flow may not put on its pods (spec.podTemplate.metadata; comma-separated, e.g. `istio.io/`; "
+        "each reserves that domain and its subdomains): by default Kubernetes' own (kubernetes.io/, k8s.io/: "
+        "AppArmor, seccomp, the autoscaler), service meshes' (istio.io/, linkerd.io/, kuma.io/, "
+        "consul.hashicorp.com/), network plugins' (cni.cncf.io/, projectcalico.org/, cilium.io/), Vault's "
+        "injector (vault.hashicorp.com/), Karpenter's (karpenter.sh/) and flowkube's (flowkube.io/): keys "
+        "that other controllers act on for a pod, which whoever may create pods could set but a Flow "
+        "editor may not. Refused at apply, naming the key, and left out of the pod. Empty: none.")
     runner_secret_names: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: ["*"], description="Secrets a Flow may reference (env valueFrom.secretKeyRef, "
         "envFrom secretRef, podTemplate.imagePullSecrets; comma-separated names, `*` any): a Flow's pod runs "
@@ -182,7 +206,8 @@ class Settings(BaseSettings):
         return f"https://{host}:{self.state_port}"
 
     @field_validator("watch_namespaces", "runner_priority_class_names", "runner_toleration_keys",
-                     "runner_secret_names", "runner_images", "notifications_allowed_cidrs",
+                     "runner_secret_names", "runner_images", "runner_reserved_metadata_prefixes",
+                     "notifications_allowed_cidrs",
                      "notifications_denied_cidrs", mode="before")
     @classmethod
     def _split_commas(cls, v: Any) -> Any:
@@ -197,6 +222,20 @@ class Settings(BaseSettings):
     def _cidrs(self) -> Settings:
         Policy.of(self.notifications_allowed_cidrs, self.notifications_denied_cidrs)  # ValueError names the bad one
         return self
+
+    @field_validator("runner_reserved_metadata_prefixes")
+    @classmethod
+    def _domains(cls, v: list[str]) -> list[str]:
+        """``istio.io/`` and ``istio.io`` alike, lower case (as Kubernetes requires of key prefixes)."""
+        return [p.lower().rstrip("/") + "/" for p in v if p.strip("/")]
+
+    @field_validator("runner_enforced_env")
+    @classmethod
+    def _enforced_names(cls, v: dict[str, str]) -> dict[str, str]:
+        operators = [k for k in v if k.startswith(c.ENV_PREFIX) and k not in c.RUNNER_TUNABLE_ENV]
+        if operators:
+            raise ValueError(f"{operators}: the operator sets {c.ENV_PREFIX} variables itself")
+        return v
 
     @model_validator(mode="after")
     def _lease_timing(self) -> Settings:

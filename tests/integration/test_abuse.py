@@ -124,3 +124,54 @@ def test_an_image_outside_the_runner_policy_is_refused_at_apply_even_with_only_a
                 assert flows.get(name) is None
     finally:
         operator.upgrade()
+
+
+def test_reserved_pod_label_and_annotation_keys_are_refused_at_apply_naming_the_key(
+        flows: Flows, operator: ChartOperator) -> None:
+    """A Flow editor who may not create pods asked for an Istio revision, no sidecar, another Multus
+    network and an unconfined AppArmor profile on the pods the operator makes: each key is refused,
+    by name, for Flows and templates alike; keys of the tenant's own domains still pass."""
+    reserved = {"labels": {"istio.io/rev": "canary"},
+                "annotations": {"sidecar.istio.io/inject": "false", "k8s.v1.cni.cncf.io/networks": "host",
+                                "container.apparmor.security.beta.kubernetes.io/runner": "unconfined"}}
+    for kind, spec in (("Flow", {"flowRef": "a:B", "suspend": True, "podTemplate": {"metadata": reserved}}),
+                       ("FlowTemplate", {"template": {"flowRef": "a:B", "podTemplate": {"metadata": reserved}}})):
+        obj = {"apiVersion": "flowkube.io/v1alpha1", "kind": kind, "metadata": {"name": "meshed"}, "spec": spec}
+        out = flows.cluster.kubectl("create", "-n", flows.ns, "-f", "-", input=json.dumps(obj), check=False)
+        where = "spec.podTemplate" if kind == "Flow" else "spec.template.podTemplate"
+        assert out.returncode != 0, out.stdout
+        assert f'{where}.metadata.labels["istio.io/rev"]: the prefix istio.io/ is reserved' in out.stderr, out.stderr
+        for key in reserved["annotations"]:
+            assert f'{where}.metadata.annotations["{key}"]' in out.stderr, out.stderr[:2000]
+    assert flows.get("meshed") is None
+    flows.apply("labelled", {"flowRef": "a:B", "inputs": {"plan": [{"tokens": 1}]},
+                             "podTemplate": {"metadata": {"labels": {"team.example.com/cost-centre": "42"}}}})
+    flows.wait_phase("labelled", "Succeeded", timeout=90)
+    (pod,) = flows.pods("labelled")
+    assert pod["metadata"]["labels"]["team.example.com/cost-centre"] == "42"
+
+
+def test_a_flow_cannot_point_its_runner_past_the_enforced_model_endpoint(
+        flows: Flows, operator: ChartOperator) -> None:
+    """The platform team meters spend at a gateway (`runner.enforcedEnv.OPENAI_BASE_URL`; here the
+    stub model, the stack's default endpoint); a tenant setting the variable in `spec.env` to reach
+    the provider directly is refused, naming it, and a Flow's pod carries the enforced value."""
+    gateway = operator.runner_env["OPENAI_BASE_URL"]
+    operator.upgrade(f"runner.enforcedEnv.OPENAI_BASE_URL={gateway}")
+    try:
+        obj = {"apiVersion": "flowkube.io/v1alpha1", "kind": "Flow", "metadata": {"name": "direct"},
+               "spec": {"flowRef": "a:B", "suspend": True,
+                        "env": [{"name": "OPENAI_BASE_URL", "value": "https://api.openai.com/v1"}]}}
+        out = flows.cluster.kubectl("create", "-n", flows.ns, "-f", "-", input=json.dumps(obj), check=False)
+        assert out.returncode != 0 and "spec.env[0].name: OPENAI_BASE_URL is set by the operator" in out.stderr, \
+            out.stderr[:2000]
+        assert flows.get("direct") is None
+        flows.apply("metered", {"flowRef": "a:B", "inputs": {"plan": [{"tokens": 1}]},
+                                "env": [{"name": "TOPIC", "value": "x"}]})
+        flows.wait_phase("metered", "Succeeded", timeout=90)
+        (pod,) = flows.pods("metered")
+        (container,) = pod["spec"]["containers"]
+        assert [e for e in container["env"] if e["name"] == "OPENAI_BASE_URL"] == [
+            {"name": "OPENAI_BASE_URL", "value": gateway}]
+    finally:
+        operator.upgrade()

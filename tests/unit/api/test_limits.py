@@ -7,7 +7,14 @@ import json
 from typing import Any
 
 from flowkube_api import constants as c
-from flowkube_api.limits import DEPTH_LIMIT, POD_FIELD_LIMIT, SPEC_ENV_LIMIT, depth_over, spec_problem
+from flowkube_api.limits import (
+    DEPTH_LIMIT,
+    METADATA_KEYS_LIMIT,
+    POD_FIELD_LIMIT,
+    SPEC_ENV_LIMIT,
+    depth_over,
+    spec_problem,
+)
 from flowkube_api.models import FlowSpec
 from flowkube_api.runspec import runner_spec_env
 
@@ -39,6 +46,21 @@ def test_each_problem_names_its_field() -> None:
     big = spec_problem({"definition": {"name": "d"}, "inputs": {"blob": "x" * SPEC_ENV_LIMIT}})
     assert big is not None and big.startswith("spec.inputs and spec.definition are ")
     assert "spec.inputs " in big and f"limit is {SPEC_ENV_LIMIT}" in big
+
+
+def test_pod_labels_and_annotations_are_bounded_in_count_and_label_values_in_length() -> None:
+    """Kubernetes bounds neither count: a Flow's pods get at most 64 of each, and a label value the
+    API server would refuse at pod create is refused at apply, naming the key."""
+    def meta(**parts: Any) -> dict[str, Any]:
+        return {"flowRef": "a:B", "podTemplate": {"metadata": parts}}
+
+    many = {f"k{i}": "v" for i in range(METADATA_KEYS_LIMIT)}
+    assert spec_problem(meta(labels=many, annotations=many)) is None
+    over = spec_problem(meta(annotations={**many, "one-more": "v"}))
+    assert over == f"spec.podTemplate.metadata.annotations has 65 keys; the limit is {METADATA_KEYS_LIMIT}"
+    long = spec_problem(meta(labels={"team": "a", "tier": "x" * 64}))
+    assert long == 'spec.podTemplate.metadata.labels["tier"] is 64 characters; a label value\'s limit is 63'
+    assert spec_problem(meta(annotations={"note": "x" * 1000})) is None
 
 
 def env(spec: dict[str, Any]) -> str:

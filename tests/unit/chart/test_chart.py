@@ -493,7 +493,8 @@ def test_the_operator_understands_every_setting_the_chart_gives_it(
         helm: Path, values: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from flowkube_operator.settings import Settings
 
-    objs = render(helm, "-f", str(values), "--set", "runner.defaultEnv.A=b")
+    objs = render(helm, "-f", str(values), "--set", "runner.defaultEnv.A=b",
+                  "--set", "runner.enforcedEnv.OPENAI_BASE_URL=http://gateway/v1")
     operator = next(ctr for ctr in containers(objs) if ctr["name"] == "operator")
     env = env_of(operator)
     for e in operator["env"]:  # values the chart keeps in its own ConfigMaps
@@ -506,6 +507,10 @@ def test_the_operator_understands_every_setting_the_chart_gives_it(
     settings = Settings()
     assert settings.runner_image == env["FLOWKUBE_RUNNER_IMAGE"]
     assert settings.runner_default_env == {"A": "b"}
+    assert settings.runner_enforced_env == {"OPENAI_BASE_URL": "http://gateway/v1"}
+    # The chart's reserved prefixes are the operator's default, stated where the platform team edits them.
+    assert settings.runner_reserved_metadata_prefixes == Settings.model_fields[
+        "runner_reserved_metadata_prefixes"].get_default(call_default_factory=True)
     assert (settings.health_port, settings.metrics_port, settings.webhook_port) == (8080, 9090, 9443)
     assert settings.state_port == 8443
     assert settings.watch_namespaces == [n for n in env["FLOWKUBE_WATCH_NAMESPACES"].split(",") if n]

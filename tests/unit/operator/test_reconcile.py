@@ -6,6 +6,8 @@ import datetime as dt
 from decimal import Decimal
 from typing import Any
 
+import pytest
+
 from flowkube_api.constants import Phase, Reason, RunResult, Trigger
 from flowkube_api.report import FeedbackRequest, RunReport, TokenUsage, Usage
 from flowkube_operator.meta import PodView
@@ -615,6 +617,90 @@ def test_images_and_script_steps_are_the_policys_to_allow() -> None:
     (container,) = runner_pod(flow(**spec), index=0, trigger=Trigger.KICKOFF, settings=allowed)["spec"]["containers"]
     assert container["image"] == "evil.example.com/miner:1"
     assert [e for e in container["env"] if e["name"] == SCRIPTS_ENV] == [{"name": SCRIPTS_ENV, "value": "true"}]
+
+
+def test_reserved_label_and_annotation_keys_are_refused_by_name_and_kept_off_the_pod() -> None:
+    """A Flow editor who may not create pods may not set, on the pods the operator makes, the keys a
+    mesh, a network plugin, AppArmor or flowkube itself act on; a Flow stored before the rule (or
+    while the webhook was down) gets its pod without them."""
+    from flowkube_operator.resources import pod_policy_problems, runner_pod
+    from flowkube_operator.settings import Settings
+
+    spec = {"flowRef": "a:B", "podTemplate": {"metadata": {
+        "labels": {"team": "a", "istio.io/rev": "canary", "example.com/tier": "x", "flowkube.io/flow": "other"},
+        "annotations": {"sidecar.istio.io/inject": "false", "k8s.v1.cni.cncf.io/networks": "host-net",
+                        "container.apparmor.security.beta.kubernetes.io/runner": "unconfined",
+                        "linkerd.io/inject": "disabled", "note": "kept", "notkubernetes.io/x": "kept"}}}}
+    settings = Settings()
+    problems = pod_policy_problems(spec, settings)
+    assert [p.split(": ")[0] for p in problems] == [
+        'spec.podTemplate.metadata.labels["istio.io/rev"]', 'spec.podTemplate.metadata.labels["flowkube.io/flow"]',
+        'spec.podTemplate.metadata.annotations["sidecar.istio.io/inject"]',
+        'spec.podTemplate.metadata.annotations["k8s.v1.cni.cncf.io/networks"]',
+        'spec.podTemplate.metadata.annotations["container.apparmor.security.beta.kubernetes.io/runner"]',
+        'spec.podTemplate.metadata.annotations["linkerd.io/inject"]']
+    assert problems[0].startswith('spec.podTemplate.metadata.labels["istio.io/rev"]: the prefix istio.io/ is '
+                                  "reserved (runnerPolicy.reservedMetadataPrefixes: istio.io/)")
+    assert "sidecar.istio.io/ is reserved (runnerPolicy.reservedMetadataPrefixes: istio.io/ and its subdomains)" \
+        in problems[2]
+    meta = runner_pod(flow(**spec), index=0, trigger=Trigger.KICKOFF, settings=settings)["metadata"]
+    assert meta["annotations"] == {"note": "kept", "notkubernetes.io/x": "kept"}
+    assert "istio.io/rev" not in meta["labels"] and (meta["labels"]["team"], meta["labels"]["example.com/tier"]) == (
+        "a", "x")
+    assert meta["labels"]["flowkube.io/flow"] == "f"
+    # The list is the chart's: `istio.io` and `istio.io/` alike; empty reserves nothing; the policy off copies all.
+    mesh_only = Settings(runner_reserved_metadata_prefixes="Istio.io")
+    assert [p.split(": ")[0] for p in pod_policy_problems(spec, mesh_only)] == [
+        'spec.podTemplate.metadata.labels["istio.io/rev"]',
+        'spec.podTemplate.metadata.annotations["sidecar.istio.io/inject"]']
+    for loose in (Settings(runner_reserved_metadata_prefixes=""), Settings(runner_policy=False)):
+        assert pod_policy_problems(spec, loose) == []
+        pod = runner_pod(flow(**spec), index=0, trigger=Trigger.KICKOFF, settings=loose)
+        assert pod["metadata"]["annotations"]["linkerd.io/inject"] == "disabled"
+
+
+def test_reserved_keys_in_a_template_are_refused_naming_the_templates_field() -> None:
+    """A FlowTemplate's podTemplate is the pod of every Flow of it: the same refusal, at the template."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from flowkube_operator import handlers
+    from flowkube_operator.settings import Settings
+
+    async def no_validator(spec: Any) -> None:
+        return None
+
+    app = SimpleNamespace(settings=Settings(), validator=SimpleNamespace(problem=no_validator))
+    template = {"template": {"flowRef": "a:B", "podTemplate": {"metadata": {"labels": {"istio.io/rev": "x"}}}}}
+    problem = asyncio.run(handlers._spec_problem(app, dict(template["template"])))  # type: ignore[arg-type]
+    assert problem is not None and problem.replace("spec.", "spec.template.").startswith(
+        'spec.template.podTemplate.metadata.labels["istio.io/rev"]: the prefix istio.io/ is reserved')
+
+
+def test_enforced_env_is_refused_by_name_and_wins_in_the_pod() -> None:
+    """The platform team's metering gateway: a Flow cannot point its runner elsewhere (spec.env is
+    refused; a Flow admitted before keeps the enforced value in its pod), whatever the runner policy."""
+    from flowkube_operator.resources import pod_policy_problems, runner_pod
+    from flowkube_operator.settings import Settings
+
+    gateway = "http://metering.llm:8080/v1"
+    spec = {"flowRef": "a:B", "env": [{"name": "TOPIC", "value": "x"},
+                                      {"name": "OPENAI_BASE_URL", "value": "https://api.openai.com/v1"}],
+            "envFrom": [{"configMapRef": {"name": "elsewhere"}}]}
+    for policy in (True, False):
+        settings = Settings(runner_policy=policy, runner_enforced_env={"OPENAI_BASE_URL": gateway},
+                            runner_default_env={"OPENAI_BASE_URL": "http://default"})
+        assert pod_policy_problems(spec, settings) == [
+            "spec.env[1].name: OPENAI_BASE_URL is set by the operator in every runner pod (runner.enforcedEnv) "
+            "and a Flow may not override it"]
+        (container,) = runner_pod(flow(**spec), index=0, trigger=Trigger.KICKOFF, settings=settings)["spec"][
+            "containers"]
+        named = [e for e in container["env"] if e["name"] == "OPENAI_BASE_URL"]
+        assert named == [{"name": "OPENAI_BASE_URL", "value": gateway}]  # env wins over envFrom too
+        assert {"name": "TOPIC", "value": "x"} in container["env"]
+    assert pod_policy_problems(spec, Settings()) == []  # nothing enforced: a Flow's own env wins over defaults
+    with pytest.raises(ValueError, match="FLOWKUBE_PRICES"):
+        Settings(runner_enforced_env={"FLOWKUBE_PRICES": "{}"})
 
 
 def test_a_final_report_ends_the_run_before_its_pod_has_and_the_pods_end_changes_nothing() -> None:
