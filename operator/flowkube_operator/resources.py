@@ -92,6 +92,11 @@ def _kept(items: Any, path: str, refusal: Callable[[Body], str | None], problems
     return kept
 
 
+# Domains under a reserved one that Kubernetes gives to applications: its recommended labels
+# (app.kubernetes.io/name, /instance, /version, /component, /part-of) describe the user's workload.
+USER_DOMAINS = frozenset({"app.kubernetes.io"})
+
+
 def reserved_prefix(key: str, prefixes: list[str]) -> str | None:
     """The entry of ``prefixes`` (domains written ``istio.io/``) that reserves this label or annotation
     key: its prefix is that domain or a subdomain of it (``sidecar.istio.io/inject``). Keys without a
@@ -99,6 +104,8 @@ def reserved_prefix(key: str, prefixes: list[str]) -> str | None:
     if "/" not in key:
         return None
     domain = key.split("/", 1)[0].lower()
+    if domain in USER_DOMAINS:
+        return None
     return next((p for p in prefixes if domain == p.rstrip("/") or domain.endswith("." + p.rstrip("/"))), None)
 
 

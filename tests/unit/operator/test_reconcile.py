@@ -627,7 +627,8 @@ def test_reserved_label_and_annotation_keys_are_refused_by_name_and_kept_off_the
     from flowkube_operator.settings import Settings
 
     spec = {"flowRef": "a:B", "podTemplate": {"metadata": {
-        "labels": {"team": "a", "istio.io/rev": "canary", "example.com/tier": "x", "flowkube.io/flow": "other"},
+        "labels": {"team": "a", "istio.io/rev": "canary", "example.com/tier": "x", "flowkube.io/flow": "other",
+                   "app.kubernetes.io/name": "reports"},
         "annotations": {"sidecar.istio.io/inject": "false", "k8s.v1.cni.cncf.io/networks": "host-net",
                         "container.apparmor.security.beta.kubernetes.io/runner": "unconfined",
                         "linkerd.io/inject": "disabled", "note": "kept", "notkubernetes.io/x": "kept"}}}}
@@ -648,6 +649,7 @@ def test_reserved_label_and_annotation_keys_are_refused_by_name_and_kept_off_the
     assert "istio.io/rev" not in meta["labels"] and (meta["labels"]["team"], meta["labels"]["example.com/tier"]) == (
         "a", "x")
     assert meta["labels"]["flowkube.io/flow"] == "f"
+    assert meta["labels"]["app.kubernetes.io/name"] == "reports", "Kubernetes' recommended labels are the user's"
     # The list is the chart's: `istio.io` and `istio.io/` alike; empty reserves nothing; the policy off copies all.
     mesh_only = Settings(runner_reserved_metadata_prefixes="Istio.io")
     assert [p.split(": ")[0] for p in pod_policy_problems(spec, mesh_only)] == [
