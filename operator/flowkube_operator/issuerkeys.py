@@ -41,7 +41,7 @@ log = logging.getLogger("flowkube.issuerkeys")
 DISCOVERY_PATH = "/.well-known/openid-configuration"
 JWKS_PATH = "/openid/v1/jwks"  # Kubernetes' own, when discovery names none or names another host
 REFRESH_SECONDS = 600.0  # keys are read again this often (rotation is also caught by an unknown kid)
-REFETCH_SECONDS = 30.0  # at most one read per this, whatever key ids tokens name; also the retry period
+REFETCH_SECONDS = 10.0  # at most one read per this, whatever key ids tokens name; also the retry period
 LEEWAY_SECONDS = 60  # clock skew allowed on exp and nbf
 KEYS_LIMIT = 64  # keys kept from one set (a real issuer has one to a few)
 
