@@ -186,15 +186,15 @@ class IssuerKeys:
         return True
 
     async def _current(self, kid: str) -> dict[str, PublicKey] | None:
+        """The keys to check a token of `kid` with. Waits for a read only when it can change the
+        answer (no keys yet, or a kid not among them); a periodic refresh goes on in the background."""
         now = self._clock()
-        stale = now - self._read_at >= REFRESH_SECONDS
-        unknown = self._keys is not None and kid not in self._keys
-        may_read = now - self._read_at >= REFETCH_SECONDS
-        if stale or ((unknown or self._keys is None) and may_read):
+        known = self._keys is not None and (kid in self._keys or not kid)
+        if now - self._read_at >= (REFRESH_SECONDS if known else REFETCH_SECONDS):
             if self._reading is None:
                 self._reading = asyncio.ensure_future(self._read())
-            reading = self._reading
-            await asyncio.shield(reading)
+            if not known:
+                await asyncio.shield(self._reading)
         return self._keys
 
     async def _read(self) -> None:

@@ -551,6 +551,7 @@ class IssuerKube(FakeKube):
         self.key_reads = 0
         self.token_reviews = 0
         self.review_gate: asyncio.Event | None = None
+        self.key_gate: asyncio.Event | None = None
 
     async def request(self, method: str, path: str, body: Any = None, **kw: Any) -> Any:
         if method == "GET":
@@ -561,6 +562,8 @@ class IssuerKube(FakeKube):
                         "jwks_uri": "https://172.18.0.2:6443/openid/v1/jwks"}
             assert path == "/openid/v1/jwks"
             self.key_reads += 1
+            if self.key_gate is not None:
+                await self.key_gate.wait()
             return json.loads(json.dumps(self.jwks))
         self.token_reviews += 1
         if self.review_gate is not None:
@@ -654,6 +657,16 @@ def test_a_rotated_key_is_fetched_once_and_made_up_key_ids_do_not_refetch() -> N
         with pytest.raises(issuerkeys.TokenRefused):
             await issuer.verify(signed(FORGER_KEY, "made-up-later"), c.STATE_AUDIENCE)
         assert kube.key_reads == 3  # at most one read per REFETCH_SECONDS
+        # The periodic refresh: a token of a known key is checked at once, the keys read meanwhile.
+        kube.key_gate = asyncio.Event()
+        now[0] += issuerkeys.REFRESH_SECONDS
+        async with asyncio.timeout(5):
+            assert await issuer.verify(rotated, c.STATE_AUDIENCE)
+        await asyncio.sleep(0)  # the background read starts (and waits on the gate)
+        assert kube.key_reads == 4
+        kube.key_gate.set()
+        if issuer._reading is not None:
+            await issuer._reading
 
     asyncio.run(scenario())
 
