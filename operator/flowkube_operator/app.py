@@ -36,13 +36,14 @@ from prometheus_client import generate_latest
 
 from flowkube_operator import selfmetrics, templatecache, tls, webhook
 from flowkube_operator.controller import Controller
+from flowkube_operator.issuerkeys import IssuerKeys
 from flowkube_operator.kube import Kube
 from flowkube_operator.leader import LeaderElector, LeaseConfig
 from flowkube_operator.metrics import FlowMetrics
 from flowkube_operator.notifier import Notifier
 from flowkube_operator.reviews import MetricsAuth
 from flowkube_operator.settings import Settings
-from flowkube_operator.stateapi import StateApi
+from flowkube_operator.stateapi import ClientLimits, StateApi
 from flowkube_operator.templatecache import TemplateKey
 
 log = logging.getLogger("flowkube.operator")
@@ -104,14 +105,19 @@ class App:
             settings, listeners=[self.metrics.update], notifier=self.notifier,
             fence=self.elector.still_leading if self.elector is not None else lambda: True,
             state_ca=serving.ca_pem.decode() if serving is not None else "")
-        self.state_api = StateApi(lambda: self.kube, self.controller)
+        self.state_api = StateApi(
+            lambda: self.kube, self.controller, issuer=IssuerKeys(lambda: self.kube),
+            limits=ClientLimits(settings.state_client_rate, settings.state_client_burst,
+                                settings.state_client_authenticating),
+            token_reviews=settings.state_token_reviews)
         self.metrics_auth = MetricsAuth(lambda: self.kube) if settings.metrics_auth else None
         self.webhook_server: webhook.FlowkubeWebhookServer | None = None
         if settings.webhook_enabled and serving is not None:
             self.webhook_server = webhook.FlowkubeWebhookServer(
                 addr=settings.bind_address, port=settings.webhook_port, host=settings.webhook_host,
                 service=settings.webhook_service, cafile=serving.cafile, certfile=serving.certfile,
-                pkeyfile=serving.keyfile)
+                pkeyfile=serving.keyfile, body_seconds=settings.webhook_body_seconds,
+                body_budget=settings.webhook_body_budget_mib * 1024 * 1024)
         # Installed into the webhook configurations at each login; nothing to install without webhooks.
         self.ca_installed = self.webhook_server is None
         self.validator = webhook.Validator(settings.validator_url)

@@ -94,6 +94,11 @@ REQUEST_TIMEOUT = 30.0  # seconds for one request and its whole answer
 USER_AGENT = "flowkube-operator"
 
 LEASES_PREFIX = "/apis/coordination.k8s.io/"
+# Who-is-asking requests tenants can cause (TokenReviews of runner tokens at the state API, /metrics'
+# reviews) and the service-account issuer keys the state API checks tokens with: their own pool.
+REVIEW_PREFIXES = ("/apis/authentication.k8s.io/v1/tokenreviews", "/apis/authorization.k8s.io/",
+                   "/openid/", "/.well-known/")
+REVIEW_CONNECTIONS = 24  # the state API's reviews (16 at once) and /metrics' (4) never wait for one
 SA_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
 
 
@@ -110,6 +115,10 @@ class Kube:
         # requests tenants can cause (state API reads, TokenReviews, a burst's reconciles).
         self._lease_pool = http1.Pool(self.server, ssl_ctx, limit=2, headers=headers,
                                       on_open=selfmetrics.API_CONNECTIONS.inc)
+        # Reviews have theirs too: a flood of tokens at the state API never takes the slots the
+        # reconcile's reads and writes need, and the reconcile's burst never delays a runner's review.
+        self._review_pool = http1.Pool(self.server, ssl_ctx, limit=REVIEW_CONNECTIONS, headers=headers,
+                                       on_open=selfmetrics.API_CONNECTIONS.inc)
         # Watches hold their connection for minutes, two per watched namespace: their own pool, so
         # they never take the connections writes need (and never wait for one).
         self._watch_session = aiohttp.ClientSession(
@@ -120,6 +129,7 @@ class Kube:
     async def close(self) -> None:
         await self._pool.close()
         await self._lease_pool.close()
+        await self._review_pool.close()
         await self._watch_session.close()
 
     def _headers(self, content_type: str | None = None) -> dict[str, str]:
@@ -147,7 +157,8 @@ class Kube:
         code = "error"
         try:
             data = orjson.dumps(body) if body is not None else None
-            pool = self._lease_pool if path.startswith(LEASES_PREFIX) else self._pool
+            pool = (self._lease_pool if path.startswith(LEASES_PREFIX)
+                    else self._review_pool if path.startswith(REVIEW_PREFIXES) else self._pool)
             for attempt in (1, 2):
                 async with asyncio.timeout(REQUEST_TIMEOUT):
                     status, raw = await pool.request(

@@ -143,6 +143,22 @@ class Settings(BaseSettings):
     state_url: str = Field(
         default="", description="URL runner pods use for the state API; empty: derived from "
         "FLOWKUBE_WEBHOOK_SERVICE (https://<name>.<namespace>.svc:<state port>) or FLOWKUBE_WEBHOOK_HOST.")
+    state_client_rate: float = Field(
+        default=50.0, gt=0, le=10000, description="Requests a second the state API takes from one source "
+        "address, before it looks at the token (HTTP 429 beyond, which runners retry); a runner makes a few. "
+        "Where the network plugin rewrites pod-to-Service sources to the node's address, one node's runners "
+        "share it.")
+    state_client_burst: int = Field(
+        default=100, ge=1, le=100000, description="Requests one source address may send at once after a quiet "
+        "spell (the size of its token bucket, refilled at FLOWKUBE_STATE_CLIENT_RATE).")
+    state_client_authenticating: int = Field(
+        default=8, ge=1, le=1024, description="Requests of one source address being authenticated at once "
+        "(waiting for the issuer's keys or a TokenReview); more are told 429.")
+    state_token_reviews: int = Field(
+        default=16, ge=1, le=64, description="TokenReviews the state API has in flight at once, on the API "
+        "client's own review connections (the reconcile's requests never wait for them, nor they for it). "
+        "Only a token whose signature, expiry and audience check out with the cluster's service-account "
+        "issuer keys gets one.")
 
     webhook_enabled: bool = Field(
         default=False, description="Serve the admission webhooks (Flow validation, feedback answers); the "
@@ -156,6 +172,15 @@ class Settings(BaseSettings):
     webhook_configuration: str = Field(
         default="flowkube", description="Name of the (Validating|Mutating)WebhookConfiguration to patch."
     )
+    webhook_body_seconds: float = Field(
+        default=3.0, gt=0, le=30, description="Deadline to receive an admission review's whole body (the "
+        "API server sends it at once); a request that misses it is answered 408 and its connection "
+        "closed. A review over 256 KiB waits at most twice this for its share of "
+        "FLOWKUBE_WEBHOOK_BODY_BUDGET_MIB, so keep three times this under the webhooks' timeoutSeconds (10).")
+    webhook_body_budget_mib: int = Field(
+        default=24, ge=16, le=1024, description="MiB of admission reviews over 256 KiB (or without a "
+        "Content-Length, counted as the 8 MiB a review may be) being received at once; one source address "
+        "gets at most all but 8 MiB of it. Two such reviews are decoded at once, once wholly received.")
     webhook_cert_dir: str = Field(default="/tmp/flowkube-webhook",
                                   description="Where the self-managed TLS material (webhooks, state API) is written.")
     tls_secret: str = Field(

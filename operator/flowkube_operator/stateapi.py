@@ -12,6 +12,13 @@ still ran (stopped at the deadline, finishing its last model call after SIGTERM)
 own report, for as long as the pod exists: the calls it reports were made and are billed, so they
 count, once, in that run's entry. A report must be about the pod that sends it.
 
+Nothing waits for a TokenReview before it is known to be worth one. Each source address has a rate
+and a few authentications in flight (`ClientLimits`, HTTP 429 beyond); a token is then checked here
+with the cluster's service-account issuer keys (issuerkeys.py: signature, expiry, audience), and
+only one that passes goes to a TokenReview, on the API client's own review connections, under this
+API's own slots. The TokenReview stays: it says the pod and its ServiceAccount still exist now (a
+signature only says they did when the token was made), and it is cached for a minute per token.
+
 This replaces a ServiceAccount, Role and RoleBinding per Flow (three writes, two of them RBAC
 escalation checks, on every Flow's first run) with one TokenReview per runner pod.
 """
@@ -37,6 +44,7 @@ from pydantic import ValidationError
 from flowkube_api import constants as c
 from flowkube_api.report import ReportTooLarge, RunReport
 from flowkube_operator import resources, reviews, selfmetrics
+from flowkube_operator.issuerkeys import IssuerKeys, TokenRefused
 from flowkube_operator.kube import ApiError, Kube, delete_namesake_garbage, flow_path, ns_path
 from flowkube_operator.meta import owner_uid
 from flowkube_operator.reviews import VerdictCache
@@ -47,7 +55,11 @@ log = logging.getLogger("flowkube.state")
 POD_NAME_EXTRA = "authentication.kubernetes.io/pod-name"
 POD_UID_EXTRA = "authentication.kubernetes.io/pod-uid"
 SA_PREFIX = "system:serviceaccount:"
-REVIEW_CONCURRENCY = 16
+REVIEW_CONCURRENCY = 16  # TokenReviews of the state API at once (FLOWKUBE_STATE_TOKEN_REVIEWS)
+CLIENT_RATE = 50.0  # requests a second from one source address (FLOWKUBE_STATE_CLIENT_RATE), and
+CLIENT_BURST = 100  # how many may come at once after a quiet spell (FLOWKUBE_STATE_CLIENT_BURST)
+CLIENT_AUTHENTICATING = 8  # requests of one address being authenticated at once
+CLIENTS_KEPT = 20_000  # source addresses remembered; idle ones (a full bucket) go first
 POD_IN_FLIGHT = 4  # requests of one runner pod at once (a runner makes one, plus a long poll)
 IDLE_SECONDS = 15.0  # an idle keep-alive connection is closed after this (aiohttp keeps them an hour)
 BODY_LIMIT = 2 * 1024 * 1024
@@ -111,6 +123,66 @@ def target_of_pod(pod: Body) -> Target | None:
                   pod=meta.get("name", ""), pod_uid=meta.get("uid", ""))
 
 
+@dataclass
+class _Client:
+    tokens: float
+    at: float
+    authenticating: int = 0
+
+
+class ClientLimits:
+    """Per source address, before anything is known of the token: a rate (a token bucket of `burst`
+    refilled at `rate` a second) and `authenticating` requests being authenticated at once. Beyond
+    either, HTTP 429, which runners retry. A runner makes a few requests a second at most; a pod
+    sending made-up tokens is slowed to its share and never holds more than its few review waits.
+    Addresses are those the operator sees: a runner pod's own, unless the network plugin rewrites
+    the source of pod-to-Service traffic (then one node's runners share the node's address)."""
+
+    def __init__(self, rate: float = CLIENT_RATE, burst: int = CLIENT_BURST,
+                 authenticating: int = CLIENT_AUTHENTICATING, *, clock: Callable[[], float] = time.monotonic,
+                 kept: int = CLIENTS_KEPT) -> None:
+        self.rate, self.burst, self.authenticating_limit = rate, burst, authenticating
+        self._clock = clock
+        self._kept = kept
+        self._clients: dict[str, _Client] = {}
+
+    def _client(self, address: str, now: float) -> _Client:
+        client = self._clients.get(address)
+        if client is None:
+            if len(self._clients) >= self._kept:
+                self._forget_idle(now)
+            client = self._clients[address] = _Client(tokens=float(self.burst), at=now)
+        client.tokens = min(float(self.burst), client.tokens + (now - client.at) * self.rate)
+        client.at = now
+        return client
+
+    def _forget_idle(self, now: float) -> None:
+        """Addresses whose bucket is full again and that wait for nothing are as good as new."""
+        for address, seen in list(self._clients.items()):
+            if not seen.authenticating and seen.tokens + (now - seen.at) * self.rate >= self.burst:
+                del self._clients[address]
+        if len(self._clients) >= self._kept:  # all busy: start afresh rather than grow
+            self._clients = {a: seen for a, seen in self._clients.items() if seen.authenticating}
+
+    def take(self, address: str) -> None:
+        client = self._client(address, self._clock())
+        if client.tokens < 1:
+            raise StateError(429, f"more than {self.rate:g} requests a second from {address}; retry")
+        client.tokens -= 1
+
+    @contextlib.contextmanager
+    def authenticating(self, address: str) -> Iterator[None]:
+        client = self._client(address, self._clock())
+        if client.authenticating >= self.authenticating_limit:
+            raise StateError(429, f"{address} has {self.authenticating_limit} requests being authenticated "
+                                  "already; retry")
+        client.authenticating += 1
+        try:
+            yield
+        finally:
+            client.authenticating -= 1
+
+
 class Runs(Protocol):
     """What the state API asks of the controller's caches (`controller.Controller`), and tells it."""
 
@@ -153,9 +225,14 @@ def plausible(token: str) -> bool:
 
 
 class StateApi:
-    def __init__(self, kube: Callable[[], Kube | None], runs: Runs) -> None:
+    def __init__(self, kube: Callable[[], Kube | None], runs: Runs, *, issuer: IssuerKeys | None = None,
+                 limits: ClientLimits | None = None, token_reviews: int = REVIEW_CONCURRENCY) -> None:
+        """`issuer`: the keys tokens are checked with before a TokenReview (None: none, the TokenReview
+        alone decides). `limits`: per source address (default: the documented defaults)."""
         self._kube = kube
         self._runs = runs
+        self._issuer = issuer
+        self._limits = limits or ClientLimits()
         # Verdicts by sha256(token): accepted for 60 s (checked against the running attempt on every
         # request), refusals for 5 s, in two caches: refusals never evict a runner's token.
         self._tokens: VerdictCache[Target] = VerdictCache(reviews.ACCEPTED_SECONDS)
@@ -164,7 +241,7 @@ class StateApi:
         # Flow uid -> uid of its state ConfigMap, for the uid precondition of every write. The oldest
         # entries go first past CM_UIDS_KEPT: a Flow's is looked up again when it is needed.
         self._cm_uids: dict[str, str] = {}
-        self._reviews = asyncio.Semaphore(REVIEW_CONCURRENCY)
+        self._reviews = asyncio.Semaphore(token_reviews)  # the state API's own: not the reconcile's
 
     def _client(self) -> Kube:
         kube = self._kube()
@@ -193,6 +270,11 @@ class StateApi:
         hit = self._tokens.get(digest, now)
         if hit is not None and (hit.late or self._running(hit)):
             return hit
+        if self._issuer is not None:
+            try:
+                await self._issuer.verify(token, c.STATE_AUDIENCE)
+            except TokenRefused as e:  # nothing was spent on it: no TokenReview, no cache entry
+                raise StateError(401, f"not a valid pod-bound token for audience {c.STATE_AUDIENCE}: {e}") from e
         try:
             target = await self._authorize(token)
         except StateError as e:
@@ -381,7 +463,10 @@ class StateApi:
                 key = request.match_info["key"]
                 if not KEY_PATTERN.fullmatch(key):
                     raise StateError(400, "invalid key")
-                target = await self.authenticate(request.headers.get("Authorization", ""))
+                address = request.remote or ""
+                self._limits.take(address)
+                with self._limits.authenticating(address):
+                    target = await self.authenticate(request.headers.get("Authorization", ""))
                 if not state_key:
                     if target.late:
                         raise StateError(410, f"the run of pod {target.pod} was closed: nothing will come to it")

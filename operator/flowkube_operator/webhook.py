@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import collections
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -242,26 +244,134 @@ async def install_ca_bundle(kube: Kube, name: str, ca: bytes) -> None:
 # 3 MiB request limit. aiohttp's default (1 MiB) answered a big Flow with a bare 413 that named no
 # field; with this bound the handler sees it and says which field is over its limit.
 REVIEW_BODY_LIMIT = 8 * 1024 * 1024
-LARGE_REVIEW = 256 * 1024  # reviews over this are decoded one at a time (memory, not time, is the bound)
+LARGE_REVIEW = 256 * 1024  # reviews over this (or of unknown length) share a byte budget to be received
+BODY_SECONDS = 3.0  # to receive a whole body (FLOWKUBE_WEBHOOK_BODY_SECONDS): the API server sends it at once
+BODY_BUDGET = 24 * 1024 * 1024  # bytes of large reviews being received at once (FLOWKUBE_WEBHOOK_BODY_BUDGET_MIB)
+LARGE_DECODING = 2  # large reviews decoded and answered at once: only once their whole body is in
+
+
+class ByteBudget:
+    """Bytes of large admission reviews being received at once, reserved by their Content-Length
+    (the most a review may be, without one). Waiters are served in order, except that one whose
+    client (source address) holds its share already is passed over: one client holds at most
+    `per_client` bytes, so there is always room for someone else, and no large review is overtaken
+    for ever by smaller ones. A reservation is held only until its body is in, or its deadline."""
+
+    def __init__(self, total: int, per_client: int) -> None:
+        self.total, self.per_client, self.free = total, per_client, total
+        self._held: dict[str, int] = {}
+        self._waiting: collections.deque[tuple[str, int, asyncio.Future[None]]] = collections.deque()
+
+    def _take(self, client: str, n: int) -> None:
+        self.free -= n
+        self._held[client] = self._held.get(client, 0) + n
+
+    async def acquire(self, client: str, n: int) -> None:
+        n = min(n, self.per_client)
+        if not self._waiting and n <= self.free and self._held.get(client, 0) + n <= self.per_client:
+            self._take(client, n)
+            return
+        entry = (client, n, asyncio.get_running_loop().create_future())
+        self._waiting.append(entry)
+        self._grant()  # those ahead may be held back by their own client's share, not this one
+        try:
+            await entry[2]
+        except BaseException:
+            if entry[2].done() and not entry[2].cancelled():
+                self.release(client, n)  # granted as it was given up: hand it on
+            else:
+                with contextlib.suppress(ValueError):
+                    self._waiting.remove(entry)
+                self._grant()  # it may have stood at the head of the line
+            raise
+
+    def release(self, client: str, n: int) -> None:
+        n = min(n, self.per_client)
+        self.free += n
+        left = self._held.pop(client, n) - n
+        if left > 0:
+            self._held[client] = left
+        self._grant()
+
+    def _grant(self) -> None:
+        for entry in list(self._waiting):
+            client, n, future = entry
+            if future.done():
+                self._waiting.remove(entry)
+            elif self._held.get(client, 0) + n > self.per_client:
+                continue  # its own client's share is full: others go first
+            elif n > self.free:
+                break
+            else:
+                self._waiting.remove(entry)
+                self._take(client, n)
+                future.set_result(None)
+
+
+async def _refusal(request: web.Request, status: int, message: str) -> web.Response:
+    """Not an AdmissionReview (its uid is in the body that did not come): the API server applies the
+    webhook's failure policy, and logs this text. Sent, then the connection is closed at once
+    (aiohttp would otherwise wait 10 s more for the rest of the body it will never read)."""
+    response = web.Response(status=status, text=message + "\n")
+    response.force_close()
+    await response.prepare(request)
+    await response.write_eof()
+    if request.protocol is not None:
+        request.protocol.force_close()
+    return response
 
 
 class FlowkubeWebhookServer(kopf.WebhookServer):
-    """kopf's HTTPS server; in a cluster the API server is pointed at our Service instead of a URL."""
+    """kopf's HTTPS server; in a cluster the API server is pointed at our Service instead of a URL.
 
-    _large = asyncio.Semaphore(1)
+    No client can hold admission for others: every body must arrive within `body_seconds` (408 and
+    the connection closed otherwise); a large one (or one of unknown length, read under the 8 MiB cap
+    as it comes) first reserves its bytes in a `ByteBudget`, of which one source address gets at most
+    all but 8 MiB, and waits at most twice `body_seconds` for them; only a body that is wholly in
+    takes one of LARGE_DECODING slots to be decoded and answered. Memory: at most the budget in
+    bodies being received, plus LARGE_DECODING large reviews decoded, plus small ones."""
 
-    @staticmethod
-    async def _serve(fn: kopf.WebhookFn, request: web.Request) -> web.Response:
+    async def _serve(self, fn: kopf.WebhookFn, request: web.Request) -> web.Response:  # type: ignore[override]
         request = request.clone(client_max_size=REVIEW_BODY_LIMIT)
         length = request.content_length
         if length is not None and length <= LARGE_REVIEW:
+            return await self._received(fn, request, None)
+        client, n = request.remote or "", min(length or REVIEW_BODY_LIMIT, REVIEW_BODY_LIMIT)
+        try:
+            async with asyncio.timeout(2 * self.body_seconds):
+                await self._budget.acquire(client, n)
+        except TimeoutError:
+            log.warning("admission: no room to receive a %s review from %s within %ss", length or "chunked",
+                        client, 2 * self.body_seconds)
+            return await _refusal(request, 503, "too many large admission reviews are being received; retry")
+        try:
+            return await self._received(fn, request, self._decoding)
+        finally:
+            self._budget.release(client, n)
+
+    async def _received(self, fn: kopf.WebhookFn, request: web.Request,
+                        slot: asyncio.Semaphore | None) -> web.Response:
+        """The body read within the deadline (kopf then finds it read), then kopf's answer."""
+        try:
+            async with asyncio.timeout(self.body_seconds):
+                await request.read()
+        except TimeoutError:
+            log.warning("admission: the body from %s did not arrive within %ss; connection closed",
+                        request.remote, self.body_seconds)
+            return await _refusal(request, 408,
+                                  f"the admission review's body did not arrive within {self.body_seconds:g} s")
+        if slot is None:
             return await kopf.WebhookServer._serve(fn, request)
-        async with FlowkubeWebhookServer._large:
+        async with slot:
             return await kopf.WebhookServer._serve(fn, request)
 
-    def __init__(self, *, service: str = "", **kwargs: Any) -> None:
+    def __init__(self, *, service: str = "", body_seconds: float = BODY_SECONDS, body_budget: int = BODY_BUDGET,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.service = service
+        self.body_seconds = body_seconds
+        self._budget = ByteBudget(body_budget, max(body_budget - REVIEW_BODY_LIMIT, REVIEW_BODY_LIMIT))
+        self._decoding = asyncio.Semaphore(LARGE_DECODING)
         self.listening = False  # kopf's server yields its first config once its socket is bound
 
     async def __call__(self, fn: kopf.WebhookFn) -> AsyncIterator[kopf.WebhookClientConfig]:

@@ -6,7 +6,9 @@ or hide spend, tried as they would try it; each failed on the main branch before
   report: the state API decompressed it whole and the operator container was OOMKilled;
 - a bomb written straight into a Flow's state ConfigMap: every leader re-read it;
 - a Flow with megabytes of `spec.inputs`: refused by the webhook's HTTP server with a bare 413 that
-  named no field (and forty of them crash-looped the operator).
+  named no field (and forty of them crash-looped the operator);
+- a flood of forged tokens at the state API: each waited for a TokenReview slot the runners need;
+- a stalled chunked admission request: it held the webhook's one slot for large reviews.
 The operator must stay up (no container restart), keep its memory, and still count the tokens.
 """
 
@@ -14,6 +16,10 @@ from __future__ import annotations
 
 import base64
 import json
+import socket
+import ssl
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -175,3 +181,116 @@ def test_a_flow_cannot_point_its_runner_past_the_enforced_model_endpoint(
             {"name": "OPENAI_BASE_URL", "value": gateway}]
     finally:
         operator.upgrade()
+
+
+_FORGER: dict[str, Any] = {}  # the forger's own signing key, made once
+
+
+def _forged_token(name: str, kid: str) -> str:
+    """A pod-bound token for the state API's audience with every claim a real one has, signed with a
+    key of our own (RS256, under the cluster issuer's own key id)."""
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import padding, rsa
+
+    def b64(raw: bytes) -> str:
+        return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+    now = int(time.time())
+    claims = {"aud": [c.STATE_AUDIENCE], "exp": now + 3600, "iat": now, "nbf": now,
+              "iss": "https://kubernetes.default.svc.cluster.local", "sub": "system:serviceaccount:ns:default",
+              "kubernetes.io": {"namespace": "ns", "pod": {"name": name, "uid": "1"},
+                                "serviceaccount": {"name": "default", "uid": "2"}}}
+    head = b64(json.dumps({"alg": "RS256", "kid": kid}).encode()) + "." + b64(json.dumps(claims).encode())
+    key = _FORGER.setdefault("key", rsa.generate_private_key(public_exponent=65537, key_size=2048))
+    return head + "." + b64(key.sign(head.encode(), padding.PKCS1v15(), hashes.SHA256()))
+
+
+def _token_reviews_served(cluster: LocalCluster) -> int:
+    """TokenReviews the API server has answered since it started (its own /metrics)."""
+    raw = cluster.kubectl("get", "--raw", "/metrics").stdout
+    return sum(int(float(line.rsplit(" ", 1)[1])) for line in raw.splitlines()
+               if line.startswith("apiserver_request_total{") and 'resource="tokenreviews"' in line)
+
+
+def test_a_flood_of_forged_state_api_tokens_neither_reaches_token_reviews_nor_delays_a_real_run(
+        flows: Flows, operator: ChartOperator, cluster: LocalCluster) -> None:
+    """Every token with the right-looking claims used to wait for one of 16 TokenReview slots shared
+    with the reconcile: a custom runner image flooding the state API made other tenants' runners time
+    out. Now a forged token is refused by its signature in the operator, and one client is held to
+    its rate. (Unrun by its author: the lead runs the integration suite.)"""
+    import httpx
+
+    before = restarts(operator)
+    jwks = json.loads(cluster.kubectl("get", "--raw", "/openid/v1/jwks").stdout)
+    kid = jwks["keys"][0]["kid"]
+    reviews_before = _token_reviews_served(cluster)
+    state = httpx.Client(base_url=operator.state_url, timeout=30,
+                         verify=ssl.create_default_context(cafile=str(operator.ca_file())))
+    stop, counting = threading.Event(), threading.Lock()
+    statuses: dict[int, int] = {}
+
+    def flood() -> None:
+        i = 0
+        while not stop.is_set():
+            i += 1
+            r = state.get(c.STATE_API_PREFIX + c.STATE_KEY, extensions={"sni_hostname": operator.state_server_name},
+                          headers={"Authorization": f"Bearer {_forged_token(f'forged-{i}', kid)}"})
+            with counting:
+                statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+
+    workers = [threading.Thread(target=flood, daemon=True) for _ in range(16)]
+    for w in workers:
+        w.start()
+    try:
+        started = time.monotonic()
+        flows.apply("honest", {"flowRef": "a:B", "inputs": {"plan": [{"tokens": 3}, {"tokens": 4}]}})
+        st = flows.wait_phase("honest", "Succeeded", timeout=120)
+        took = time.monotonic() - started
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(60)
+        state.close()
+    forged = sum(statuses.values())
+    print(f"\n{forged} forged tokens ({statuses}); the real run took {took:.1f} s")
+    assert st["usage"]["totalTokens"] == 7 and len(st["runs"]) == 1
+    assert forged > 500 and set(statuses) <= {401, 429}, statuses
+    # The run's own token (a few reviews, cached a minute) and the cluster's own; none for thousands forged.
+    assert _token_reviews_served(cluster) - reviews_before < 50
+    assert "issuer's keys cannot be read" not in operator.logs()  # checked by signature, not by fallback
+    assert restarts(operator) == before, operator.diagnose()
+
+
+def test_a_stalled_admission_request_does_not_hold_up_a_large_flow(
+        flows: Flows, operator: ChartOperator, cluster: LocalCluster) -> None:
+    """A pod (here this host, which routes to ClusterIPs as a pod does) opens a chunked review on the
+    webhook Service and stops sending. Every review over 256 KiB or chunked used to wait for one
+    process-wide slot, read with no deadline: the large Flow's create timed out at the API server.
+    Now the Flow is admitted at once, and the stalled request is cut after the body deadline.
+    (Unrun by its author: the lead runs the integration suite.)"""
+    before = restarts(operator)
+    ip = cluster.kubectl("get", "service", f"{operator.fullname}-webhook", "-n", operator.namespace,
+                         "-o", "jsonpath={.spec.clusterIP}").stdout.strip()
+    ctx = ssl.create_default_context(cafile=str(operator.ca_file()))
+    stalled = ctx.wrap_socket(socket.create_connection((ip, 443), timeout=30),
+                              server_hostname=operator.state_server_name)
+    stalled.sendall(b"POST /validate-flows HTTP/1.1\r\nHost: " + operator.state_server_name.encode()
+                    + b"\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+                    + b"10\r\n{\"request\": {\"ui\r\n")
+    try:
+        # About 330 KiB of review: inputs near their bound and an annotation of 200 KiB.
+        big = {"apiVersion": "flowkube.io/v1alpha1", "kind": "Flow",
+               "metadata": {"name": "large", "annotations": {"example.com/pad": "p" * 200_000}},
+               "spec": {"flowRef": "a:B", "suspend": True, "inputs": {"notes": "x" * 120_000}}}
+        started = time.monotonic()
+        out = cluster.kubectl("create", "-n", flows.ns, "-f", "-", input=json.dumps(big), check=False)
+        took = time.monotonic() - started
+        assert out.returncode == 0, out.stderr[:2000]
+        assert took < 5, f"the large Flow took {took:.1f} s to be admitted"
+        answer = stalled.recv(4096)  # the operator answers it once its deadline (3 s) passes
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    finally:
+        stalled.close()
+    print(f"\nlarge Flow admitted in {took:.1f} s beside a stalled chunked review")
+    assert flows.get("large") is not None
+    assert restarts(operator) == before, operator.diagnose()

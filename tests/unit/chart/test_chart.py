@@ -166,7 +166,7 @@ def test_render_is_restricted_and_least_privilege(helm: Path, values: Path) -> N
         assert ctr["resources"].get("requests"), ctr["name"]
     for role in of_kind(objs, "ClusterRole") + of_kind(objs, "Role"):
         for rule in role["rules"]:
-            for key in ("verbs", "resources", "apiGroups", "resourceNames"):
+            for key in ("verbs", "resources", "apiGroups", "resourceNames", "nonResourceURLs"):
                 assert "*" not in rule.get(key, []), (role["metadata"]["name"], rule)
             assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"]), rule
     _assert_no_per_flow_rbac_and_least_configmap_access(objs)
@@ -206,13 +206,13 @@ def _assert_no_per_flow_rbac_and_least_configmap_access(objs: list[Obj]) -> None
     ServiceAccounts, Roles or RoleBindings, and only get/create/patch/delete on ConfigMaps (the state
     it writes for runners, authenticated by TokenReview)."""
     rules = _operator_rules(objs)
-    resources = {r for rule in rules for r in rule["resources"]}
+    resources = {r for rule in rules for r in rule.get("resources", [])}
     assert not resources & {"serviceaccounts", "serviceaccounts/token", "roles", "rolebindings",
                             "clusterroles", "clusterrolebindings"}, resources
-    assert "rbac.authorization.k8s.io" not in {g for rule in rules for g in rule["apiGroups"]}
+    assert "rbac.authorization.k8s.io" not in {g for rule in rules for g in rule.get("apiGroups", [])}
     for rule in rules:
         assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"]), rule
-        if "configmaps" in rule["resources"]:
+        if "configmaps" in rule.get("resources", []):
             assert sorted(rule["verbs"]) == ["create", "delete", "get", "patch"], rule
     grants = _grants(rules)
     assert grants[("", "configmaps")] == {"get", "create", "patch", "delete"}
@@ -223,9 +223,11 @@ def _grants(rules: list[Obj]) -> dict[tuple[str, str], set[str]]:
     out: dict[tuple[str, str], set[str]] = {}
     for rule in rules:
         assert not rule.get("resourceNames") or rule["apiGroups"] == ["admissionregistration.k8s.io"]
-        for group in rule["apiGroups"]:
-            for res in rule["resources"]:
+        for group in rule.get("apiGroups", []):
+            for res in rule.get("resources", []):
                 out.setdefault((group, res), set()).update(rule["verbs"])
+        for url in rule.get("nonResourceURLs", []):
+            out.setdefault(("nonResourceURL", url), set()).update(rule["verbs"])
     return out
 
 
@@ -288,6 +290,9 @@ CLUSTER_GRANTS = {
     ("", "nodes"): {"list"},
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
     ("authentication.k8s.io", "tokenreviews"): {"create"},  # runner pods' tokens, at the state API
+    # The service-account issuer's keys: runner tokens are checked with them before a TokenReview.
+    ("nonResourceURL", "/.well-known/openid-configuration"): {"get"},
+    ("nonResourceURL", "/openid/v1/jwks"): {"get"},
     ("authorization.k8s.io", "subjectaccessreviews"): {"create"},  # may this scraper get /metrics
     ("admissionregistration.k8s.io", "validatingwebhookconfigurations"): {"get", "patch", "update"},
     ("admissionregistration.k8s.io", "mutatingwebhookconfigurations"): {"get", "patch", "update"},
@@ -299,7 +304,7 @@ def test_operator_rbac_cluster_scope(helm: Path) -> None:
     role = named(objs, "ClusterRole", "flowkube-operator")
     assert _grants(role["rules"]) == {**EXPECTED_OPERATOR_GRANTS, **CLUSTER_GRANTS,
                                       ("", "namespaces"): {"list", "watch"}}
-    webhook_rule = next(r for r in role["rules"] if r["apiGroups"] == ["admissionregistration.k8s.io"])
+    webhook_rule = next(r for r in role["rules"] if r.get("apiGroups") == ["admissionregistration.k8s.io"])
     assert webhook_rule["resourceNames"] == ["flowkube-flowkube-system.flowkube.io"]
     binding = named(objs, "ClusterRoleBinding", "flowkube-operator")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "flowkube",

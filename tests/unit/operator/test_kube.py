@@ -95,3 +95,41 @@ def test_lease_requests_never_wait_behind_the_other_requests() -> None:
             await runner.cleanup()
 
     asyncio.run(scenario())
+
+
+def test_token_reviews_and_the_reconciles_requests_never_wait_for_each_other() -> None:
+    """A flood of TokenReviews (made-up tokens at the state API) holds every review slot; the
+    reconcile's reads still go out at once, and with the reconcile's slots all held a review does."""
+    review_path = "/apis/authentication.k8s.io/v1/tokenreviews"
+    release: list[asyncio.Event] = []
+
+    async def slow(_: web.Request) -> web.Response:
+        await release[-1].wait()
+        return web.json_response({"kind": "Slow"})
+
+    async def fast(_: web.Request) -> web.Response:
+        return web.json_response({"kind": "Fast"})
+
+    async def scenario(slow_path: str, fast_path: str, method: str) -> None:
+        release.append(asyncio.Event())
+        app = web.Application()
+        app.router.add_route("*", slow_path, slow)
+        app.router.add_route("*", fast_path, fast)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        port = runner.addresses[0][1]
+        client = Kube(kopf.ConnectionInfo(server=f"http://127.0.0.1:{port}", token="t"), limit=4)
+        held = [asyncio.create_task(client.request("POST", slow_path, {}))
+                for _ in range(kube_mod.REVIEW_CONNECTIONS + 8)]
+        try:
+            async with asyncio.timeout(5):  # would wait for `release` if they shared the slots
+                assert await client.request(method, fast_path, {} if method == "POST" else None) == {"kind": "Fast"}
+        finally:
+            release[-1].set()
+            await asyncio.gather(*held)
+            await client.close()
+            await runner.cleanup()
+
+    asyncio.run(scenario(review_path, "/api/v1/namespaces/x/configmaps/c", "GET"))
+    asyncio.run(scenario("/api/v1/namespaces/x/configmaps", review_path, "POST"))

@@ -9,19 +9,25 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from cryptography import x509
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
+from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
 
 from flowkube_api import constants as c
 from flowkube_api.constants import Reason, RunResult, Trigger
 from flowkube_api.report import RunReport, Usage
-from flowkube_operator import tls
+from flowkube_operator import issuerkeys, tls
+from flowkube_operator.issuerkeys import IssuerKeys
 from flowkube_operator.kube import ApiError
 from flowkube_operator.stateapi import (
     Caller,
+    ClientLimits,
     StateApi,
     StateError,
     Target,
@@ -489,3 +495,235 @@ def test_one_pod_has_at_most_a_few_requests_in_flight() -> None:
             assert (await client.get(url, headers=auth)).status == 404  # served again
 
     asyncio.run(scenario())
+
+
+# -- tokens checked with the issuer's keys before any TokenReview ------------------------------------
+
+def _b64(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _int(n: int) -> str:
+    return _b64(n.to_bytes((n.bit_length() + 7) // 8, "big"))
+
+
+RSA_KEY = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+EC_KEY = ec.generate_private_key(ec.SECP256R1())
+ROTATED_KEY = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+FORGER_KEY = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+
+
+def jwk(key: rsa.RSAPrivateKey | ec.EllipticCurvePrivateKey, kid: str) -> dict[str, Any]:
+    if isinstance(key, rsa.RSAPrivateKey):
+        n = key.public_key().public_numbers()
+        return {"kty": "RSA", "alg": "RS256", "use": "sig", "kid": kid, "n": _int(n.n), "e": _int(n.e)}
+    p = key.public_key().public_numbers()
+    return {"kty": "EC", "crv": "P-256", "alg": "ES256", "use": "sig", "kid": kid,
+            "x": _b64(p.x.to_bytes(32, "big")), "y": _b64(p.y.to_bytes(32, "big"))}
+
+
+def signed(key: rsa.RSAPrivateKey | ec.EllipticCurvePrivateKey, kid: str, name: str = "demo-0",
+           expires_in: float = 3600, audience: str = c.STATE_AUDIENCE) -> str:
+    """A projected ServiceAccount token as the API server makes it, signed with `key`."""
+    now = int(time.time())
+    claims = {"aud": [audience], "exp": now + int(expires_in), "iat": now - 60, "nbf": now - 60,
+              "iss": "https://kubernetes.default.svc.cluster.local", "sub": "system:serviceaccount:ns:default",
+              "kubernetes.io": {"namespace": "ns", "pod": {"name": name, "uid": "pod-uid"},
+                                "serviceaccount": {"name": "default", "uid": "sa-uid"}}}
+    alg = "RS256" if isinstance(key, rsa.RSAPrivateKey) else "ES256"
+    head = _b64(json.dumps({"alg": alg, "kid": kid}).encode()) + "." + _b64(json.dumps(claims).encode())
+    if isinstance(key, rsa.RSAPrivateKey):
+        sig = key.sign(head.encode(), padding.PKCS1v15(), hashes.SHA256())
+    else:
+        r, s = decode_dss_signature(key.sign(head.encode(), ec.ECDSA(hashes.SHA256())))
+        sig = r.to_bytes(32, "big") + s.to_bytes(32, "big")
+    return head + "." + _b64(sig)
+
+
+class IssuerKube(FakeKube):
+    """The fake API server also publishes its service-account issuer's keys (OIDC discovery), and
+    counts the TokenReviews and key-set reads it answers."""
+
+    def __init__(self, keys: list[dict[str, Any]] | None = None, readable: bool = True) -> None:
+        super().__init__()
+        self.jwks = {"keys": keys if keys is not None else [jwk(RSA_KEY, "rsa"), jwk(EC_KEY, "ec")]}
+        self.readable = readable
+        self.key_reads = 0
+        self.token_reviews = 0
+        self.review_gate: asyncio.Event | None = None
+        self.key_gate: asyncio.Event | None = None
+
+    async def request(self, method: str, path: str, body: Any = None, **kw: Any) -> Any:
+        if method == "GET":
+            if not self.readable:
+                raise ApiError(403, {"message": "forbidden"}, method, path)
+            if path == "/.well-known/openid-configuration":
+                return {"issuer": "https://kubernetes.default.svc.cluster.local",
+                        "jwks_uri": "https://172.18.0.2:6443/openid/v1/jwks"}
+            assert path == "/openid/v1/jwks"
+            self.key_reads += 1
+            if self.key_gate is not None:
+                await self.key_gate.wait()
+            return json.loads(json.dumps(self.jwks))
+        self.token_reviews += 1
+        if self.review_gate is not None:
+            await self.review_gate.wait()
+        return await super().request(method, path, body, **kw)
+
+
+def checked_api(kube: IssuerKube, **kw: Any) -> StateApi:
+    return StateApi(lambda: kube, FakeRuns({("ns", "demo-0"): ("demo", FLOW_UID, "pod-uid")}),  # type: ignore[arg-type,return-value]
+                    issuer=IssuerKeys(lambda: kube), **kw)  # type: ignore[arg-type,return-value]
+
+
+def test_a_token_the_issuer_did_not_sign_or_that_expired_is_refused_without_a_token_review() -> None:
+    kube = IssuerKube()
+    state = checked_api(kube)
+    good_rsa, good_ec = signed(RSA_KEY, "rsa"), signed(EC_KEY, "ec")
+    kube.reviews.update({good_rsa: review(), good_ec: review()})
+    refused = {
+        "forged": signed(FORGER_KEY, "rsa"),  # the issuer's kid, another key
+        "unknown kid": signed(FORGER_KEY, "mine"),
+        "expired": signed(RSA_KEY, "rsa", expires_in=-3600),
+        "other audience": signed(RSA_KEY, "rsa", audience="https://kubernetes.default.svc"),
+        "EC key, RSA kid": signed(EC_KEY, "rsa"),
+        "unsigned claims": jwt("demo-0"),  # what used to reach a TokenReview on its claims alone
+    }
+
+    async def scenario() -> None:
+        for why, token in refused.items():
+            with pytest.raises(StateError) as e:
+                await state.authenticate(f"Bearer {token}")
+            assert e.value.status == 401, why
+        assert kube.token_reviews == 0
+        assert "expired" in str(await _refusal(state, refused["expired"]))
+        assert await state.authenticate(f"Bearer {good_rsa}") == POD
+        assert await state.authenticate(f"Bearer {good_ec}") == POD
+        assert kube.token_reviews == 2  # a signed token still gets its TokenReview (is its pod alive?)
+
+    asyncio.run(scenario())
+
+
+async def _refusal(state: StateApi, token: str) -> StateError:
+    with pytest.raises(StateError) as e:
+        await state.authenticate(f"Bearer {token}")
+    return e.value
+
+
+def test_a_flood_of_forged_tokens_from_one_client_does_not_delay_a_valid_pod() -> None:
+    """Before: every forged token with the right claims queued for one of the review slots (here one)
+    behind a slow TokenReview; now none of them reaches one, and the pod's is answered at once."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    kube = IssuerKube()
+    state = checked_api(kube, token_reviews=1, limits=ClientLimits(rate=10_000, burst=10_000, authenticating=1000))
+    good = signed(RSA_KEY, "rsa")
+    kube.reviews[good] = review()
+
+    async def scenario() -> None:
+        async with TestClient(TestServer(state.app())) as client:
+            flood = [asyncio.ensure_future(client.get(c.STATE_API_PREFIX + c.STATE_KEY, headers={
+                "Authorization": f"Bearer {signed(FORGER_KEY, 'rsa', name=f'forged-{i}')}"})) for i in range(300)]
+            async with asyncio.timeout(10):
+                served = await client.put(c.STATE_API_PREFIX + c.STATE_KEY, data=b"mine",
+                                          headers={"Authorization": f"Bearer {good}"})
+            assert served.status == 204
+            answers = await asyncio.gather(*flood)
+            assert {r.status for r in answers} == {401}
+            assert kube.token_reviews == 1  # the pod's own, and nothing for the 300 forged tokens
+            assert kube.key_reads == 1  # and the keys were read once, not once per forged token
+
+    asyncio.run(scenario())
+
+
+def test_a_rotated_key_is_fetched_once_and_made_up_key_ids_do_not_refetch() -> None:
+    kube = IssuerKube(keys=[jwk(RSA_KEY, "old")])
+    now = [1000.0]
+    issuer = IssuerKeys(lambda: kube, clock=lambda: now[0])  # type: ignore[arg-type,return-value]
+
+    async def scenario() -> None:
+        assert await issuer.verify(signed(RSA_KEY, "old"), c.STATE_AUDIENCE)
+        assert kube.key_reads == 1
+        kube.jwks["keys"].append(jwk(ROTATED_KEY, "new"))  # the issuer rotates its key
+        now[0] += issuerkeys.REFETCH_SECONDS
+        rotated = signed(ROTATED_KEY, "new")
+        assert all(await asyncio.gather(*(issuer.verify(rotated, c.STATE_AUDIENCE) for _ in range(5))))
+        assert kube.key_reads == 2  # one read for five tokens with the new kid
+        for i in range(50):  # made-up key ids, soon after: refused, the set is not read again
+            with pytest.raises(issuerkeys.TokenRefused):
+                await issuer.verify(signed(FORGER_KEY, f"made-up-{i}"), c.STATE_AUDIENCE)
+        assert kube.key_reads == 2
+        now[0] += issuerkeys.REFETCH_SECONDS
+        with pytest.raises(issuerkeys.TokenRefused):
+            await issuer.verify(signed(FORGER_KEY, "made-up-later"), c.STATE_AUDIENCE)
+        assert kube.key_reads == 3  # at most one read per REFETCH_SECONDS
+        # The periodic refresh: a token of a known key is checked at once, the keys read meanwhile.
+        kube.key_gate = asyncio.Event()
+        now[0] += issuerkeys.REFRESH_SECONDS
+        async with asyncio.timeout(5):
+            assert await issuer.verify(rotated, c.STATE_AUDIENCE)
+        await asyncio.sleep(0)  # the background read starts (and waits on the gate)
+        assert kube.key_reads == 4
+        kube.key_gate.set()
+        if issuer._reading is not None:
+            await issuer._reading
+
+    asyncio.run(scenario())
+
+
+def test_without_the_issuer_keys_a_token_falls_back_to_the_token_review_and_the_client_limits_hold(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A cluster whose keys the operator may not read: today's TokenReview decides, said once in the
+    log; one address then holds at most its few authentications, the rest are told 429 at once."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    kube = IssuerKube(readable=False)
+    state = checked_api(kube, limits=ClientLimits(rate=10_000, burst=10_000, authenticating=3))
+    good = signed(RSA_KEY, "rsa")
+    kube.reviews[good] = review()
+
+    async def scenario() -> None:
+        kube.review_gate = asyncio.Event()
+        async with TestClient(TestServer(state.app())) as client:
+            told: list[int] = []
+            all_but_three = asyncio.Event()
+
+            async def forged(i: int) -> int:
+                answer = await client.get(c.STATE_API_PREFIX + c.STATE_KEY, headers={
+                    "Authorization": f"Bearer {signed(FORGER_KEY, 'rsa', name=f'forged-{i}')}"})
+                told.append(answer.status)
+                if len(told) == 17:
+                    all_but_three.set()
+                return answer.status
+
+            flood = [asyncio.ensure_future(forged(i)) for i in range(20)]
+            async with asyncio.timeout(10):
+                await all_but_three.wait()  # 17 answered while 3 wait for their TokenReviews
+            assert set(told) == {429} and kube.token_reviews == 3
+            assert kube.review_gate is not None
+            kube.review_gate.set()
+            assert set(await asyncio.gather(*flood)) == {401, 429}
+            ok = await client.get(c.STATE_API_PREFIX + c.STATE_KEY, headers={"Authorization": f"Bearer {good}"})
+            assert ok.status == 404  # authenticated (no state yet)
+
+    with caplog.at_level("WARNING", logger="flowkube.issuerkeys"):
+        asyncio.run(scenario())
+    assert len([r for r in caplog.records if "cannot be read" in r.message]) == 1
+
+
+def test_one_address_has_a_rate_and_a_burst_and_others_are_not_slowed() -> None:
+    now = [0.0]
+    limits = ClientLimits(rate=2, burst=4, authenticating=1, clock=lambda: now[0], kept=3)
+    for _ in range(4):
+        limits.take("10.0.0.1")
+    with pytest.raises(StateError) as e:
+        limits.take("10.0.0.1")
+    assert e.value.status == 429 and "10.0.0.1" in str(e.value)
+    limits.take("10.0.0.2")  # another pod is not slowed
+    now[0] += 0.5
+    limits.take("10.0.0.1")  # refilled at the rate
+    with limits.authenticating("10.0.0.1"), pytest.raises(StateError), limits.authenticating("10.0.0.1"):
+        pass
+    for i in range(10):  # many addresses: the table stays bounded, busy ones kept
+        limits.take(f"10.1.0.{i}")
+    assert len(limits._clients) <= 3

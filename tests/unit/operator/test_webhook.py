@@ -158,3 +158,103 @@ def test_a_template_too_big_to_copy_into_its_flows_status_is_refused() -> None:
         deep = [deep]
     nested = template_spec_problem({"parameters": [{"name": "d", "default": deep}]})
     assert nested is not None and "spec.parameters[d].default nests" in nested
+
+
+# -- the admission server: no client can hold it ------------------------------------------------------
+
+def _admission_server(body_seconds: float) -> tuple[Any, list[int]]:
+    """The real FlowkubeWebhookServer._serve on a bare aiohttp app (kopf's route), with a review
+    function that allows everything and records the size of each review it decoded."""
+    from aiohttp import web
+
+    from flowkube_operator.webhook import FlowkubeWebhookServer
+
+    server = FlowkubeWebhookServer(body_seconds=body_seconds)
+    decoded: list[int] = []
+
+    async def fn(data: Any, **_: Any) -> dict[str, Any]:
+        decoded.append(len(json.dumps(data)))
+        return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+                "response": {"uid": data["request"]["uid"], "allowed": True}}
+
+    async def serve(request: web.Request) -> web.Response:
+        return await server._serve(fn, request)  # type: ignore[arg-type]
+
+    app = web.Application()
+    app.router.add_post("/{id:.*}", serve)
+    return (server, app), decoded
+
+
+def _review(size: int) -> bytes:
+    return json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+                       "request": {"uid": "u1", "object": {"spec": {"pad": "x" * size}}}}).encode()
+
+
+def test_a_stalled_chunked_review_neither_holds_a_large_one_up_nor_stays_open_past_its_deadline() -> None:
+    """One client opens a chunked review and sends one chunk, then nothing; another sends a 1 MiB
+    review. Before, every review over 256 KiB or chunked waited for one process-wide slot that the
+    stalled one held with no deadline: the large one was never answered."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    (server, app), decoded = _admission_server(body_seconds=1.0)
+    receiving = asyncio.Event()
+    reserve = server._budget.acquire
+
+    async def acquire(client: str, n: int) -> None:
+        await reserve(client, n)
+        receiving.set()
+
+    server._budget.acquire = acquire
+
+    async def scenario() -> None:
+        async with TestClient(TestServer(app)) as client:
+            reader, writer = await asyncio.open_connection("127.0.0.1", client.port)
+            writer.write(b"POST /validate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n10\r\n{\"request\": {\"ui\r\n")
+            await writer.drain()
+            stalled = asyncio.ensure_future(reader.read())  # its whole answer, up to the server's close
+            async with asyncio.timeout(5):
+                await receiving.wait()  # its bytes reserved: its body is being received
+            async with asyncio.timeout(0.9):  # inside the stalled one's deadline
+                large = await client.post("/validate", data=_review(1024 * 1024),
+                                          headers={"Content-Type": "application/json"})
+                assert large.status == 200 and (await large.json())["response"]["allowed"] is True
+            assert not stalled.done()  # answered while the stalled one is still open
+            async with asyncio.timeout(5):
+                answer = await stalled
+            assert answer.startswith(b"HTTP/1.1 408") and b"did not arrive within 1 s" in answer
+            assert reader.at_eof()  # and its connection closed
+            writer.close()
+            assert server._budget.free == server._budget.total  # what it held is free again
+            assert len(decoded) == 1
+
+    asyncio.run(scenario())
+
+
+def test_the_byte_budget_serves_in_order_and_keeps_room_beyond_one_clients_share() -> None:
+    from flowkube_operator.webhook import ByteBudget
+
+    async def scenario() -> None:
+        budget = ByteBudget(total=10, per_client=6)
+        await budget.acquire("a", 6)
+        held_back = asyncio.ensure_future(budget.acquire("a", 1))  # over a's share: waits
+        other = asyncio.ensure_future(budget.acquire("b", 4))  # passes a's waiter: there is room for b
+        await asyncio.sleep(0)
+        assert other.done() and not held_back.done() and budget.free == 0
+        big = asyncio.ensure_future(budget.acquire("c", 3))
+        small = asyncio.ensure_future(budget.acquire("d", 1))
+        budget.release("b", 4)
+        await asyncio.sleep(0)
+        assert big.done() and small.done() and not held_back.done()  # in order, within the free bytes
+        budget.release("a", 6)
+        await asyncio.sleep(0)
+        assert held_back.done()
+        gone = asyncio.ensure_future(budget.acquire("e", 6))  # waits, then its client gives up
+        await asyncio.sleep(0)
+        gone.cancel()
+        for client, n in (("a", 1), ("c", 3), ("d", 1)):
+            budget.release(client, n)
+        await asyncio.sleep(0)
+        assert budget.free == budget.total and not budget._held and not budget._waiting
+
+    asyncio.run(scenario())
