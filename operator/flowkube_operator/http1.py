@@ -36,6 +36,11 @@ class ProtocolError(ConnectionError):
     """The server's answer is not HTTP/1.1 as this client reads it."""
 
 
+class TooLargeError(Exception):
+    """The answer's body is over the request's ``max_body``: no more of it is read (the connection is
+    closed), so a list page of huge objects costs at most that much memory."""
+
+
 class _Connection(asyncio.Protocol):
     """One connection, one request at a time: `exchange` writes it and waits for the whole answer."""
 
@@ -52,6 +57,7 @@ class _Connection(asyncio.Protocol):
         self._chunked = False
         self._chunk: int | None = None  # bytes left of the current chunk; -1: reading the trailers
         self._in_head = True
+        self._max_body: int | None = None
 
     # -- asyncio.Protocol ---------------------------------------------------------------------------
 
@@ -77,6 +83,10 @@ class _Connection(asyncio.Protocol):
         self._buf += data
         try:
             self._parse()
+        except TooLargeError as e:
+            self.reusable = False
+            self._waiter.set_exception(e)
+            self.close()
         except (ValueError, IndexError) as e:
             self.reusable = False
             self._waiter.set_exception(ProtocolError(f"unreadable answer from the API server: {e}"))
@@ -84,9 +94,10 @@ class _Connection(asyncio.Protocol):
 
     # -- use ----------------------------------------------------------------------------------------
 
-    async def exchange(self, request: bytes) -> tuple[int, bytes]:
+    async def exchange(self, request: bytes, max_body: int | None = None) -> tuple[int, bytes]:
         assert self.transport is not None
         self._waiter = asyncio.get_running_loop().create_future()
+        self._max_body = max_body
         self.answered = False
         self._in_head, self._chunk = True, None
         self._body.clear()
@@ -106,6 +117,8 @@ class _Connection(asyncio.Protocol):
     def _parse(self) -> None:
         if self._in_head and not self._read_head():
             return
+        if self._max_body is not None and max(self._length or 0, len(self._body) + len(self._buf)) > self._max_body:
+            raise TooLargeError(f"the answer is over {self._max_body} bytes")
         if self._chunked:
             if self._read_chunks():
                 self._finish(bytes(self._body))
@@ -193,8 +206,9 @@ class Pool:
         self._closed = False
         self._on_open = on_open
 
-    async def request(self, method: str, path: str, body: bytes | None, *,
-                      headers: dict[str, str], params: dict[str, str] | None = None) -> tuple[int, bytes]:
+    async def request(self, method: str, path: str, body: bytes | None, *, headers: dict[str, str],
+                      params: dict[str, str] | None = None, max_body: int | None = None) -> tuple[int, bytes]:
+        """(status, body); TooLargeError as soon as the body is known to be over ``max_body``."""
         target = self._prefix + path + ("?" + urlencode(params) if params else "")
         extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
         if body is not None:
@@ -206,7 +220,7 @@ class Pool:
                 if conn is None:
                     conn = await self._open()
                 try:
-                    result = await conn.exchange(request)
+                    result = await conn.exchange(request, max_body)
                 except ConnectionError:
                     conn.close()
                     if reused and not conn.answered:

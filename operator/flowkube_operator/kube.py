@@ -153,6 +153,16 @@ class Kube:
 
     async def request(self, method: str, path: str, body: Any = None, *,
                       content_type: str = "application/json", params: dict[str, str] | None = None) -> Any:
+        return (await self._request(method, path, body, content_type=content_type, params=params))[0]
+
+    async def list_page(self, path: str, params: dict[str, str], *, max_bytes: int) -> tuple[Body, int]:
+        """One page of a list and its size in bytes (the informer sizes the next page from it);
+        http1.TooLargeError, having read no more, when it is over ``max_bytes``."""
+        payload, size = await self._request("GET", path, params=params, max_body=max_bytes)
+        return payload, size
+
+    async def _request(self, method: str, path: str, body: Any = None, *, content_type: str = "application/json",
+                       params: dict[str, str] | None = None, max_body: int | None = None) -> tuple[Any, int]:
         started = time.perf_counter()
         code = "error"
         try:
@@ -162,7 +172,7 @@ class Kube:
             for attempt in (1, 2):
                 async with asyncio.timeout(REQUEST_TIMEOUT):
                     status, raw = await pool.request(
-                        method, path, data, params=params,
+                        method, path, data, params=params, max_body=max_body,
                         headers=self._headers(content_type if data is not None else None))
                 code = str(status)
                 if status != 401 or attempt == 2 or not self._token_renewed():
@@ -170,7 +180,7 @@ class Kube:
             payload = _decode(raw)
             if status >= 400:
                 raise ApiError(status, payload, method, path)
-            return payload
+            return payload, len(raw)
         finally:
             selfmetrics.API_LATENCY.labels(method, _resource_of(path), code).observe(
                 time.perf_counter() - started)

@@ -187,3 +187,43 @@ def test_an_answer_that_is_not_http_is_an_error_and_its_connection_is_dropped() 
     assert isinstance(out[0], ProtocolError) and "unreadable answer" in str(out[0])
     assert out[1] == (200, b"ok")
     assert connections == 2  # the garbled connection was not used again
+
+
+def test_an_answer_over_max_body_is_cut_off_as_it_comes_by_length_or_chunks() -> None:
+    """A list page of huge objects: refused once its Content-Length, or its chunks so far, say it is
+    over the bound, with no more of it read; the connection is not reused."""
+    from flowkube_operator.http1 import TooLargeError
+
+    async def go() -> list[object]:
+        async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            head = await _head(reader)
+            if b"/length" in head:
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 50000000\r\n\r\n" + b"x" * 1000)
+            else:
+                writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+                for _ in range(40):
+                    writer.write(b"400\r\n" + b"y" * 1024 + b"\r\n")
+                writer.write(b"0\r\n\r\n")
+            await writer.drain()
+            await reader.read()  # until the client hangs up
+
+        server = await asyncio.start_server(script, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        pool = Pool(f"http://127.0.0.1:{port}", None, limit=4, headers={})
+        out: list[object] = []
+        try:
+            for path, bound in (("/length", 1_000_000), ("/chunked", 10_000), ("/chunked", 100_000)):
+                try:
+                    out.append(await asyncio.wait_for(pool.request("GET", path, None, headers={},
+                                                                   max_body=bound), 5))
+                except TooLargeError as e:
+                    out.append(e)
+        finally:
+            await pool.close()
+            server.close()
+            await server.wait_closed()
+        return out
+
+    too_long, too_chunky, fits = asyncio.run(go())
+    assert isinstance(too_long, TooLargeError) and isinstance(too_chunky, TooLargeError)
+    assert fits == (200, b"y" * 40 * 1024)
