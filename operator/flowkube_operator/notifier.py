@@ -11,14 +11,12 @@ are tried again after 1, 2, 4 ... 60 s until ``notifications_retry_seconds`` hav
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import functools
+import http
 import logging
 import ssl
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
@@ -30,7 +28,7 @@ from flowkube_api.base import now as now_utc
 from flowkube_operator import notify, selfmetrics
 from flowkube_operator.informer import Informer
 from flowkube_operator.kube import Kube, ns_path
-from flowkube_operator.notify import Notice, Outcome, Policy, Sink
+from flowkube_operator.notify import Notice, Outcome, Policy, SecretView, Sink
 from flowkube_operator.settings import Settings
 
 Body = dict[str, Any]
@@ -38,7 +36,9 @@ Key = tuple[str, str]
 Job = tuple[str, str]  # (sink, event id)
 log = logging.getLogger("flowkube.notifier")
 
-ANSWER_READ = 1024  # bytes of a receiver's answer read (into status.notifications[].message), at most
+# The objects that say which addresses are the cluster's own: (collection, apiVersion, kind).
+CLUSTER_KINDS = (("/apis/networking.k8s.io/v1/servicecidrs", "networking.k8s.io/v1", "ServiceCIDR"),
+                 ("/api/v1/nodes", "v1", "Node"))
 
 
 class RefusedError(Exception):
@@ -81,18 +81,15 @@ class PolicyConnector(aiohttp.TCPConnector):
         return found
 
 
-@dataclass
-class SecretView:
-    data: dict[str, bytes]
-    default: Sink | None = None  # the sink it makes for every Flow of its namespace (label `defaults`)
-
-
 class Secrets:
-    """The Secrets labelled flowkube.io/notifications, as their watch last showed them, by namespace
-    (a reconcile looks at its own namespace's only)."""
+    """The Secrets labelled flowkube.io/notifications, by namespace, as kept (`notify.project`: the
+    bounded values a sink can use, made as each event comes in; the rest of the object is dropped at
+    once). A reconcile looks at its own namespace's only. At most notify.SECRETS_PER_NAMESPACE are kept
+    per namespace; the others are markers of their name (`notify.crowded`)."""
 
     def __init__(self, changed: Callable[[str], None] = lambda _ns: None) -> None:
         self.by_namespace: dict[str, dict[str, SecretView]] = {}
+        self._kept: dict[str, int] = {}  # per namespace: how many are kept (not markers)
         self.changed = changed  # told the namespace of every change: its Flows may have sinks to serve now
 
     def get(self, namespace: str, name: str) -> SecretView | None:
@@ -102,24 +99,28 @@ class Secrets:
         meta = body.get("metadata") or {}
         ns, name = meta.get("namespace", ""), meta.get("name", "")
         label = (meta.get("labels") or {}).get(c.LABEL_NOTIFICATIONS)
+        here = self.by_namespace.setdefault(ns, {})
+        was = here.pop(name, None)
+        if was is not None and not was.refused:
+            self._kept[ns] -= 1
         if etype == "DELETED" or label is None:
-            here = self.by_namespace.get(ns, {})
-            here.pop(name, None)
             if not here:
                 self.by_namespace.pop(ns, None)
+                self._kept.pop(ns, None)
             return
-        data = {}
-        for k, v in (body.get("data") or {}).items():
-            try:
-                data[k] = base64.b64decode(v or "", validate=True)
-            except (binascii.Error, ValueError):
-                continue
-        default = None
-        if label == c.NOTIFICATION_DEFAULTS:
-            default = notify.default_sink(name, data)
-            if default is None:
+        if self._kept.get(ns, 0) >= notify.SECRETS_PER_NAMESPACE:
+            view = notify.crowded(ns, name)
+            log.warning("%s", view.refused)
+        else:
+            data = body.get("data")
+            view = notify.project(name, str(label), data if isinstance(data, dict) else {})
+            self._kept[ns] = self._kept.get(ns, 0) + 1
+            if view.oversized:
+                log.warning("notification Secret %s/%s: keys %s are over their bounds and not kept", ns, name,
+                            ", ".join(sorted(view.oversized)))
+            if label == c.NOTIFICATION_DEFAULTS and view.default is None:
                 log.warning("notification defaults Secret %s/%s names an unknown format or event; ignored", ns, name)
-        self.by_namespace.setdefault(ns, {})[name] = SecretView(data, default)
+        here[name] = view
         self.changed(ns)
 
     def defaults(self, namespace: str) -> list[Sink]:
@@ -128,6 +129,14 @@ class Secrets:
         found = sorted((v.default for v in self.by_namespace.get(namespace, {}).values() if v.default is not None),
                        key=lambda s: s.name)
         return found[:c.NOTIFICATION_SINKS_LIMIT]
+
+
+def _phrase(code: int) -> str:
+    """The standard reason phrase of an HTTP status (the receiver's own words are not kept)."""
+    try:
+        return http.HTTPStatus(code).phrase
+    except ValueError:
+        return "(no standard reason)"
 
 
 class Notifier:
@@ -143,7 +152,10 @@ class Notifier:
         self.secrets = Secrets(changed=wake_namespace)
         self._informers: list[Informer] = []
         self.learned = asyncio.Event()  # the cluster's ranges are in the policy (or could not be read)
-        self.policy = Policy.of(settings.notifications_allowed_cidrs, settings.notifications_denied_cidrs)
+        self._configured = Policy.of(settings.notifications_allowed_cidrs, settings.notifications_denied_cidrs)
+        self.policy = self._configured  # and the cluster's own ranges (learn_cluster)
+        self._ranges: dict[tuple[str, str], tuple[str, ...]] = {}  # (kind, name) -> what it says to deny
+        self._kube: Callable[[], Kube | None] | None = None  # the client of the latest login
         self._tasks: dict[tuple[Key, Job], asyncio.Task[None]] = {}
         self._done: dict[Key, dict[Job, Outcome]] = {}  # ended, not yet in status
         self._slots = asyncio.Semaphore(settings.notifications_max_in_flight)
@@ -152,32 +164,53 @@ class Notifier:
         self._session: aiohttp.ClientSession | None = None
 
     async def learn_cluster(self, kube: Kube) -> None:
-        """Deny the cluster's own ranges too, where the API tells them: its ServiceCIDRs and its nodes'
-        pod CIDRs (the default denied ranges cover private ones; these may be public). Without the
-        right to read them (the chart grants it), the configured ranges are all there is."""
-        found: list[str] = []
+        """Deny the cluster's own addresses too, where the API tells them, kept current while this
+        replica leads (a watch, not one read: nodes come and go): its ServiceCIDRs, its nodes' pod CIDRs
+        and their InternalIP and ExternalIP addresses (NodePorts and kubelets listen there; the default
+        denied ranges cover private ones, these may be public). A kind the operator may not read (the
+        chart grants list and watch; a namespaced install may not) leaves the configured ranges."""
+        latest = self._kube or (lambda: kube)
+        informers: list[Informer] = []
+        tasks: list[asyncio.Task[None]] = []
         try:
-            for path, key in (("/apis/networking.k8s.io/v1/servicecidrs", "cidrs"), ("/api/v1/nodes", "podCIDRs")):
-                params = {"limit": "500"}
-                while True:
-                    try:
-                        page = await kube.request("GET", path, params=params)
-                    except Exception as e:  # forbidden, or an API server without ServiceCIDRs: not fatal
-                        log.info("notifications: cannot read %s (%s); the configured ranges are denied", path, e)
-                        break
-                    found += [str(c) for item in page.get("items") or []
-                              for c in (item.get("spec") or {}).get(key) or []]
-                    cont = (page.get("metadata") or {}).get("continue")
-                    if not cont:
-                        break
-                    params = {"limit": "500", "continue": cont}
-            if found:
-                self.policy = self.policy.denying(found)
-                log.info("notifications: the cluster's ranges %s are denied too", ", ".join(sorted(set(found))))
+            for path, version, kind in CLUSTER_KINDS:
+                try:
+                    await kube.request("GET", path, params={"limit": "1"})
+                except Exception as e:  # forbidden, or an API server without ServiceCIDRs: not fatal
+                    log.info("notifications: cannot read %s (%s); the configured ranges are denied", path, e)
+                    continue
+                informers.append(Informer(latest, path, version, kind, functools.partial(self._cluster_event, kind)))
+            tasks = [asyncio.create_task(i.run()) for i in informers]
+            for i in informers:
+                await i.synced.wait()
+            self.learned.set()
+            log.info("notifications: %d of the cluster's ranges and addresses are denied too", len(self._denied_now()))
+            await asyncio.gather(*tasks)
         finally:
             self.learned.set()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _cluster_event(self, kind: str, etype: str, obj: Body) -> None:
+        key = (kind, (obj.get("metadata") or {}).get("name", ""))
+        ranges = () if etype == "DELETED" else tuple(sorted(set(notify.cluster_ranges(kind, obj))))
+        if self._ranges.get(key, ()) == ranges:
+            return  # a node's heartbeat, its images: nothing denied changed
+        if ranges:
+            self._ranges[key] = ranges
+        else:
+            self._ranges.pop(key, None)
+        self.policy = self._configured.denying(self._denied_now())
+        if self.learned.is_set():
+            log.info("notifications: %s %s %s; %d of the cluster's ranges and addresses denied", kind, key[1],
+                     etype.lower(), len(self._denied_now()))
+
+    def _denied_now(self) -> list[str]:
+        return sorted({r for rs in self._ranges.values() for r in rs})
 
     def informers(self, kube: Callable[[], Kube | None], namespaces: list[str]) -> list[Informer]:
+        self._kube = kube
         self._informers = [Informer(kube, ns_path(ns, "secrets") if ns else "/api/v1/secrets", "v1", "Secret",
                                     self.secrets.event, label_selector=c.LABEL_NOTIFICATIONS)
                            for ns in namespaces or [""]]
@@ -309,14 +342,23 @@ class Notifier:
                     del table[name]  # nobody holds or waits for it: not kept for every host ever seen
 
     async def _post(self, url: str, payload: bytes, headers: dict[str, str], tls: ssl.SSLContext | bool) -> Attempt:
+        """One POST. The answer's body is never read: what goes into status is the code and a fixed
+        reason, so a receiver (an internal service a tenant points a sink at) cannot be read back."""
         try:
             async with self._client().post(url, data=payload, headers=headers, ssl=tls,
                                            allow_redirects=False) as resp:
-                answer = (await resp.content.read(ANSWER_READ)).decode(errors="replace").strip()
-                resp.close()  # the rest of a long answer is not read
                 code, asked = resp.status, notify.retry_after(resp.headers.get("Retry-After"))
+                resp.close()  # its body is not read
         except RefusedError as e:
             return Attempt(None, "Refused", str(e), False)
+        except aiohttp.InvalidURL as e:
+            # The client refuses the URL itself (e.g. a numeric host `_target` did not catch): the
+            # Secret's mistake, which no retry mends.
+            return Attempt(None, "Misconfigured", f"the HTTP client refuses the Secret's URL ({type(e).__name__})",
+                           False)
+        except (aiohttp.ClientResponseError, aiohttp.ClientPayloadError) as e:
+            # Their text can quote the receiver's bytes (an answer that is not HTTP): the type only.
+            return Attempt(None, "Unreachable", f"{type(e).__name__}: the answer is not HTTP as expected", True)
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as e:
             # An error's text may quote the URL (a Secret's value): it is cut out.
             text = f"{type(e).__name__}: {e}".replace(url, "<the Secret's URL>")
@@ -325,7 +367,7 @@ class Notifier:
             return Attempt(code, "Delivered", f"{code}", False)
         if 300 <= code < 400:
             return Attempt(code, "Rejected", f"{code}: redirects are not followed", False)
-        return Attempt(code, "Rejected", f"{code}: {answer}", notify.retryable(code), asked)
+        return Attempt(code, "Rejected", f"{code} {_phrase(code)}", notify.retryable(code), asked)
 
     def _target(self, namespace: str, sink: Sink) -> tuple[str, SecretView, ssl.SSLContext | bool, str]:
         """(URL, Secret, TLS, host:port) of the sink, or UndeliverableError. The URL itself is never
@@ -335,9 +377,16 @@ class Notifier:
         if secret is None:
             raise UndeliverableError("Misconfigured", f"no Secret {sink.secret} labelled {c.LABEL_NOTIFICATIONS} "
                                      f"in namespace {namespace}", again=True)
+        for key in (sink.url_key, sink.signing_key_key, sink.ca_key):
+            why = secret.problem(sink.secret, key)
+            if why:
+                raise UndeliverableError("Misconfigured", why)
         raw_url = secret.data.get(sink.url_key)
         if not raw_url:
-            raise UndeliverableError("Misconfigured", f"Secret {sink.secret} has no key {sink.url_key}", again=True)
+            raise UndeliverableError("Misconfigured", secret.missing(sink.secret, sink.url_key), again=True)
+        if len(raw_url) > notify.VALUE_BYTES or len(secret.data.get(sink.signing_key_key, b"")) > notify.VALUE_BYTES:
+            raise UndeliverableError("Misconfigured", f"key {sink.url_key} or {sink.signing_key_key} of Secret "
+                                     f"{sink.secret} is over {notify.VALUE_BYTES} bytes")
         url = raw_url.decode(errors="replace").strip()
         try:
             parts = urlsplit(url)
@@ -348,6 +397,10 @@ class Notifier:
                 or not parts.hostname.isascii()):
             raise UndeliverableError("Misconfigured", f"key {sink.url_key} of Secret {sink.secret} is not an "
                                      "http(s) URL with an ASCII host name")
+        numeric = notify.numeric_host_problem(parts.hostname)
+        if numeric:
+            raise UndeliverableError("Misconfigured", f"the host of key {sink.url_key} of Secret {sink.secret} "
+                                     f"{numeric}")
         tls: ssl.SSLContext | bool = True
         ca = secret.data.get(sink.ca_key)
         if ca and parts.scheme == "https":

@@ -12,6 +12,8 @@ the same id (at least once; receivers deduplicate by id).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import datetime as dt
 import hashlib
 import hmac
@@ -65,6 +67,98 @@ def default_sink(name: str, data: Mapping[str, bytes]) -> Sink | None:
         return None
     events = frozenset(E(n) for n in names) or frozenset(c.DEFAULT_NOTIFICATION_EVENTS)
     return Sink(name=name, secret=name, events=events, format=fmt)
+
+
+# -- the Secrets, as kept ---------------------------------------------------------------------------------
+
+# What the operator keeps of a labelled Secret (every replica keeps every one): the values a sink can
+# use, each bounded, and nothing else. A sink names its keys (spec.notifications[].secretRef's urlKey,
+# signingKeyKey, caKey, any names), so which key is which is known only at delivery; the bounds go by
+# the value instead. A value of at most VALUE_BYTES is kept (a URL of a few KiB, a signing key,
+# `format`, `events`); one PEM value of at most CA_BYTES is kept (the CA bundle); a larger value is kept
+# as its key's name only, and a delivery that uses that key ends Misconfigured at once, naming the key
+# and the bound. At most KEYS_KEPT keys are kept, the names the defaults use first (url, signingKey,
+# ca, format, events), then by name. So one Secret costs at most KEYS_KEPT * VALUE_BYTES + CA_BYTES
+# (96 KiB), whatever it holds; annotations, managedFields and the other keys are never kept.
+VALUE_BYTES = 4 * 1024
+CA_BYTES = 64 * 1024
+KEYS_KEPT = 8
+# Labelled Secrets kept whole (as above) per namespace; beyond, each is a marker of its name (its
+# deliveries end Misconfigured, naming the bound) until an update finds room. A namespace's quota on
+# Secrets is its admin's choice, not the operator's: the bound is here.
+SECRETS_PER_NAMESPACE = 64
+DEFAULT_KEYS = ("url", "signingKey", "ca", "format", "events")
+
+
+@dataclass(frozen=True)
+class SecretView:
+    """A labelled Secret as kept (`project`): its bounded values, and the keys too large to keep."""
+
+    data: Mapping[str, bytes] = field(default_factory=dict)
+    default: Sink | None = None  # the sink it makes for every Flow of its namespace (label `defaults`)
+    oversized: Mapping[str, int] = field(default_factory=dict)  # key -> the bound its value is over
+    dropped: int = 0  # keys beyond KEYS_KEPT, not kept
+    refused: str = ""  # why nothing of it is kept (the namespace's bound): its deliveries say this
+
+    def problem(self, secret: str, key: str) -> str | None:
+        """Why a delivery cannot use ``key`` of this Secret (a message naming the Secret, the key and
+        the bound, never a value), or None."""
+        if self.refused:
+            return self.refused
+        if key in self.oversized:
+            return (f"key {key} of Secret {secret} is over {self.oversized[key]} bytes (the operator keeps "
+                    f"values of up to {VALUE_BYTES} bytes, and one PEM CA bundle of up to {CA_BYTES}): not used")
+        return None
+
+    def missing(self, secret: str, key: str) -> str:
+        more = f" among the {KEYS_KEPT} keys kept of it ({self.dropped} more are not)" if self.dropped else ""
+        return f"Secret {secret} has no key {key}{more}"
+
+
+def _decoded_size(value: str) -> int:
+    return len(value) * 3 // 4 - value[-2:].count("=")
+
+
+def _looks_pem(raw: bytes) -> bool:
+    return raw.lstrip()[:11] == b"-----BEGIN "
+
+
+def project(name: str, label: str, data: Mapping[str, Any]) -> SecretView:
+    """A labelled Secret's ``data`` (base64 strings, as the API sends them) as kept: see VALUE_BYTES.
+    A value's size is read off its base64 length, so no oversized value is ever decoded."""
+    kept: dict[str, bytes] = {}
+    oversized: dict[str, int] = {}
+    dropped, ca_kept = 0, False
+    for key in sorted(data, key=lambda k: (k not in DEFAULT_KEYS, k)):
+        value = data[key]
+        if not isinstance(value, str):
+            continue
+        if len(kept) + len(oversized) >= KEYS_KEPT:
+            dropped += 1
+            continue
+        size = _decoded_size(value)
+        if size > CA_BYTES or (size > VALUE_BYTES and ca_kept):
+            oversized[key] = CA_BYTES if size > CA_BYTES else VALUE_BYTES
+            continue
+        try:
+            raw = base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError):
+            continue
+        if len(raw) > VALUE_BYTES:
+            if not _looks_pem(raw):
+                oversized[key] = VALUE_BYTES
+                continue
+            ca_kept = True
+        kept[key] = raw
+    default = default_sink(name, kept) if label == c.NOTIFICATION_DEFAULTS and not (
+        {"format", "events"} & oversized.keys()) else None
+    return SecretView(kept, default, oversized, dropped)
+
+
+def crowded(namespace: str, name: str) -> SecretView:
+    """The marker of a labelled Secret beyond SECRETS_PER_NAMESPACE in its namespace."""
+    return SecretView(refused=f"namespace {namespace} has more than {SECRETS_PER_NAMESPACE} Secrets labelled "
+                              f"{c.LABEL_NOTIFICATIONS}: Secret {name} is not kept (delete some, then update it)")
 
 
 def sinks_of(spec: Body, defaults: Iterable[Sink]) -> list[Sink]:
@@ -371,6 +465,33 @@ class Policy:
                     if net.version == addr.version and addr in net:
                         return f"{ip} is in {net}, {why} (notifications.allowedCIDRs allows a range)"
         return None
+
+
+def cluster_ranges(kind: str, obj: Body) -> list[str]:
+    """What an object of the cluster says is the cluster's, to deny: a ServiceCIDR's ranges; a Node's
+    pod CIDRs and its InternalIP and ExternalIP addresses (its NodePorts and kubelet listen there)."""
+    spec = obj.get("spec") or {}
+    if kind == "ServiceCIDR":
+        return [str(n) for n in spec.get("cidrs") or []]
+    out = [str(n) for n in spec.get("podCIDRs") or []]
+    out += [str(a.get("address")) for a in (obj.get("status") or {}).get("addresses") or []
+            if isinstance(a, dict) and a.get("type") in ("InternalIP", "ExternalIP") and a.get("address")]
+    return out
+
+
+def numeric_host_problem(host: str) -> str | None:
+    """A host that is a number to some parser (``2130706433``, ``0x7f.1``, ``127.1``: 127.0.0.1 to the C
+    library) and not a dotted-quad IPv4 address: the HTTP client refuses it when it connects, so it is
+    refused here first, as the Secret's mistake (an IPv6 literal, with colons, is an address as it is)."""
+    last = host.rstrip(".").rsplit(".", 1)[-1].lower()
+    hexadecimal = last.startswith("0x") and all(ch in "0123456789abcdef" for ch in last[2:])
+    if ":" in host or not (last.isdigit() or hexadecimal):
+        return None
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        return "is a number that is not a dotted-quad IPv4 address"
+    return None
 
 
 NAT64 = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48"))

@@ -285,9 +285,10 @@ EXPECTED_OPERATOR_GRANTS = {
 }
 CLUSTER_GRANTS = {
     (c.GROUP, "clusterflowtemplates"): {"get", "list", "watch"},
-    # Notifications: the cluster's own ranges (Services, nodes' pods), denied as receivers' addresses.
-    ("networking.k8s.io", "servicecidrs"): {"list"},
-    ("", "nodes"): {"list"},
+    # Notifications: the cluster's own ranges (Services, nodes' pods and addresses), denied as
+    # receivers' addresses, watched to stay current; no get.
+    ("networking.k8s.io", "servicecidrs"): {"list", "watch"},
+    ("", "nodes"): {"list", "watch"},
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
     ("authentication.k8s.io", "tokenreviews"): {"create"},  # runner pods' tokens, at the state API
     # The service-account issuer's keys: runner tokens are checked with them before a TokenReview.

@@ -276,7 +276,8 @@ def test_404_is_not_retried_and_a_redirect_is_not_followed() -> None:
         async with receiving([404]) as (r, port):
             (o,) = await deliver(f"http://127.0.0.1:{port}/hook")
             assert (o.delivered, o.reason, o.attempts, o.code) == (False, "Rejected", 1, 404)
-            assert len(o.message) < 1100  # the answer is read up to a small bound
+            # The code and a fixed reason: nothing of the receiver's answer (a read-back channel).
+            assert o.message == "404 Not Found" and "x" not in o.message
         async with receiving([302]) as (r, port):
             (o,) = await deliver(f"http://127.0.0.1:{port}/hook")
             assert (o.reason, o.attempts, o.code) == ("Rejected", 1, 302) and len(r.seen) == 1
@@ -328,29 +329,102 @@ def test_a_bad_url_is_misconfigured_and_never_repeated() -> None:
     run(go)
 
 
+class ClusterApi:
+    """Lists nodes and ServiceCIDRs as given, then serves their watches from a queue."""
+
+    def __init__(self, forbid: bool = False, nodes: list[dict[str, Any]] | None = None) -> None:
+        self.forbid = forbid
+        self.items = {"servicecidrs": [{"metadata": {"name": "kubernetes", "uid": "s"},
+                                        "spec": {"cidrs": ["34.118.224.0/20", "2600:1900::/108"]}}],
+                      "nodes": nodes if nodes is not None else [node("n1", "35.0.0.0/24", "34.1.2.3")]}
+        self.events: dict[str, asyncio.Queue[dict[str, Any]]] = {"servicecidrs": asyncio.Queue(),
+                                                                  "nodes": asyncio.Queue()}
+
+    def _kind(self, path: str) -> str:
+        return "servicecidrs" if "servicecidrs" in path else "nodes"
+
+    async def request(self, method: str, path: str, **_: Any) -> dict[str, Any]:
+        if self.forbid:
+            raise PermissionError("403")
+        return {"items": self.items[self._kind(path)][:1]}
+
+    async def list_page(self, path: str, params: dict[str, str], **_: Any) -> tuple[dict[str, Any], int]:
+        return {"items": self.items[self._kind(path)], "metadata": {"resourceVersion": "1"}}, 1000
+
+    async def watch(self, path: str, params: dict[str, str], **_: Any) -> AsyncIterator[dict[str, Any]]:
+        queue = self.events[self._kind(path)]
+        while True:
+            yield await queue.get()
+            queue.task_done()  # the informer asks for the next: this one is handled
+
+    async def tell(self, kind: str, etype: str, obj: dict[str, Any]) -> None:
+        await self.events[kind].put({"type": etype, "object": obj})
+        await asyncio.wait_for(self.events[kind].join(), 5)
+
+
+def node(name: str, pod_cidr: str, external: str, internal: str = "10.1.2.3") -> dict[str, Any]:
+    return {"metadata": {"name": name, "uid": name}, "spec": {"podCIDRs": [pod_cidr]},
+            "status": {"addresses": [{"type": "InternalIP", "address": internal},
+                                     {"type": "ExternalIP", "address": external},
+                                     {"type": "Hostname", "address": name}],
+                       "images": [{"names": ["x" * 200]}] * 50}}
+
+
 def test_the_clusters_own_ranges_are_denied_as_the_api_tells_them() -> None:
-    """A cluster whose Service or pod ranges are public: what its ServiceCIDRs and nodes say is denied
-    too; a refusal to read them (namespaced RBAC) leaves the configured ranges."""
-    class Api:
-        def __init__(self, forbid: bool) -> None:
-            self.forbid = forbid
-
-        async def request(self, method: str, path: str, **_: Any) -> dict[str, Any]:
-            if self.forbid:
-                raise PermissionError("403")
-            if "servicecidrs" in path:
-                return {"items": [{"spec": {"cidrs": ["34.118.224.0/20", "2600:1900::/108"]}}]}
-            return {"items": [{"spec": {"podCIDRs": ["35.0.0.0/24"]}}, {"spec": {}}]}
-
+    """A cluster whose Service or pod ranges, or nodes' addresses, are public: what its ServiceCIDRs
+    and nodes say is denied too; a refusal to read them (namespaced RBAC) leaves the configured ranges."""
     async def go() -> None:
         for forbid in (False, True):
             n = Notifier(Settings(notifications_allowed_cidrs="34.118.224.10/32"), wake=lambda _k: None)
-            await n.learn_cluster(Api(forbid))  # type: ignore[arg-type]
-            assert bool(n.policy.refusal("34.118.230.1")) is not forbid
-            assert bool(n.policy.refusal("35.0.0.9")) is not forbid
-            assert n.policy.refusal("34.118.224.10") is None  # allowed wins
-            assert n.policy.refusal("8.8.8.8") is None
+            task = asyncio.create_task(n.learn_cluster(ClusterApi(forbid)))  # type: ignore[arg-type]
+            try:
+                await asyncio.wait_for(n.learned.wait(), 5)
+                assert bool(n.policy.refusal("34.118.230.1")) is not forbid
+                assert bool(n.policy.refusal("35.0.0.9")) is not forbid
+                assert bool(n.policy.refusal("34.1.2.3")) is not forbid  # a node's ExternalIP (NodePorts)
+                assert n.policy.refusal("34.118.224.10") is None  # allowed wins
+                assert n.policy.refusal("8.8.8.8") is None
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
     run(go)
+
+
+def test_the_clusters_ranges_are_kept_current_as_nodes_come_and_go() -> None:
+    """Read once, a node added later (a public ExternalIP, a NodePort on it) was never denied: the
+    ranges are watched, and a node that goes is no longer denied."""
+    async def go() -> None:
+        api = ClusterApi(nodes=[])
+        n = Notifier(Settings(), wake=lambda _k: None)
+        task = asyncio.create_task(n.learn_cluster(api))  # type: ignore[arg-type]
+        try:
+            await asyncio.wait_for(n.learned.wait(), 5)
+            assert n.policy.refusal("34.9.9.9") is None
+            added = node("n2", "36.0.0.0/24", "34.9.9.9")
+            await api.tell("nodes", "ADDED", added)
+            assert "34.9.9.9" in str(n.policy.refusal("34.9.9.9")) and n.policy.refusal("36.0.0.7")
+            await api.tell("nodes", "DELETED", added)
+            assert n.policy.refusal("34.9.9.9") is None
+            assert n.policy.refusal("36.0.0.7") is None
+            assert n.policy.refusal("10.1.2.3")  # private: denied by default anyway
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    run(go)
+
+
+def test_a_number_for_a_host_is_misconfigured_at_once_not_retried() -> None:
+    """`http://2130706433:8080/` is 127.0.0.1 to the C library; aiohttp refuses it when it connects
+    (InvalidURL, a ValueError), which was taken for a connection error and retried for ten minutes."""
+    async def go() -> None:
+        for url in ("http://2130706433:8080/hook?token=SECRET", "http://0x7f.1/hook", "http://127.1:80/hook",
+                    "http://017700000001/hook"):
+            (o,) = await deliver(url, allowed="", retry=5)
+            assert (o.reason, o.attempts, o.delivered) == ("Misconfigured", 1, False), o
+            assert "SECRET" not in o.message and "dotted-quad" in o.message
+    run(go)
+    assert notify.numeric_host_problem("8.8.8.8") is None and notify.numeric_host_problem("example.com") is None
+    assert notify.numeric_host_problem("host.1a") is None  # a name
 
 
 def test_hosts_that_only_become_addresses_later_are_refused_too() -> None:
@@ -408,3 +482,87 @@ def test_a_retry_of_an_event_that_is_over_is_dropped() -> None:
             finally:
                 await n.close()
     run(go)
+
+
+# -- the labelled Secrets, as kept -----------------------------------------------------------------------
+
+
+def labelled(name: str, label: str = "x", **data: bytes) -> dict[str, Any]:
+    return {"metadata": {"name": name, "namespace": "team", "labels": {"flowkube.io/notifications": label},
+                         "annotations": {"kubectl.kubernetes.io/last-applied-configuration": "y" * 200_000},
+                         "managedFields": [{"manager": "kubectl", "fieldsV1": {"f:data": {}}}]},
+            "data": {k: base64.b64encode(v).decode() for k, v in data.items()}}
+
+
+PEM = b"-----BEGIN CERTIFICATE-----\n" + b"A" * 30_000 + b"\n-----END CERTIFICATE-----\n"
+
+
+def test_a_secret_is_kept_as_the_bounded_values_a_sink_can_use() -> None:
+    """300 Secrets of ~900 KiB were kept whole by every replica (OOMKilled): what is kept now is the
+    small values and one CA bundle, never another key's bytes, annotations or managedFields."""
+    n = Notifier(Settings(), wake=lambda _k: None)
+    n.secrets.event("ADDED", labelled("hook", url=b"https://example.com/h", signingKey=b"k" * 64, ca=PEM,
+                                      backup=b"z" * 900_000, other=b"-----BEGIN CERTIFICATE-----" + b"B" * 20_000))
+    view = n.secrets.get("team", "hook")
+    assert view is not None
+    assert dict(view.data) == {"url": b"https://example.com/h", "signingKey": b"k" * 64, "ca": PEM}
+    assert set(view.oversized) == {"backup", "other"}  # their names only; one CA bundle is kept
+    assert not hasattr(view, "metadata") and sum(len(v) for v in view.data.values()) < 40_000
+
+
+def test_an_oversized_key_a_sink_uses_is_misconfigured_at_once_naming_it_and_keeps_no_bytes() -> None:
+    import tracemalloc
+
+    big = b"https://example.com/" + b"a" * 900_000
+    n = Notifier(Settings(), wake=lambda _k: None)
+    body = labelled("team-hook", url=big)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        n.secrets.event("ADDED", body)
+        grown = sum(d.size_diff for d in tracemalloc.take_snapshot().compare_to(before, "filename"))
+    finally:
+        tracemalloc.stop()
+    assert grown < 20_000, grown  # the 900 KiB value was neither decoded nor kept
+    view = n.secrets.get("team", "team-hook")
+    assert view is not None and not view.data and dict(view.oversized) == {"url": notify.CA_BYTES}
+
+    async def go() -> None:
+        f = paused()
+        f["spec"]["notifications"] = [{"name": "team", "secretRef": {"name": "team-hook"}}]
+        woke = asyncio.Event()
+        n2 = Notifier(Settings(notifications_retry_seconds=30), wake=lambda _k: woke.set(), flow_of=lambda _k: f)
+        n2.secrets.event("ADDED", body)
+        n2.learned.set()
+        try:
+            n2.offer(("team", "review"), f)
+            await asyncio.wait_for(woke.wait(), 5)
+            (o,) = n2.take(("team", "review"))
+        finally:
+            await n2.close()
+        assert (o.reason, o.attempts) == ("Misconfigured", 1)
+        assert "key url of Secret team-hook is over 65536 bytes" in o.message and "aaaa" not in o.message
+    run(go)
+
+
+def test_a_namespace_keeps_a_bounded_number_of_secrets_the_rest_are_markers() -> None:
+    n = Notifier(Settings(), wake=lambda _k: None)
+    for i in range(notify.SECRETS_PER_NAMESPACE + 3):
+        n.secrets.event("ADDED", labelled(f"s{i:03}", url=b"https://example.com/"))
+    views = n.secrets.by_namespace["team"]
+    assert sum(1 for v in views.values() if v.data) == notify.SECRETS_PER_NAMESPACE
+    crowded = views[f"s{notify.SECRETS_PER_NAMESPACE:03}"]
+    assert not crowded.data and "more than 64 Secrets" in (crowded.problem("s064", "url") or "")
+    n.secrets.event("DELETED", labelled("s000"))
+    n.secrets.event("MODIFIED", labelled("s064", url=b"https://example.com/"))  # room again: kept on update
+    assert n.secrets.get("team", "s064") is not None and n.secrets.get("team", "s064").data  # type: ignore[union-attr]
+
+
+def test_keys_kept_are_bounded_in_number_and_defaults_still_work() -> None:
+    many = {f"k{i:02}": b"v" for i in range(40)}
+    view = notify.project("d", "defaults", {k: base64.b64encode(v).decode() for k, v in
+                                            {**many, "url": b"https://e.com/", "format": b"slack"}.items()})
+    assert len(view.data) == notify.KEYS_KEPT and {"url", "format"} <= view.data.keys()
+    assert view.dropped == 42 - notify.KEYS_KEPT
+    assert view.default is not None and view.default.format == "slack"
+    assert "among the 8 keys kept" in view.missing("d", "k39")
