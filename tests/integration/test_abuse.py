@@ -294,3 +294,49 @@ def test_a_stalled_admission_request_does_not_hold_up_a_large_flow(
     print(f"\nlarge Flow admitted in {took:.1f} s beside a stalled chunked review")
     assert flows.get("large") is not None
     assert restarts(operator) == before, operator.diagnose()
+
+
+SECRETS = 100  # labelled Secrets near 1 MiB: 300 of ~900 KiB OOM-killed the operator (512 Mi limit)
+SECRET_KIB = 950  # one value of this size, plus a URL: under the API server's 1 MiB for a Secret's data
+SECRETS_RSS_MB = 250  # the operator's RSS after listing them all (the chart's limit is 512 Mi)
+
+
+def test_labelled_secrets_near_1_mib_by_the_hundred_cost_the_operator_nothing_of_their_size(
+        flows: Flows, operator: ChartOperator, cluster: LocalCluster) -> None:
+    """A tenant with Secret create rights and no Flow at all: every replica kept every Secret labelled
+    flowkube.io/notifications whole, listed 500 a page. Now it keeps the values a sink can use, each
+    bounded, and lists by bytes: the operator stays up through the watch of their creation and through
+    a relist of them all (its container killed once, as a restart or a drain would), its RSS stays
+    small, and a sink whose URL key is one of the huge values is Misconfigured at once, naming the key."""
+    from tests.integration.test_notifications import paused_flow, record
+
+    before = restarts(operator)
+    blob = base64.b64encode(bytes(range(256)) * (SECRET_KIB * 4)).decode()  # 950 KiB, incompressible-ish
+    url = base64.b64encode(b"https://receiver.example.com/hook").decode()
+    for batch in range(0, SECRETS, 10):  # ten at a time: each kubectl call sends ~13 MB of JSON
+        items = [{"apiVersion": "v1", "kind": "Secret",
+                  "metadata": {"name": f"hog-{i:03}", "labels": {c.LABEL_NOTIFICATIONS: "true"}},
+                  "data": {"url": url, "backup": blob}} for i in range(batch, min(batch + 10, SECRETS))]
+        cluster.kubectl("create", "-n", flows.ns, "-f", "-",
+                        input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}))
+    huge_url = {"apiVersion": "v1", "kind": "Secret",
+                "metadata": {"name": "huge-url", "labels": {c.LABEL_NOTIFICATIONS: "true"}},
+                "data": {"url": base64.b64encode(b"https://receiver.example.com/" + b"a" * 900_000).decode()}}
+    cluster.kubectl("create", "-n", flows.ns, "-f", "-", input=json.dumps(huge_url))
+    assert restarts(operator) == before, operator.diagnose()
+    watched = operator_rss(operator, cluster)
+
+    (pod,) = operator.pods()
+    operator.kill_container(pod)  # the restarted container lists all of them at once
+    operator._wait_ready(180)
+    assert sum(restarts(operator).values()) == sum(before.values()) + 1, operator.diagnose()  # ours, no OOM kill
+    paused_flow(flows, "hogged", "huge-url")
+    rec = record(flows, "hogged", "team", "Failed", timeout=60)
+    assert (rec["reason"], rec["attempts"]) == ("Misconfigured", 1), rec
+    assert "key url of Secret huge-url is over 65536 bytes" in rec["message"] and "aaaa" not in rec["message"]
+    assert sum(restarts(operator).values()) == sum(before.values()) + 1, operator.diagnose()
+    relisted = operator_rss(operator, cluster)
+    print(f"\noperator RSS with {SECRETS} labelled Secrets of {SECRET_KIB} KiB: {watched:.0f} MB after their "
+          f"watch events, {relisted:.0f} MB after a restart listed them all")
+    assert watched < SECRETS_RSS_MB and relisted < SECRETS_RSS_MB
+    cluster.kubectl("delete", "secret", "-n", flows.ns, "-l", c.LABEL_NOTIFICATIONS, "--wait=false")
