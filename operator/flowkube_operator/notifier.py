@@ -155,6 +155,7 @@ class Notifier:
         self._configured = Policy.of(settings.notifications_allowed_cidrs, settings.notifications_denied_cidrs)
         self.policy = self._configured  # and the cluster's own ranges (learn_cluster)
         self._ranges: dict[tuple[str, str], tuple[str, ...]] = {}  # (kind, name) -> what it says to deny
+        self._stale: list[str] = []  # the last term's, denied until this term's lists are in
         self._kube: Callable[[], Kube | None] | None = None  # the client of the latest login
         self._tasks: dict[tuple[Key, Job], asyncio.Task[None]] = {}
         self._done: dict[Key, dict[Job, Outcome]] = {}  # ended, not yet in status
@@ -170,6 +171,9 @@ class Notifier:
         denied ranges cover private ones, these may be public). A kind the operator may not read (the
         chart grants list and watch; a namespaced install may not) leaves the configured ranges."""
         latest = self._kube or (lambda: kube)
+        # Leading again: what the last term learned stays denied until these lists are in (a node
+        # gone meanwhile is then forgotten; one still there is denied throughout).
+        self._stale, self._ranges = self._denied_now(), {}
         informers: list[Informer] = []
         tasks: list[asyncio.Task[None]] = []
         try:
@@ -183,6 +187,8 @@ class Notifier:
             tasks = [asyncio.create_task(i.run()) for i in informers]
             for i in informers:
                 await i.synced.wait()
+            self._stale = []
+            self.policy = self._configured.denying(self._denied_now())
             self.learned.set()
             log.info("notifications: %d of the cluster's ranges and addresses are denied too", len(self._denied_now()))
             await asyncio.gather(*tasks)
@@ -201,7 +207,7 @@ class Notifier:
             self._ranges[key] = ranges
         else:
             self._ranges.pop(key, None)
-        self.policy = self._configured.denying(self._denied_now())
+        self.policy = self._configured.denying(self._denied_now() + self._stale)
         if self.learned.is_set():
             log.info("notifications: %s %s %s; %d of the cluster's ranges and addresses denied", kind, key[1],
                      etype.lower(), len(self._denied_now()))
