@@ -13,6 +13,7 @@ from typing import Any
 
 from flowkube_api import constants as c
 from flowkube_api.templates import template_key
+from flowkube_operator import projections
 from flowkube_operator.informer import Informer
 from flowkube_operator.kube import Kube
 
@@ -56,7 +57,7 @@ class TemplateCache:
         if event_type == "DELETED":
             self.templates.pop(key, None)
             return
-        self.templates[key] = body
+        self.templates[key] = projections.template(body)
         for flow in self.waiting.pop(key, set()):
             self.wake(flow)
 
