@@ -221,7 +221,7 @@ class App:
     async def template(self, key: TemplateKey) -> dict[str, Any] | None:
         """A template for the admission webhook: from the cache, else from the API server (one
         created a moment before the Flow may not have reached the cache yet)."""
-        found = self.controller.templates.get(key)
+        found = await self.controller.templates.resolve(key)
         if found is None and self.kube is not None:
             found = await templatecache.fetch(self.kube, key)
         return found

@@ -96,7 +96,7 @@ class Controller(FlowCache):
         self.instance = socket.gethostname()
         self.leading = False  # workers run: this replica is the one status writer
         self.fence = fence
-        self.templates = TemplateCache(wake=self._enqueue)
+        self.templates = TemplateCache(wake=self._enqueue, kube=lambda: self.kube)
         self._informers: list[Informer] = []  # the watches CronFlows wait for (see _start_cron_when_listed)
 
     def _enqueue(self, key: Key) -> None:
@@ -328,7 +328,7 @@ class Controller(FlowCache):
         for pod_name in late_pods(status, pods):  # pods that ended after their run was closed
             late[pod_name] = await self._load_report(*key, uid, pod_name, pods[pod_name])
         cap = self.settings.retry_backoff_cap_seconds
-        template = self._template_of(key, body)
+        template = await self._template_of(key, body)
         if template is None and not self.templates.synced() and self.templates.waits(key):
             return  # not "not found" before the templates are listed: queued again once they are
         template_or_taken = template or await self._taken(key, body)
@@ -380,14 +380,14 @@ class Controller(FlowCache):
         spec, problem = await self.snapshots.load(key[0], taken)
         return Taken(spec=spec, problem=problem)
 
-    def _template_of(self, key: Key, body: Body) -> Body | None:
+    async def _template_of(self, key: Key, body: Body) -> Body | None:
         """The template a Flow that has not taken one yet names, from the cache; None (and the Flow
         noted as waiting for it) when it is not there."""
         ref = (body.get("spec") or {}).get("templateRef")
         if not ref or (body.get("status") or {}).get("template"):
             return None
         tkey = templates.template_key(key[0], ref)
-        found = self.templates.get(tkey)
+        found = await self.templates.resolve(tkey)
         if found is None:
             self.templates.wait(tkey, key)  # queued when it comes (or when the first list is in)
         return found

@@ -12,8 +12,10 @@ watch event goes through one function here where it enters its cache, so what is
   `flowkube.io/cronflow` (the CronFlow index and the per-CronFlow metrics), the annotation
   `flowkube.io/scheduled-at` (the time a CronFlow started it for); `spec` (what it runs, bounded by the
   webhook and checked again by the reconcile) and `status` (the reconcile's input).
-- **FlowTemplate / ClusterFlowTemplate**: `spec` only besides the metadata above (a Flow takes it;
-  no label or annotation of a template is read).
+- **FlowTemplate / ClusterFlowTemplate**: the metadata above only (`template_meta`: is it there,
+  which generation); its spec (up to 256 KiB, and a tenant may make many) goes into the template
+  cache's bounded LRU and is read from the API server on a miss (`templatecache.TemplateCache.resolve`).
+  No label or annotation of a template is read.
 - **CronFlow**: `spec` (its schedule and `flowTemplate`, whose own metadata is the Flows' and is
   kept with it) and `status`; none of its own labels or annotations.
 
@@ -75,6 +77,11 @@ def template(body: Mapping[str, Any]) -> Body:
     return out
 
 
+def template_meta(body: Mapping[str, Any]) -> Body:
+    """A template without its spec: what the template cache keeps of every template."""
+    return _kind(body, _meta(body))
+
+
 def cronflow(body: Mapping[str, Any]) -> Body:
     """A CronFlow as the CronFlow cache keeps it."""
     out = _kind(body, _meta(body))
@@ -84,4 +91,4 @@ def cronflow(body: Mapping[str, Any]) -> Body:
     return out
 
 
-__all__ = ["cronflow", "flow", "template"]
+__all__ = ["cronflow", "flow", "template", "template_meta"]

@@ -57,26 +57,27 @@ def reference(flow: Body | None) -> SnapKey | None:
 
 
 class SpecCache:
-    """Template specs by (namespace, snapshot name), least recently used first out; at most
+    """Template specs by a key (here (namespace, snapshot name); the template cache's by template and
+    generation), least recently used first out; at most
     ``entries`` of them and ``max_bytes`` of their canonical JSON together (one spec is at most
     TEMPLATE_SPEC_LIMIT, so any bound above that holds every one)."""
 
     def __init__(self, entries: int, max_bytes: int) -> None:
         self.entries, self.max_bytes = max(entries, 1), max_bytes
-        self._items: OrderedDict[SnapKey, tuple[Body, int]] = OrderedDict()
+        self._items: OrderedDict[tuple[str, ...], tuple[Body, int]] = OrderedDict()
         self.bytes = 0
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def get(self, key: SnapKey) -> Body | None:
+    def get(self, key: tuple[str, ...]) -> Body | None:
         hit = self._items.get(key)
         if hit is None:
             return None
         self._items.move_to_end(key)
         return hit[0]
 
-    def put(self, key: SnapKey, spec: Body) -> None:
+    def put(self, key: tuple[str, ...], spec: Body) -> None:
         size = len(templates.canonical(spec))
         old = self._items.pop(key, None)
         if old is not None:

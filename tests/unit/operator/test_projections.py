@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import orjson
@@ -47,8 +48,10 @@ def test_templates_and_cronflows_are_kept_without_metadata_the_operator_does_not
     cache = TemplateCache(wake=lambda key: None)
     cache.event("ADDED", {"kind": "FlowTemplate", "metadata": _meta(), "spec": {"template": {"flowRef": "a:B"}}})
     kept = cache.get(("FlowTemplate", "ns", "f"))
-    assert kept is not None and len(orjson.dumps(kept)) < 1_000
-    assert kept["spec"] == {"template": {"flowRef": "a:B"}} and kept["metadata"]["uid"] == "u"
+    assert kept is not None and len(orjson.dumps(kept)) < 1_000 and "spec" not in kept
+    resolved = asyncio.run(cache.resolve(("FlowTemplate", "ns", "f")))
+    assert resolved is not None and resolved["spec"] == {"template": {"flowRef": "a:B"}}
+    assert resolved["metadata"]["uid"] == "u" and len(orjson.dumps(resolved)) < 1_000
 
     cron = CronFlows(lambda: None, lambda: True, lambda *a: None)
     cron.event("ADDED", {"kind": "CronFlow", "metadata": _meta(), "spec": {"schedule": "@daily"}})
@@ -58,3 +61,29 @@ def test_templates_and_cronflows_are_kept_without_metadata_the_operator_does_not
 def test_a_flow_without_labels_or_annotations_keeps_none() -> None:
     kept = projections.flow({"metadata": {"name": "f", "namespace": "ns", "uid": "u"}, "spec": {}})
     assert kept == {"metadata": {"name": "f", "namespace": "ns", "uid": "u"}, "spec": {}}
+
+
+def test_the_template_cache_keeps_metadata_and_a_bounded_lru_of_specs_read_again_on_a_miss() -> None:
+    from flowkube_operator import templatecache
+
+    reads: list[str] = []
+
+    class Kube:
+        async def get(self, path: str) -> dict[str, Any] | None:
+            reads.append(path)
+            name = path.rsplit("/", 1)[-1]
+            return {"metadata": {"name": name, "namespace": "ns", "uid": f"u-{name}", "generation": 1},
+                    "spec": {"template": {"flowRef": "a:B"}, "description": "y" * 100_000}}
+
+    cache = TemplateCache(wake=lambda key: None, kube=lambda: Kube())  # type: ignore[arg-type, return-value]
+    count = templatecache.SPEC_ENTRIES + 10
+    for i in range(count):  # a tenant's many large templates
+        cache.event("ADDED", {"kind": "FlowTemplate", "metadata": {"name": f"t{i}", "namespace": "ns", "uid": f"u-t{i}",
+                                                                   "generation": 1},
+                              "spec": {"template": {"flowRef": "a:B"}, "description": "y" * 100_000}})
+    assert len(cache.templates) == count and len(cache.specs) <= templatecache.SPEC_ENTRIES
+    assert sum(len(orjson.dumps(t)) for t in cache.templates.values()) < count * 300
+    first = asyncio.run(cache.resolve(("FlowTemplate", "ns", "t0")))  # dropped from the LRU: read again
+    assert first is not None and first["spec"]["template"] == {"flowRef": "a:B"} and len(reads) == 1
+    assert asyncio.run(cache.resolve(("FlowTemplate", "ns", "t0"))) == first and len(reads) == 1
+    assert asyncio.run(cache.resolve(("FlowTemplate", "ns", "nowhere"))) is None and len(reads) == 1
