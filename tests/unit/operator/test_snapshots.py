@@ -182,9 +182,11 @@ def test_a_take_during_a_sweeps_delete_waits_for_it_and_makes_the_snapshot_anew(
         def __init__(self) -> None:
             super().__init__()
             self.landing = asyncio.Event()
+            self.preconditions: list[Any] = []
 
         async def delete(self, path: str, body: dict[str, Any] | None = None) -> None:
             self.calls.append(("DELETE", path))
+            self.preconditions.append((body or {}).get("preconditions"))
             await self.landing.wait()
             self.objects.pop(path, None)
 
@@ -195,6 +197,7 @@ def test_a_take_during_a_sweeps_delete_waits_for_it_and_makes_the_snapshot_anew(
         snaps.synced = lambda: True  # type: ignore[method-assign]
         await store.create("/apis/apps/v1/namespaces/ns/controllerrevisions", obj)
         snaps.index.event("ADDED", store.objects[path])
+        seen_uid = store.objects[path]["metadata"]["uid"]
         sweep = asyncio.create_task(snaps.sweep(lambda: None))
         await asyncio.sleep(0)  # the sweep decided and its DELETE is on its way
         take = asyncio.create_task(snaps.ensure(obj, lambda: None))
@@ -202,6 +205,7 @@ def test_a_take_during_a_sweeps_delete_waits_for_it_and_makes_the_snapshot_anew(
         assert not take.done(), "the take waits for the DELETE"
         store.landing.set()
         assert await sweep == 1
+        assert store.preconditions == [{"uid": seen_uid}], "deleted only if it is still the one seen unreferenced"
         await take
         assert path in store.objects, "made anew after the DELETE: the Flow names a snapshot that exists"
         verbs = [v for v, _ in store.calls]
