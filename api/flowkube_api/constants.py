@@ -19,8 +19,9 @@ TEMPLATE_PLURAL = "flowtemplates"
 CLUSTER_TEMPLATE_KIND = "ClusterFlowTemplate"
 CLUSTER_TEMPLATE_PLURAL = "clusterflowtemplates"
 TEMPLATE_PARAMETERS_LIMIT = 64
-# A template's spec as JSON, at most: every Flow of it keeps a copy in its status (status.template).
+# A template's spec as JSON, at most: each generation its Flows take is stored whole in a snapshot.
 TEMPLATE_SPEC_LIMIT = 256 * 1024
+LABEL_TEMPLATE = "flowkube.io/template"  # on a template snapshot (a ControllerRevision): the template's name
 # CronFlows start Flows on a schedule; each Flow carries the CronFlow's name and its scheduled time.
 CRONFLOW_KIND = "CronFlow"
 CRONFLOW_PLURAL = "cronflows"
@@ -109,6 +110,8 @@ class Reason(StrEnum):
     INVALID_INPUTS = "InvalidInputs"
     TEMPLATE_NOT_FOUND = "TemplateNotFound"  # spec.templateRef names a template that is not there (yet)
     TEMPLATE_RESOLVED = "TemplateResolved"  # the Flow took its template's spec (status.template)
+    # The snapshot (ControllerRevision) status.template names is gone or not what the Flow took
+    TEMPLATE_SNAPSHOT_UNUSABLE = "TemplateSnapshotUnusable"
     INVALID_SPEC = "InvalidSpec"  # over a bound of flowkube_api.limits (a Flow the webhook did not see)
     STATE_CORRUPT = "StateCorrupt"
     STATE_TOO_LARGE = "StateTooLarge"

@@ -60,11 +60,12 @@ def _json_size(value: Any) -> int:
 
 
 def template_problem(spec: Mapping[str, Any], what: str = "spec") -> str | None:
-    """Why a FlowTemplate's spec is too big (every Flow of it keeps a copy in its status), or None."""
+    """Why a FlowTemplate's spec is too big (each generation its Flows take is stored whole in a
+    snapshot, and read whole by the webhook and the operator), or None."""
     size = _json_size(spec)
     if size > c.TEMPLATE_SPEC_LIMIT:
-        return (f"{what} is {size} bytes as JSON; a template's limit is {c.TEMPLATE_SPEC_LIMIT} (every Flow of it "
-                "keeps a copy in its status)")
+        return (f"{what} is {size} bytes as JSON; a template's limit is {c.TEMPLATE_SPEC_LIMIT} (the Flows of it "
+                "run it from a stored snapshot)")
     return None
 
 

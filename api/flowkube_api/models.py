@@ -491,15 +491,22 @@ class NotificationRecord(Model):
 
 
 class TemplateStatus(Model):
-    """``status.template``: the template as the Flow took it at its first reconcile, kept for its life."""
+    """``status.template``: the template as the Flow took it at its first reconcile, kept for its life.
+    Its spec is stored once per generation in the snapshot this names (a ControllerRevision in the
+    Flow's namespace), not in every Flow."""
 
     kind: str
     name: str
     uid: str | None = None
     generation: int | None = None
     resource_version: str | None = None
-    spec: FreeObject = Field(description="The template's spec as it was then: a later change does not "
-                             "change this Flow.")
+    snapshot: str | None = Field(default=None, description="The ControllerRevision in the Flow's namespace "
+                                 "that holds the template's spec as it was then: a later change does not "
+                                 "change this Flow.")
+    hash: str | None = Field(default=None, description="sha256 (hex) of the snapshot's data, checked at "
+                             "every read.")
+    spec: FreeObject | None = Field(default=None, description="Deprecated: the template's spec, as operators "
+                                    "before snapshots wrote it; a Flow that has it runs from it.")
 
 
 class FlowStatus(Model):

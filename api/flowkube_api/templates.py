@@ -12,15 +12,25 @@ Flow's own fields over it:
 When the template declares parameters, the Flow's `inputs` may hold only those, each of its
 declared JSON Schema type, and every required one without a default must be there. The admission
 webhook refuses a Flow that breaks this, naming the parameter; the operator checks it again at the
-Flow's first reconcile, when it copies the template's spec into `status.template`. From then on the
-Flow runs that copy: a later change of the template changes no Flow made before it.
+Flow's first reconcile, when it takes the template. From then on the Flow runs the template as it
+took it: a later change of the template changes no Flow made before it.
 
-Pure: shared by the webhook, the reconcile and `kubectl flow`.
+The take stores the template once per generation, not once per Flow: a *snapshot*, an immutable
+`apps/v1 ControllerRevision` in the Flow's namespace whose `data` is {kind, name, uid, generation,
+resourceVersion, spec}, named by a hash of {kind, uid, generation, spec} (`snapshot_name`), so every
+Flow that takes the same generation names the same object. `status.template` holds the reference
+(`snapshot_ref`: kind, name, uid, generation, resourceVersion, the snapshot's name and the hash of its
+data), no spec. A `status.template` an older operator wrote still holds the whole `spec`; such a Flow
+keeps running from it (`taken_spec`).
+
+Pure: shared by the webhook, the reconcile, the console and `kubectl flow` (standard library only).
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -126,8 +136,22 @@ def effective_spec(template_spec: Mapping[str, Any], flow_spec: Mapping[str, Any
     return out
 
 
+SNAPSHOT_API_VERSION = "apps/v1"
+SNAPSHOT_KIND = "ControllerRevision"
+SNAPSHOT_PLURAL = "controllerrevisions"
+NAME_HASH_CHARS = 16  # hex digits of the content hash in a snapshot's name
+NAME_PREFIX_CHARS = 200  # of the template's name in a snapshot's (a name may have 253)
+LABEL_VALUE_CHARS = 63
+
+
+def canonical(value: Any) -> bytes:
+    """The JSON every hash here is taken of: sorted keys, no spaces, UTF-8 (the same bytes whoever
+    computes it: operator, console, webhook)."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
 def snapshot(template: Mapping[str, Any]) -> Body:
-    """`status.template` for a Flow that takes `template` (a FlowTemplate or ClusterFlowTemplate object)."""
+    """A snapshot's `data` for a Flow that takes `template` (a FlowTemplate or ClusterFlowTemplate object)."""
     meta = template.get("metadata") or {}
     out: Body = {"kind": template.get("kind") or c.TEMPLATE_KIND, "name": meta.get("name", ""),
                  "uid": meta.get("uid"), "generation": meta.get("generation"),
@@ -135,14 +159,71 @@ def snapshot(template: Mapping[str, Any]) -> Body:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def effective_flow(flow: Body) -> Body:
-    """The Flow as it runs: its spec resolved from the template copy in its status; a Flow without a
-    template, or whose template is not resolved yet, as it is."""
+def data_hash(data: Mapping[str, Any]) -> str:
+    """sha256 (hex) of a snapshot's whole `data`: what `status.template.hash` holds and a read checks."""
+    return hashlib.sha256(canonical(data)).hexdigest()
+
+
+def _safe(name: str, chars: int) -> str:
+    return name[:chars].rstrip("-.") or "template"
+
+
+def snapshot_name(data: Mapping[str, Any]) -> str:
+    """`<template name>-<16 hex>`: content-addressed by {kind, uid, generation, spec}, so every Flow that
+    takes one generation of one template names the same snapshot (and a resourceVersion change without
+    a new generation, a label, names no new one)."""
+    key = {k: data.get(k) for k in ("kind", "uid", "generation", "spec")}
+    digest = hashlib.sha256(canonical(key)).hexdigest()[:NAME_HASH_CHARS]
+    return f"{_safe(str(data.get('name') or ''), NAME_PREFIX_CHARS)}-{digest}"
+
+
+def snapshot_object(namespace: str, data: Mapping[str, Any]) -> Body:
+    """The ControllerRevision that stores `data` in `namespace` (the Flow's, a ClusterFlowTemplate's too)."""
+    return {"apiVersion": SNAPSHOT_API_VERSION, "kind": SNAPSHOT_KIND,
+            "metadata": {"name": snapshot_name(data), "namespace": namespace,
+                         "labels": {c.LABEL_MANAGED_BY: c.MANAGED_BY,
+                                    c.LABEL_TEMPLATE: _safe(str(data.get("name") or ""), LABEL_VALUE_CHARS)}},
+            "data": dict(data), "revision": int(data.get("generation") or 0)}
+
+
+def snapshot_ref(data: Mapping[str, Any]) -> Body:
+    """`status.template` of a Flow that took the snapshot of `data`: the reference, not the spec."""
+    out: Body = {k: data.get(k) for k in ("kind", "name", "uid", "generation", "resourceVersion")}
+    out |= {"snapshot": snapshot_name(data), "hash": data_hash(data)}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def snapshot_problem(ref: Mapping[str, Any], obj: Mapping[str, Any] | None) -> str | None:
+    """Why the ControllerRevision read for `ref` (a `status.template`) is not the template the Flow
+    took: gone, or its data's hash is not the one the Flow recorded (never run something else)."""
+    name = str(ref.get("snapshot") or "")
+    if obj is None:
+        return f"template snapshot {name!r} (ControllerRevision) is gone"
+    data = obj.get("data")
+    if not isinstance(data, Mapping) or data_hash(data) != ref.get("hash"):
+        return (f"template snapshot {name!r} (ControllerRevision) does not hold what this Flow took "
+                "(its data's hash differs)")
+    return None
+
+
+def taken_spec(taken: Any, loaded: Mapping[str, Any] | None = None) -> Body | None:
+    """The template spec a Flow took: from `status.template.spec` (written by an operator before
+    snapshots), else `loaded` (its snapshot's `data.spec`, read by the caller); None when neither."""
+    if not isinstance(taken, Mapping):
+        return None
+    if isinstance(taken.get("spec"), Mapping):
+        return dict(taken["spec"])
+    return dict(loaded) if loaded is not None else None
+
+
+def effective_flow(flow: Body, loaded: Mapping[str, Any] | None = None) -> Body:
+    """The Flow as it runs: its spec resolved from the template it took (see `taken_spec`); a Flow
+    without a template, whose template is not resolved yet, or whose taken spec is not at hand, as it is."""
     spec = flow.get("spec") or {}
-    taken = (flow.get("status") or {}).get("template")
-    if not spec.get("templateRef") or not isinstance(taken, Mapping):
+    tspec = taken_spec((flow.get("status") or {}).get("template"), loaded)
+    if not spec.get("templateRef") or tspec is None:
         return flow
-    return {**flow, "spec": effective_spec(taken.get("spec") or {}, spec)}
+    return {**flow, "spec": effective_spec(tspec, spec)}
 
 
 def problems(template: Mapping[str, Any], namespace: str, flow_spec: Mapping[str, Any]) -> tuple[Body, list[str]]:
@@ -153,5 +234,6 @@ def problems(template: Mapping[str, Any], namespace: str, flow_spec: Mapping[str
             parameter_problems(tspec, flow_spec.get("inputs"), describe_ref(namespace, ref)))
 
 
-__all__ = ["describe_ref", "effective_flow", "effective_spec", "parameter_problems", "problems", "snapshot",
-           "template_key"]
+__all__ = ["canonical", "data_hash", "describe_ref", "effective_flow", "effective_spec", "parameter_problems",
+           "problems", "snapshot", "snapshot_name", "snapshot_object", "snapshot_problem", "snapshot_ref",
+           "taken_spec", "template_key"]

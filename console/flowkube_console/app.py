@@ -23,6 +23,7 @@ from urllib.parse import quote, unquote, urlencode, urlsplit
 
 import aiohttp
 import jinja2
+import orjson
 from aiohttp import web
 
 from flowkube_api.inbox import feedback_patch, message_patch
@@ -372,8 +373,36 @@ async def collection_events(request: web.Request) -> web.StreamResponse:
 # ------------------------------------------------------------------------------------------ one Flow
 
 
+SNAPSHOT_KEPT = 64 * 1024  # bytes of a template spec the console keeps a minute (larger: read at each view)
+
+
+async def _template_spec(request: web.Request, flow: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+    """The template spec a Flow of a template runs, from its snapshot, read with the signed-in
+    person's token (kept a minute per credential); (None, why) when it cannot be read."""
+    name = views.taken_snapshot(flow)
+    if name is None:
+        return None, ""
+    cred, ns = cred_of(request), str((flow.get("metadata") or {}).get("namespace") or "")
+    key, cache = ("snapshot", cred.key, ns, name), request.app[CACHE]
+    hit = cache.get(key)
+    if hit is not None and hit[0] > time.monotonic():
+        return hit[1], ""
+    try:
+        obj: dict[str, Any] | None = await request.app[KUBE].get_snapshot(cred.token, ns, name)
+    except ApiError as e:
+        if e.status != 404:
+            return None, f"the template's inputs are not shown: its snapshot {name!r} could not be read ({e.message})"
+        obj = None
+    spec, note = views.snapshot_spec(flow, obj)
+    if spec is not None and len(orjson.dumps(spec)) <= SNAPSHOT_KEPT:
+        if len(cache) > 10_000:
+            cache.clear()
+        cache[key] = (time.monotonic() + 60, spec)
+    return spec, note
+
+
 async def _flow_context(request: web.Request, flow: dict[str, Any]) -> dict[str, Any]:
-    d = views.detail(flow)
+    d = views.detail(flow, *await _template_spec(request, flow))
     ns, name = d.summary.namespace, d.summary.name
     events: list[dict[str, Any]] = []
     with contextlib.suppress(ApiError):

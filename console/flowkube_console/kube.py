@@ -161,6 +161,12 @@ class Kube:
         return await self.request("PATCH", flows_path(namespace, name) + "/status", token, patch,
                                   content_type="application/merge-patch+json")
 
+    async def get_snapshot(self, token: str | None, namespace: str, name: str) -> Body:
+        """A template snapshot (ControllerRevision): the Kubernetes `view` role may read it."""
+        return await self.request(
+            "GET", f"/apis/apps/v1/namespaces/{quote(namespace, safe='')}/controllerrevisions/{quote(name, safe='')}",
+            token)
+
     async def events(self, token: str | None, namespace: str, uid: str) -> list[Body]:
         query = urlencode({"fieldSelector": f"involvedObject.uid={uid}", "limit": "100"})
         doc = await self.request("GET", f"/api/v1/namespaces/{quote(namespace, safe='')}/events?{query}", token)

@@ -181,15 +181,36 @@ class Detail:
     usage: Body
     pending_message: Body | None = None
     queued_message: Body | None = None
+    template_note: str = ""  # why the inputs shown lack the template's part (its snapshot could not be read)
 
 
 def _pretty(value: Any) -> str:
     return json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False) if value else ""
 
 
-def detail(flow: Body) -> Detail:
+def taken_snapshot(flow: Body) -> str | None:
+    """The template snapshot (a ControllerRevision in the Flow's namespace) whose spec the Flow runs,
+    when the console must read it to show the Flow's inputs; None when there is none to read."""
+    taken = (flow.get("status") or {}).get("template")
+    if not (flow.get("spec") or {}).get("templateRef") or not isinstance(taken, dict) or "spec" in taken:
+        return None
+    return str(taken.get("snapshot") or "") or None
+
+
+def snapshot_spec(flow: Body, obj: Body | None) -> tuple[Body | None, str]:
+    """(the template spec of the snapshot read for the Flow, "") or (None, why it is not shown)."""
+    taken = (flow.get("status") or {}).get("template") or {}
+    problem = templates.snapshot_problem(taken, obj)
+    if problem is not None or obj is None:
+        return None, f"the template's inputs are not shown: {problem}"
+    return dict(obj["data"].get("spec") or {}), ""
+
+
+def detail(flow: Body, template_spec: Body | None = None, template_note: str = "") -> Detail:
+    """``template_spec``: the spec of the template snapshot the Flow took, read with the signed-in
+    person's token (None: not needed, or not readable, and ``template_note`` says why)."""
     # A Flow of a template shows the inputs it runs with: its own over the template's and the defaults.
-    st, spec = flow.get("status") or {}, templates.effective_flow(flow).get("spec") or {}
+    st, spec = flow.get("status") or {}, templates.effective_flow(flow, template_spec).get("spec") or {}
     fb, conv = st.get("feedback") or {}, st.get("conversation")
     s = summarise(flow)
     req = fb.get("request") if s.waiting == "feedback" else None
@@ -210,6 +231,7 @@ def detail(flow: Body) -> Detail:
         conditions=list(st.get("conditions") or []), runs=runs,
         by_model=sorted((usage.get("byModel") or {}).items()), usage=usage,
         pending_message=(conv or {}).get("pending"), queued_message=(conv or {}).get("inbox"),
+        template_note=template_note,
     )
 
 

@@ -26,6 +26,7 @@ import logging
 import os
 import signal
 import socket
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -37,7 +38,7 @@ from prometheus_client import generate_latest
 from flowkube_operator import selfmetrics, templatecache, tls, webhook
 from flowkube_operator.controller import Controller
 from flowkube_operator.issuerkeys import IssuerKeys
-from flowkube_operator.kube import Kube
+from flowkube_operator.kube import ApiError, Kube
 from flowkube_operator.leader import LeaderElector, LeaseConfig
 from flowkube_operator.metrics import FlowMetrics
 from flowkube_operator.notifier import Notifier
@@ -220,10 +221,22 @@ class App:
     async def template(self, key: TemplateKey) -> dict[str, Any] | None:
         """A template for the admission webhook: from the cache, else from the API server (one
         created a moment before the Flow may not have reached the cache yet)."""
-        found = self.controller.templates.get(key)
+        found = await self.controller.templates.resolve(key)
         if found is None and self.kube is not None:
             found = await templatecache.fetch(self.kube, key)
         return found
+
+    async def taken_template(self, namespace: str, taken: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The template spec a Flow took (the snapshot its status.template names), for the admission
+        webhook: through the controller's LRU; None when it cannot be read (gone, not what was taken,
+        or the API server does not answer)."""
+        if self.kube is None:
+            return None
+        try:
+            spec, _ = await self.controller.snapshots.load(namespace, taken)
+        except ApiError:
+            return None
+        return spec
 
     def by_operator(self, username: str) -> bool:
         """Is this write the operator's own (its status writes pass the status webhook too)?"""

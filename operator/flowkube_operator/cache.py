@@ -18,7 +18,7 @@ import orjson
 
 from flowkube_api import constants as c
 from flowkube_api.report import RunReport
-from flowkube_operator import selfmetrics
+from flowkube_operator import projections, selfmetrics
 from flowkube_operator.informer import Informer
 from flowkube_operator.kube import Kube, flow_path, ns_path
 from flowkube_operator.meta import PodView
@@ -27,18 +27,6 @@ Body = dict[str, Any]
 Key = tuple[str, str]  # (namespace, flow name)
 # Told of every change of a cached Flow: (key, the Flow as cached), or (key, None) once it is gone.
 FlowListener = Callable[[Key, Body | None], None]
-
-
-def _slim(body: Body) -> Body:
-    """What the cache keeps of a Flow: managedFields and kubectl's last-applied copy are most of
-    an object's bytes and the operator reads neither (10,000 Flows must fit in a few hundred MB)."""
-    meta = dict(body.get("metadata") or {})
-    meta.pop("managedFields", None)
-    ann = meta.get("annotations")
-    if ann and "kubectl.kubernetes.io/last-applied-configuration" in ann:
-        meta["annotations"] = {k: v for k, v in ann.items()
-                               if k != "kubectl.kubernetes.io/last-applied-configuration"}
-    return {**body, "metadata": meta}
 
 
 def _rv(body: Body) -> int:
@@ -81,7 +69,10 @@ class FlowCache:
         return out
 
     def flow_event(self, event_type: str, body: Body) -> None:
-        meta = body.get("metadata") or {}
+        """A Flow's watch event (or our own write's answer): kept as its projection (projections.flow),
+        which is also what the listeners hear."""
+        body = projections.flow(body)
+        meta = body["metadata"]
         key = (meta.get("namespace", ""), meta.get("name", ""))
         cached = self.flows.get(key)
         if event_type == "DELETED":
@@ -100,7 +91,7 @@ class FlowCache:
                 # earlier Flow of this name (resourceVersions are comparable across objects here).
                 # The same: the watch's echo of our own status write, already taken from its answer.
                 return
-            self.flows[key] = (rv, meta.get("uid", ""), orjson.dumps(_slim(body)))
+            self.flows[key] = (rv, meta.get("uid", ""), orjson.dumps(body))
             self._track_active(key, meta.get("uid", ""), body)
             self._tell(key, body)
             self._enqueue(key)

@@ -29,6 +29,7 @@ from flowkube_api import constants as c
 from flowkube_api import templates
 from flowkube_api.base import now as now_utc
 from flowkube_api.base import parse_time
+from flowkube_api.models import TemplateStatus
 from flowkube_api.report import RunReport
 from flowkube_operator import notify, resources, selfmetrics
 from flowkube_operator.cache import FlowCache, FlowListener, Key
@@ -45,8 +46,9 @@ from flowkube_operator.kube import (
 )
 from flowkube_operator.meta import Doomed, PodView, owner_uid
 from flowkube_operator.notifier import Notifier
-from flowkube_operator.reconcile import Plan, RunIntent, late_pods, plan
+from flowkube_operator.reconcile import Plan, RunIntent, Taken, late_pods, plan
 from flowkube_operator.settings import Settings
+from flowkube_operator.snapshots import SnapshotMismatchError, Snapshots
 from flowkube_operator.templatecache import TemplateCache
 from flowkube_operator.workqueue import NotLeadingError, WorkQueue, merge_patch
 
@@ -57,7 +59,12 @@ log = logging.getLogger("flowkube.controller")
 
 
 class ForeignObjectError(Exception):
-    """An object we would create exists, owned by another Flow (an earlier one of the same name)."""
+    """An object we would create exists, owned by another Flow (an earlier one of the same name), or
+    (a template snapshot) holding something else."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class Controller(FlowCache):
@@ -74,7 +81,10 @@ class Controller(FlowCache):
                  notifier: Notifier | None = None) -> None:
         # CronFlows share the client, the fence and the Events; they hear of their Flows from this cache.
         self.cron = CronFlows(lambda: self.kube, lambda: self.fence(), self._post_event)
-        super().__init__([*listeners, self.cron.flow_changed])
+        # Template snapshots: the Flows' references counted as their events enter the cache.
+        self.snapshots = Snapshots(lambda: self.kube, settings.template_snapshot_cache_entries,
+                                   settings.template_snapshot_cache_mib * 1024 * 1024)
+        super().__init__([*listeners, self.cron.flow_changed, self.snapshots.index.flow_changed])
         self.notifier = notifier
         self.settings = settings
         self.kube: Kube | None = None
@@ -86,7 +96,7 @@ class Controller(FlowCache):
         self.instance = socket.gethostname()
         self.leading = False  # workers run: this replica is the one status writer
         self.fence = fence
-        self.templates = TemplateCache(wake=self._enqueue)
+        self.templates = TemplateCache(wake=self._enqueue, kube=lambda: self.kube)
         self._informers: list[Informer] = []  # the watches CronFlows wait for (see _start_cron_when_listed)
 
     def _enqueue(self, key: Key) -> None:
@@ -118,7 +128,7 @@ class Controller(FlowCache):
         """The caches' watches, the templates', and the notifier's Secrets."""
         extra = self.notifier.informers(kube, namespaces) if self.notifier is not None else []
         self._informers = (super().informers(kube, namespaces) + self.templates.informers(kube, namespaces)
-                           + self.cron.informers(kube, namespaces))
+                           + self.cron.informers(kube, namespaces) + self.snapshots.informers(kube, namespaces))
         return self._informers + extra
 
     async def _start_cron_when_listed(self) -> None:
@@ -183,6 +193,7 @@ class Controller(FlowCache):
         for _ in range(self.settings.workers):
             self._tasks.append(asyncio.create_task(self._worker()))
         self._tasks.append(asyncio.create_task(self._start_cron_when_listed()))
+        self._tasks.append(asyncio.create_task(self._sweep_snapshots_forever()))
         if self.notifier is not None:
             self._tasks.append(asyncio.create_task(self.notifier.learn_cluster(self.kube)))
             self._tasks.append(asyncio.create_task(self._offer_when_ready(self.notifier)))
@@ -199,6 +210,19 @@ class Controller(FlowCache):
         await self.cron.stop()
         if self.notifier is not None:
             await self.notifier.stop()
+
+    async def _sweep_snapshots_forever(self) -> None:
+        """Delete the template snapshots no Flow names any more, every sweep period, once every Flow
+        and snapshot is listed (a replica that saw no Flow yet would see every snapshot unreferenced)."""
+        await asyncio.gather(*(i.synced.wait() for i in self._informers))
+        while True:
+            await asyncio.sleep(self.settings.template_snapshot_sweep_seconds)  # a period, not a wait
+            try:
+                await self.snapshots.sweep(self._may_write)
+            except NotLeadingError:
+                return
+            except Exception:
+                log.exception("sweeping template snapshots failed; trying again next period")
 
     async def _recheck_pods_forever(self) -> None:
         while True:
@@ -251,7 +275,7 @@ class Controller(FlowCache):
                 result = "error"
                 selfmetrics.RECONCILE_ERRORS.labels("ForeignObject").inc()
                 log.info("reconcile %s/%s waits: %s", *key, e)
-                self.queue.add_after(key, 1.0)
+                self.queue.add_after(key, e.retry_after)
             except ApiError as e:
                 result = "error"
                 reason = "Conflict" if e.status == 409 else f"Api{e.status}"
@@ -304,18 +328,19 @@ class Controller(FlowCache):
         for pod_name in late_pods(status, pods):  # pods that ended after their run was closed
             late[pod_name] = await self._load_report(*key, uid, pod_name, pods[pod_name])
         cap = self.settings.retry_backoff_cap_seconds
-        template = self._template_of(key, body)
+        template = await self._template_of(key, body)
         if template is None and not self.templates.synced() and self.templates.waits(key):
             return  # not "not found" before the templates are listed: queued again once they are
-        p = plan(body, pods, report, backoff_cap=cap, report_checked=checked, late=late, template=template)
+        template_or_taken = template or await self._taken(key, body)
+        p = plan(body, pods, report, backoff_cap=cap, report_checked=checked, late=late, template=template_or_taken)
         if p.need_report and active is not None:
             report = await self._load_report(*key, uid, active, pods.get(active))
-            p = plan(body, pods, report, backoff_cap=cap, report_checked=True, late=late, template=template)
+            p = plan(body, pods, report, backoff_cap=cap, report_checked=True, late=late, template=template_or_taken)
         if delivered:
             current = [n.id for n in notify.notices({"metadata": body["metadata"], "status": p.status.dump()})]
             p.events += notify.record(p.status, delivered, current)
         # A Flow of a template runs its template's spec (its pods, its notifications).
-        body = templates.effective_flow(await self._apply(key, _runs_as(body, p), p))
+        body = templates.effective_flow(await self._take_and_apply(key, body, p), p.template_spec)
         self._forget_late(key, taken)
         if self.notifier is not None:
             self.notifier.recorded(key, taken_outcomes)
@@ -324,14 +349,45 @@ class Controller(FlowCache):
         if hinted and key in self._warm and self._warm[key] is hint:
             del self._warm[key]  # a newer one that came meanwhile stays for the next reconcile
 
-    def _template_of(self, key: Key, body: Body) -> Body | None:
+    async def _take_and_apply(self, key: Key, body: Body, p: Plan) -> Body:
+        """Apply the plan; a take's snapshot is made first, before anything (the status write, the
+        pod) names it."""
+        try:
+            if p.snapshot is not None and p.status.template is not None:
+                await self._ensure_snapshot(body, p.snapshot, p.status.template)
+            return await self._apply(key, _runs_as(body, p), p)
+        except BaseException:
+            self.snapshots.not_taken(p.snapshot)  # its Flow does not name it: a sweep may take it
+            raise
+
+    async def _ensure_snapshot(self, body: Body, obj: Body, taken: TemplateStatus) -> None:
+        try:
+            stored = await self.snapshots.ensure(obj, self._may_write)
+        except SnapshotMismatchError as e:  # said where users look; tried again now and then
+            self._post_event(body, "Warning", c.Reason.TEMPLATE_SNAPSHOT_UNUSABLE, str(e))
+            raise ForeignObjectError(str(e), retry_after=60.0) from e
+        # The Flow names what is stored: the same generation, maybe taken at an earlier resourceVersion.
+        taken.hash = templates.data_hash(stored)
+        taken.resource_version = stored.get("resourceVersion")
+
+    async def _taken(self, key: Key, body: Body) -> Taken | None:
+        """For a Flow that took its template: the spec of the snapshot its status names (from the
+        LRU, else one GET), or why it cannot be had. None for every other Flow."""
+        taken = (body.get("status") or {}).get("template")
+        if (not (body.get("spec") or {}).get("templateRef") or not isinstance(taken, dict)
+                or "spec" in taken or not taken.get("snapshot")):
+            return None
+        spec, problem = await self.snapshots.load(key[0], taken)
+        return Taken(spec=spec, problem=problem)
+
+    async def _template_of(self, key: Key, body: Body) -> Body | None:
         """The template a Flow that has not taken one yet names, from the cache; None (and the Flow
         noted as waiting for it) when it is not there."""
         ref = (body.get("spec") or {}).get("templateRef")
         if not ref or (body.get("status") or {}).get("template"):
             return None
         tkey = templates.template_key(key[0], ref)
-        found = self.templates.get(tkey)
+        found = await self.templates.resolve(tkey)
         if found is None:
             self.templates.wait(tkey, key)  # queued when it comes (or when the first list is in)
         return found
@@ -421,7 +477,7 @@ class Controller(FlowCache):
         if new_status != old_status:
             body = await self._write_status(key, body, old_status, new_status)
         if intent is not None and not intent.first:  # from the Flow as written: its template's spec again
-            await self._create_runner_pod(templates.effective_flow(body), intent)
+            await self._create_runner_pod(templates.effective_flow(body, p.template_spec), intent)
         if p.prune_reports:
             await self._prune_reports(ns, name, p.prune_reports)
         for doomed in p.delete_pods:
@@ -559,8 +615,8 @@ class Controller(FlowCache):
 
 def _runs_as(body: Body, p: Plan) -> Body:
     """The Flow as the plan runs it: with the spec of the template its status took."""
-    taken = p.status.template
-    return body if taken is None else {**body, "spec": templates.effective_spec(taken.spec, body.get("spec") or {})}
+    taken = p.template_spec
+    return body if taken is None else {**body, "spec": templates.effective_spec(taken, body.get("spec") or {})}
 
 
 def _observe_turn(namespace: str, old: Body, new: Body) -> None:

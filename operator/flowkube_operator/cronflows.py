@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from flowkube_api import constants as c
+from flowkube_operator import projections
 from flowkube_operator.cronplan import Child, CronPlan, plan
 from flowkube_operator.informer import Informer
 from flowkube_operator.kube import ApiError, Kube, delete_if_same, flow_path, ns_path
@@ -78,7 +79,7 @@ class CronFlows:
         if event_type == "DELETED":
             self.cronflows.pop(key, None)
             return
-        self.cronflows[key] = body
+        self.cronflows[key] = projections.cronflow(body)
         self._enqueue(key)
 
     def flow_changed(self, key: Key, body: Body | None) -> None:
@@ -164,7 +165,7 @@ class CronFlows:
                      "status": merge_patch(old_status, new_status)}
             written = await kube.merge_patch(cronflow_path(*key, sub="status"), patch)
             if self.cronflows.get(key) is body:
-                self.cronflows[key] = written
+                self.cronflows[key] = projections.cronflow(written)
         for doomed in p.delete:  # by the uid the plan saw: a Flow made again under the name is another
             self._fence()
             await kube.delete(flow_path(key[0], doomed.name), delete_if_same(doomed.uid))

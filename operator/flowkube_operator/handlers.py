@@ -125,9 +125,11 @@ async def _flow_problem(app: App, spec: dict[str, Any], namespace: str, status: 
         own = limits.spec_problem(spec, own=True)  # the Flow's own bytes first, before anything reads them
         if own:
             return own
-        spec, refused = await webhook.template_problem(spec, namespace, status, app.template)
-        if refused:
+        effective, refused = await webhook.template_problem(spec, namespace, status, app.template,
+                                                            app.taken_template)
+        if refused or effective is None:  # None: what it took cannot be read now (the reconcile says so)
             return refused
+        spec = effective
     return await _spec_problem(app, spec)
 
 

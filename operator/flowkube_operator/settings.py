@@ -105,6 +105,18 @@ class Settings(BaseSettings):
         description="A running runner pod the watch has said nothing about for this long is read from the API "
         "server again (at most 50 per half period): the guard against a watch that stays connected but silent.")
 
+    template_snapshot_sweep_seconds: int = Field(
+        default=60, ge=1, le=3600,
+        description="How often the leader deletes the template snapshots (ControllerRevisions) no Flow names any "
+        "more; one is deleted once seen unreferenced at two sweeps in a row.")
+    template_snapshot_cache_entries: int = Field(
+        default=64, ge=1, le=100_000,
+        description="Template specs (read from their snapshots) kept in memory, least recently used dropped first. "
+        "Every Flow of one template generation shares one entry.")
+    template_snapshot_cache_mib: int = Field(
+        default=64, ge=1, le=4096,
+        description="Bound on the bytes (canonical JSON) of the template specs kept in memory.")
+
     leader_election: bool = Field(
         default=False, description="Reconcile only while holding a coordination.k8s.io Lease, so that of "
         "several replicas exactly one writes Flow status (all of them watch and serve the state API and "

@@ -137,17 +137,29 @@ def _message_problem(old_st: Body | None, new_st: Body | None, username: str) ->
 
 
 TemplateLookup = Callable[[TemplateKey], Awaitable[Body | None]]
+# (namespace, status.template) -> the template spec of the snapshot it names, None when it cannot be read
+SnapshotLookup = Callable[[str, Mapping[str, Any]], Awaitable[dict[str, Any] | None]]
 
 
-async def template_problem(spec: Body, namespace: str, status: Body | None,
-                           lookup: TemplateLookup) -> tuple[dict[str, Any], str | None]:
+async def template_problem(spec: Body, namespace: str, status: Body | None, lookup: TemplateLookup,
+                           taken_lookup: SnapshotLookup | None = None) -> tuple[dict[str, Any] | None, str | None]:
     """A Flow of a template: (the spec it runs, why it is refused or None). A Flow that took its
-    template already is checked against the copy in its status; a new one against the template as
-    it is now (refused when there is none, naming spec.templateRef)."""
+    template already is checked against what it took (its snapshot, or the copy an older operator
+    wrote into its status); a new one against the template as it is now (refused when there is none,
+    naming spec.templateRef). (None, None) when what it took cannot be read now: its own bytes were
+    checked already, and the reconcile fails a Flow whose snapshot is gone, naming it."""
     ref = spec.get("templateRef") or {}
     taken = (status or {}).get("template")
-    template = {"spec": taken.get("spec") or {}} if isinstance(taken, Mapping) else await lookup(
-        templates.template_key(namespace, ref))
+    template: Body | None
+    if isinstance(taken, Mapping):
+        tspec = templates.taken_spec(taken)
+        if tspec is None and taken_lookup is not None and taken.get("snapshot"):
+            tspec = await taken_lookup(namespace, taken)  # (a Body or None: the lookup's own type)
+        if tspec is None:
+            return None, None
+        template = {"spec": tspec}
+    else:
+        template = await lookup(templates.template_key(namespace, ref))
     if template is None:
         return dict(spec), (f"spec.templateRef: {templates.describe_ref(namespace, ref)} not found "
                             "(create the template first)")
@@ -156,8 +168,8 @@ async def template_problem(spec: Body, namespace: str, status: Body | None,
 
 
 def template_spec_problem(spec: Body) -> str | None:
-    """A FlowTemplate's own checks besides its schema: its size (each Flow of it keeps a copy in its
-    status), its parameters' defaults' depth, and each default of its parameter's type."""
+    """A FlowTemplate's own checks besides its schema: its size (each generation Flows take is
+    stored in a snapshot), its parameters' defaults' depth, and each default of its parameter's type."""
     too_big = limits.template_problem(spec)
     if too_big:
         return too_big

@@ -262,6 +262,11 @@ def test_a_flow_from_a_template_runs_its_parameters_and_a_template_change_does_n
     st = flows.wait_phase("from-template", "AwaitingFeedback", timeout=RUN_TIMEOUT)
     taken = st["template"]
     assert (taken["kind"], taken["name"], taken["generation"]) == ("FlowTemplate", "review", 1)
+    # Stored once, in a snapshot (a ControllerRevision in the Flow's namespace) the status names.
+    assert "spec" not in taken and taken["snapshot"].startswith("review-") and len(taken["hash"]) == 64
+    snapshot = json.loads(stack.cluster.kubectl("get", "controllerrevision", taken["snapshot"], "-n", flows.ns,
+                                                "-o", "json").stdout)
+    assert snapshot["data"]["generation"] == 1 and snapshot["data"]["spec"]["parameters"][0]["name"] == "topic"
     assert st["definition"] == "ReviewedArticle" and st["feedback"]["request"]["message"] == "Publish this draft?"
     assert "DRAFT about templates" in stack.stub.ledger()[mark]["lastUser"], "the parameter reached the flow"
     columns = stack.cluster.kubectl("get", "flow", "from-template", "-n", flows.ns).stdout
@@ -274,14 +279,14 @@ def test_a_flow_from_a_template_runs_its_parameters_and_a_template_change_does_n
     flows.patch_status("from-template", {"status": {"feedback": {"response": {"text": "approved"}}}})
     st = flows.wait_phase("from-template", "Succeeded", timeout=RUN_TIMEOUT)
     assert st["result"]["output"] == PUBLISHED, "the resume ran generation 1's publish step"
-    assert st["template"]["generation"] == 1
+    assert st["template"]["generation"] == 1 and st["template"]["snapshot"] == taken["snapshot"]
     assert not any("REWRITTEN" in e["lastUser"] for e in stack.stub.ledger()[mark:])
     assert usage_of(st) == stack.usage_since(mark), "status.usage equals what the model served, each call once"
 
     # A Flow made after the change runs the new generation.
     flows.apply("after-change", {"templateRef": {"name": "review"}, "inputs": {"topic": "later"}})
     st = flows.wait_phase("after-change", "AwaitingFeedback", timeout=RUN_TIMEOUT)
-    assert st["template"]["generation"] == 2
+    assert st["template"]["generation"] == 2 and st["template"]["snapshot"] != taken["snapshot"]
 
 
 def test_a_cluster_template_serves_every_namespace_and_bad_uses_are_refused_at_apply(

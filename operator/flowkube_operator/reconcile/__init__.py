@@ -38,7 +38,7 @@ from typing import Any
 from flowkube_api import constants as c
 from flowkube_api.base import now as now_utc
 from flowkube_api.base import parse_time
-from flowkube_api.constants import Phase
+from flowkube_api.constants import Phase, Reason
 from flowkube_api.report import RunReport
 from flowkube_operator.conditions import describe
 from flowkube_operator.inbox import validate_message, validate_response
@@ -56,12 +56,12 @@ from flowkube_operator.reconcile.rules import (
     trailing_failures,
 )
 from flowkube_operator.reconcile.runs import RunSteps
-from flowkube_operator.reconcile.state import NeedReport, Plan, RunIntent
+from flowkube_operator.reconcile.state import NeedReport, Plan, RunIntent, Taken
 from flowkube_operator.resources import definition_name
 
 __all__ = [
     "DISRUPTION_REASONS", "PERMANENT_REASONS", "POD_FIRST_TRIGGERS", "REPORTS_KEPT", "STOP_GRACE_SECONDS",
-    "Plan", "RunIntent", "backoff_seconds", "budget_spent", "late_pods", "plan", "running_seconds",
+    "Plan", "RunIntent", "Taken", "backoff_seconds", "budget_spent", "late_pods", "plan", "running_seconds",
     "total_usage", "trailing_failures", "validate_message", "validate_response",
 ]
 
@@ -70,14 +70,15 @@ Body = dict[str, Any]
 
 def plan(flow: Body, pods: dict[str, PodView], report: RunReport | None = None, *,
          now: dt.datetime | None = None, backoff_cap: int = 3600, report_checked: bool = False,
-         late: Mapping[str, RunReport | None] | None = None, template: Body | None = None) -> Plan:
+         late: Mapping[str, RunReport | None] | None = None, template: Body | Taken | None = None) -> Plan:
     """The status the Flow should have and the actions that make it so.
 
     `report` is the active run's report when the caller has read it (`report_checked`); a plan
     that needs it to end a run says so with `need_report`, and changes nothing until then.
     `late` holds the reports of closed runs whose pods outlived them (see `late_pods`), by pod,
     None where the pod left none. `template` is the FlowTemplate or ClusterFlowTemplate a Flow that has
-    not taken one yet names, None when it is not there.
+    not taken one yet names, None when it is not there; for a Flow that took one already, a `Taken`:
+    what the caller read (the spec of the snapshot its status.template names, or why it cannot be had).
     """
     return Reconciler(flow, pods, report, now or now_utc(), backoff_cap, report_checked, late or {},
                       template).run()
@@ -116,7 +117,15 @@ class Reconciler(RunSteps):
                 and not self._take_template()):
             self._finish()
             return self.plan
-        st.definition = definition_name(self.spec.model_dump(by_alias=True, exclude_none=True))
+        if self.taken_problem is not None and st.phase not in c.TERMINAL_PHASES:
+            # Never run anything but what it took: the Flow fails, naming the snapshot.
+            self._terminal(Phase.FAILED, Reason.TEMPLATE_SNAPSHOT_UNUSABLE, self.taken_problem)
+            for name in list(self.pods):
+                self._stop_pod(name)
+            self._finish()
+            return self.plan
+        if self.taken_problem is None:  # (an ended Flow whose snapshot is gone keeps the name it had)
+            st.definition = definition_name(self.spec.model_dump(by_alias=True, exclude_none=True))
         st.started_at = st.started_at or self.now
         self._fold_late_reports()
         if self.fb.request is None:

@@ -22,7 +22,7 @@ from flowkube_api.models import (
 )
 from flowkube_api.report import RunReport, TokenUsage, excerpt
 from flowkube_api.runspec import spec_error_text
-from flowkube_api.templates import describe_ref, effective_flow, snapshot
+from flowkube_api.templates import describe_ref, effective_spec, snapshot, snapshot_object, snapshot_ref, taken_spec
 from flowkube_api.templates import problems as template_problems
 from flowkube_operator.meta import Doomed, PodView
 from flowkube_operator.reconcile.rules import POD_FIRST_TRIGGERS, budget_spent, running_seconds, total_usage
@@ -47,6 +47,15 @@ class RunIntent:
     first: bool = False
 
 
+@dataclass(frozen=True)
+class Taken:
+    """What the controller read for a Flow that took its template already: the template spec from
+    the snapshot its status.template names, or why that snapshot cannot be used."""
+
+    spec: Body | None = None
+    problem: str | None = None
+
+
 @dataclass
 class Plan:
     status: FlowStatus
@@ -58,6 +67,9 @@ class Plan:
     requeue_after: float | None = None
     need_report: bool = False  # plan again with the active run's report: it ends without one
     prune_reports: list[str] = field(default_factory=list)  # pods whose report keys may be deleted
+    # The template snapshot (a ControllerRevision) to ensure before the status write that names it.
+    snapshot: Body | None = None
+    template_spec: Body | None = None  # the template spec the Flow runs (taken now, or loaded for it)
 
     def later(self, seconds: float) -> None:
         seconds = max(seconds, 0.05)
@@ -78,14 +90,20 @@ class FlowState:
 
     def __init__(self, flow: Body, pods: dict[str, PodView], report: RunReport | None,
                  now: dt.datetime, backoff_cap: int, report_checked: bool,
-                 late: Mapping[str, RunReport | None], template: Body | None = None) -> None:
+                 late: Mapping[str, RunReport | None], template: Body | Taken | None = None) -> None:
         self.report_checked = report_checked or report is not None
         self.late = late
         self.meta: Body = flow.get("metadata") or {}
         self.own_spec: Body = flow.get("spec") or {}
-        self.template = template  # the template a Flow that has not taken one yet names (None: not there)
-        # A Flow of a template runs the copy its status took (flowkube_api.templates).
-        self.spec = FlowSpec.model_validate(effective_flow(flow).get("spec") or {})
+        # The template a Flow that has not taken one yet names (None: not there); or what was read for
+        # one that took it (a Taken).
+        self.template = None if isinstance(template, Taken) else template
+        taken = template if isinstance(template, Taken) else None
+        # A Flow of a template runs the template as it took it (flowkube_api.templates): its snapshot,
+        # read by the controller, or the copy an older operator wrote into its status.
+        self.template_spec, self.taken_problem = self._taken(flow, taken or Taken())
+        self.spec = FlowSpec.model_validate(
+            effective_spec(self.template_spec, self.own_spec) if self.template_spec is not None else self.own_spec)
         # Two validations, not a deep copy of one: pydantic's validator is several times faster than
         # copy.deepcopy, which was most of a reconcile's cost.
         self.old = FlowStatus.model_validate(flow.get("status") or {})
@@ -102,6 +120,17 @@ class FlowState:
         self.message_refusal: str | None = None
         self.failure: tuple[Reason | str, str] | None = None
         self.resume_now = False  # a warm paused pod ended with its request answered but not taken
+        self.plan.template_spec = self.template_spec
+
+    def _taken(self, flow: Body, taken: Taken) -> tuple[Body | None, str | None]:
+        """(the template spec the Flow took, why it cannot be had): None, None before the take."""
+        status_template = (flow.get("status") or {}).get("template")
+        if not self.own_spec.get("templateRef") or not isinstance(status_template, Mapping):
+            return None, None
+        spec = taken_spec(status_template, taken.spec)
+        if spec is not None:
+            return spec, None
+        return None, taken.problem or f"template snapshot {status_template.get('snapshot')!r} was not read"
 
     def _take_template(self) -> bool:
         """A Flow of a template that has not taken it yet takes it now: its spec goes into
@@ -117,12 +146,15 @@ class FlowState:
             if self.old.message != message:
                 self.plan.event(Reason.TEMPLATE_NOT_FOUND, message, warning=True)
             return False
-        taken = snapshot(self.template)
-        too_big = template_problem(taken["spec"], what)
+        data = snapshot(self.template)
+        too_big = template_problem(data["spec"], what)
         if too_big:  # admitted while the webhook was off: its copy would not fit
             self._terminal(Phase.FAILED, Reason.INVALID_SPEC, too_big)
             return False
-        self.st.template = TemplateStatus.model_validate(taken)
+        # Stored once per generation (a snapshot all its Flows name), made before the status write.
+        self.st.template = TemplateStatus.model_validate(snapshot_ref(data))
+        self.plan.snapshot = snapshot_object(str(self.meta.get("namespace") or ""), data)
+        self.template_spec = self.plan.template_spec = data["spec"]
         effective, problems = template_problems(self.template, str(self.meta.get("namespace") or ""), self.own_spec)
         if problems:
             self._terminal(Phase.FAILED, Reason.INVALID_INPUTS, "; ".join(problems))

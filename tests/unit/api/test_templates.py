@@ -94,6 +94,50 @@ def test_a_flow_runs_the_copy_in_its_status_not_the_template_as_it_is_now() -> N
     assert templates.effective_flow(untaken) is untaken
 
 
+def test_a_snapshot_is_named_by_its_content_and_its_hash_covers_all_its_data() -> None:
+    template = {"kind": "FlowTemplate", "metadata": {"name": "article", "uid": "t1", "generation": 1,
+                                                     "resourceVersion": "5"}, "spec": TEMPLATE_SPEC}
+    data = templates.snapshot(template)
+    name = templates.snapshot_name(data)
+    assert name.startswith("article-") and len(name) == len("article-") + 16
+    # The same generation is the same snapshot, whoever takes it and whatever the key order.
+    reordered = {"spec": dict(reversed(list(TEMPLATE_SPEC.items()))), **{k: v for k, v in data.items() if k != "spec"}}
+    assert templates.snapshot_name(reordered) == name and templates.data_hash(reordered) == templates.data_hash(data)
+    # A label changed (resourceVersion, not generation): the same name; its data's hash tells them apart.
+    relabelled = {**data, "resourceVersion": "6"}
+    assert templates.snapshot_name(relabelled) == name and templates.data_hash(relabelled) != templates.data_hash(data)
+    for changed in ({**data, "generation": 2}, {**data, "uid": "t2"}, {**data, "kind": "ClusterFlowTemplate"},
+                    {**data, "spec": {**TEMPLATE_SPEC, "parameters": []}}):
+        assert templates.snapshot_name(changed) != name
+    obj = templates.snapshot_object("team", data)
+    assert obj["apiVersion"] == "apps/v1" and obj["kind"] == "ControllerRevision" and obj["revision"] == 1
+    assert obj["metadata"] == {"name": name, "namespace": "team", "labels": {
+        "app.kubernetes.io/managed-by": "flowkube", "flowkube.io/template": "article"}}
+    assert obj["data"] == data
+    ref = templates.snapshot_ref(data)
+    assert ref == {"kind": "FlowTemplate", "name": "article", "uid": "t1", "generation": 1, "resourceVersion": "5",
+                   "snapshot": name, "hash": templates.data_hash(data)}
+    assert templates.snapshot_problem(ref, obj) is None
+    assert "is gone" in str(templates.snapshot_problem(ref, None))
+    squatted = {**obj, "data": {**data, "spec": {"template": {"image": "evil"}}}}
+    assert "does not hold what this Flow took" in str(templates.snapshot_problem(ref, squatted))
+    # A long template name: the object name and the label value stay within Kubernetes' limits.
+    long = templates.snapshot_object("team", {**data, "name": "a" * 250})
+    assert len(long["metadata"]["name"]) <= 253 and len(long["metadata"]["labels"]["flowkube.io/template"]) <= 63
+
+
+def test_a_flow_runs_its_snapshot_and_an_older_operators_status_copy_still_runs() -> None:
+    template = {"kind": "FlowTemplate", "metadata": {"name": "article", "uid": "t1", "generation": 1},
+                "spec": TEMPLATE_SPEC}
+    ref = templates.snapshot_ref(templates.snapshot(template))
+    flow = {"metadata": {"name": "f"}, "spec": {**REF, "inputs": {"topic": "x"}}, "status": {"template": ref}}
+    assert templates.effective_flow(flow) is flow, "not resolved without the snapshot's spec"
+    assert templates.effective_flow(flow, TEMPLATE_SPEC)["spec"]["definition"]["name"] == "Article"
+    old = {**flow, "status": {"template": {"kind": "FlowTemplate", "name": "article", "spec": TEMPLATE_SPEC}}}
+    assert templates.effective_flow(old)["spec"]["image"] == "runner:1"
+    assert templates.effective_flow(old, {"template": {"image": "ignored"}})["spec"]["image"] == "runner:1"
+
+
 def test_the_models_refuse_bad_parameter_names_and_types() -> None:
     with pytest.raises(ValidationError):
         FlowTemplate.model_validate({"spec": {"parameters": [{"name": "no spaces"}], "template": {"flowRef": "a:B"}}})

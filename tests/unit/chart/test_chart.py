@@ -249,7 +249,9 @@ def test_user_roles(helm: Path) -> None:
                                         (c.GROUP, "flowtemplates"): {"get", "list", "watch"},
                                         (c.GROUP, "cronflows"): {"get", "list", "watch"},
                                         (c.GROUP, "cronflows/status"): {"get", "list", "watch"},
-                                        (c.GROUP, "clusterflowtemplates"): {"get", "list", "watch"}}
+                                        (c.GROUP, "clusterflowtemplates"): {"get", "list", "watch"},
+                                        # the template snapshot a Flow runs (the console reads it)
+                                        ("apps", "controllerrevisions"): {"get"}}
     assert viewer["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
     every = {"get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"}
     assert _grants(editor["rules"]) == {(c.GROUP, "flows"): every, (c.GROUP, "flowtemplates"): every,
@@ -273,12 +275,14 @@ EXPECTED_OPERATOR_GRANTS = {
     (c.GROUP, "cronflows/finalizers"): {"update"},
     (c.GROUP, "flows/status"): {"get", "patch", "update"},
     (c.GROUP, "flows/finalizers"): {"update"},
-    (c.GROUP, "flowtemplates"): {"get", "list", "watch"},  # read at admission, copied at a Flow's start
+    (c.GROUP, "flowtemplates"): {"get", "list", "watch"},  # read at admission, taken at a Flow's start
     ("", "pods"): {"get", "list", "watch", "create", "delete"},
     # The state ConfigMap: made on first use, written for the runners, reports read. No list/watch.
     ("", "configmaps"): {"get", "create", "patch", "delete"},
     ("", "events"): {"create", "patch"},
     ("events.k8s.io", "events"): {"create", "patch"},
+    # Template snapshots: made at a Flow's take, read on demand, deleted once no Flow names them.
+    ("apps", "controllerrevisions"): {"get", "list", "watch", "create", "delete"},
     # Notifications: only list/watch, which the operator sends with the flowkube.io/notifications
     # label selector; no get, so no Flow can point it at another Secret.
     ("", "secrets"): {"list", "watch"},

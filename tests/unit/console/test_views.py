@@ -110,3 +110,21 @@ def test_a_flow_of_a_template_shows_the_inputs_it_runs_with() -> None:
     f["spec"] = {"templateRef": {"name": "report"}, "inputs": {"topic": "operators"}}
     shown = views.detail(f).inputs.text
     assert '"topic": "operators"' in shown and '"words": 200' in shown and '"style": "plain"' in shown
+
+
+def test_a_flow_that_took_a_snapshot_shows_its_inputs_or_says_the_templates_part_could_not_be_read() -> None:
+    from flowkube_api import templates
+
+    tspec = {"parameters": [{"name": "words", "default": 200}], "template": {"flowRef": "a:B"}}
+    data = templates.snapshot({"kind": "FlowTemplate", "metadata": {"name": "report", "uid": "t", "generation": 1},
+                               "spec": tspec})
+    f = flow("t", "Running", template=templates.snapshot_ref(data))
+    f["spec"] = {"templateRef": {"name": "report"}, "inputs": {"topic": "operators"}}
+    assert views.taken_snapshot(f) == templates.snapshot_name(data)
+    spec, note = views.snapshot_spec(f, templates.snapshot_object("ns", data))
+    shown = views.detail(f, spec, note).inputs.text
+    assert '"words": 200' in shown and '"topic": "operators"' in shown and note == ""
+    spec, note = views.snapshot_spec(f, None)
+    d = views.detail(f, spec, note)
+    assert '"topic": "operators"' in d.inputs.text and '"words"' not in d.inputs.text
+    assert "is gone" in d.template_note

@@ -11,7 +11,7 @@ import pytest
 from flowkube_api.constants import Phase, Reason, RunResult, Trigger
 from flowkube_api.report import FeedbackRequest, RunReport, TokenUsage, Usage
 from flowkube_operator.meta import PodView
-from flowkube_operator.reconcile import Plan, plan
+from flowkube_operator.reconcile import Plan, Taken, plan
 
 T0 = dt.datetime(2026, 11, 22, 12, 0, 0, tzinfo=dt.UTC)
 
@@ -830,10 +830,47 @@ def test_a_flow_waits_for_its_template_then_takes_it_once_and_runs_it() -> None:
     assert p.create_pod is not None and body["status"]["definition"] == "Article"
     assert [e[1] for e in p.events] == [Reason.TEMPLATE_RESOLVED]
 
-    # The template changes: the Flow keeps running the copy it took (no template passed, none looked up).
+    # The take stores the template once, in a snapshot the status names (no copy in the status).
+    assert p.snapshot is not None and p.snapshot["kind"] == "ControllerRevision"
+    assert taken["snapshot"] == p.snapshot["metadata"]["name"] and "spec" not in taken
+    assert p.snapshot["metadata"]["namespace"] == "ns" and p.snapshot["data"]["spec"] == TEMPLATE["spec"]
+    assert p.template_spec == TEMPLATE["spec"]
+
+    # The template changes: the Flow keeps running what it took, read from its snapshot (none looked up).
+    p = plan(body, {}, now=T0, template=Taken(spec=TEMPLATE["spec"]))
+    assert p.status.template is not None and p.status.template.generation == 3 and p.snapshot is None
+    assert p.status.definition == "Article" and p.status.phase == Phase.PENDING
+
+
+def test_a_flow_whose_snapshot_is_gone_fails_naming_it_and_never_runs_something_else() -> None:
+    body = templated(inputs={"topic": "operators"})
+    p = plan(body, {}, now=T0, template=TEMPLATE)
+    body["status"] = p.status.dump()
+    name = body["status"]["template"]["snapshot"]
+    p = plan(body, {}, now=T0, template=Taken(problem=f"template snapshot {name!r} (ControllerRevision) is gone"))
+    body["status"] = p.status.dump()
+    assert body["status"]["phase"] == Phase.FAILED and p.create_pod is None
+    assert cond(body, "Succeeded")["reason"] == Reason.TEMPLATE_SNAPSHOT_UNUSABLE
+    assert name in body["status"]["message"]
+    # Its pod running when the snapshot goes: stopped, by the uid the plan saw.
+    running = templated(inputs={"topic": "operators"})
+    running["status"] = {"template": body["status"]["template"], "phase": "Running",
+                         "runs": [{"pod": "f-0", "trigger": "kickoff", "startedAt": "2026-11-22T12:00:00Z"}]}
+    p = plan(running, pod("f-0", "Running"), now=T0, template=Taken(problem="template snapshot gone"))
+    assert p.status.phase == Phase.FAILED and [(d.name, d.uid) for d in p.delete_pods] == [("f-0", "uid-f-0")]
+    # Nothing read at all (a caller that did not load it): failed too, never the Flow's own spec alone.
+    again = templated(inputs={"topic": "operators"})
+    again["status"] = {**body["status"], "phase": "Pending", "finishedAt": None, "conditions": None}
+    assert plan(again, {}, now=T0).status.phase == Phase.FAILED
+
+
+def test_a_flow_an_older_operator_gave_a_status_copy_keeps_running_from_it() -> None:
+    body = templated(inputs={"topic": "operators"})
+    body["status"] = {"template": {"kind": "FlowTemplate", "name": "article", "uid": "t1", "generation": 3,
+                                   "spec": TEMPLATE["spec"]}}
     p = plan(body, {}, now=T0)
-    assert p.status.template is not None and p.status.template.generation == 3
-    assert p.status.definition == "Article"
+    assert p.create_pod is not None and p.snapshot is None and p.status.definition == "Article"
+    assert p.template_spec == TEMPLATE["spec"] and p.status.template is not None and p.status.template.spec
 
 
 def test_inputs_that_do_not_fit_the_templates_parameters_fail_the_flow_naming_the_parameter() -> None:

@@ -125,7 +125,7 @@ def test_a_flow_of_a_template_is_checked_against_the_template_or_the_copy_its_st
         asked.append(key)
         return {"spec": tspec} if key == ("FlowTemplate", "team", "article") else None
 
-    def check(spec: dict[str, Any], status: dict[str, Any] | None = None) -> tuple[dict[str, Any], str | None]:
+    def check(spec: dict[str, Any], status: dict[str, Any] | None = None) -> tuple[dict[str, Any] | None, str | None]:
         return asyncio.run(template_problem(spec, "team", status, lookup))
 
     ok = {"templateRef": {"name": "article"}, "inputs": {"topic": "x"}}
@@ -142,6 +142,22 @@ def test_a_flow_of_a_template_is_checked_against_the_template_or_the_copy_its_st
     assert check({"templateRef": {"name": "gone"}, "inputs": {"topic": 1}}, taken)[1] == (
         'spec.inputs.topic: must be string (a parameter of FlowTemplate "gone" in namespace "team"), not integer')
     assert asked == []
+    # One that took a snapshot is checked against the snapshot's spec (read through the operator's LRU).
+    ref = {"template": {"kind": "FlowTemplate", "name": "gone", "snapshot": "gone-0123456789abcdef", "hash": "h"}}
+
+    async def snapshot(namespace: str, taken: Any) -> dict[str, Any] | None:
+        asked.append((namespace, taken["snapshot"]))
+        return tspec if taken["snapshot"] == "gone-0123456789abcdef" else None
+
+    def check_snapshot(spec: dict[str, Any], status: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+        return asyncio.run(template_problem(spec, "team", status, lookup, snapshot))
+
+    assert check_snapshot({"templateRef": {"name": "gone"}, "inputs": {"topic": 1}}, ref)[1] == (
+        'spec.inputs.topic: must be string (a parameter of FlowTemplate "gone" in namespace "team"), not integer')
+    assert asked == [("team", "gone-0123456789abcdef")]
+    # A snapshot that cannot be read: the Flow's own bytes were checked; the reconcile fails it, naming it.
+    unreadable = {"template": {**ref["template"], "snapshot": "gone-ffffffffffffffff"}}
+    assert check_snapshot({"templateRef": {"name": "gone"}, "inputs": {"topic": 1}}, unreadable) == (None, None)
     assert template_spec_problem({"parameters": [{"name": "n", "type": "integer", "default": "three"}]}) == (
         "spec.parameters[n].default: must be integer")
     assert template_spec_problem({"parameters": [{"name": "n", "type": "integer", "default": 3}]}) is None
