@@ -38,8 +38,10 @@ REPORT_LIMIT = 1 << 20
 # them; names are a flow's own (crewAI method names, its routers' outcomes, model names) and are refused,
 # not clipped, when longer: a clipped name would route or price the wrong thing. docs/api.md lists them.
 NAME_LIMIT = 253  # characters of a pod's or a Flow's name (a DNS subdomain)
-ID_LIMIT = 256  # characters of flowId, sessionId, a method name, an outcome (emit item, defaultOutcome)
-REQUEST_ID_LIMIT = 320  # characters of a feedback request's id: "<method>-<count>"
+ID_LIMIT = 240  # characters of flowId, sessionId, a method name, an outcome (emit item, defaultOutcome)
+# Characters of a feedback request's id ("<method>-<count>"): what the feedback inbox's requestId
+# takes (status.feedback.response.requestId), so every request can be answered by its id.
+REQUEST_ID_LIMIT = 253
 MODEL_NAME_LIMIT = 512  # characters of a model name in usage.byModel (bedrock ARNs, azure deployments)
 MODELS_LIMIT = 64  # models in one report's usage.byModel; the runner folds the rest into "other"
 EMIT_LIMIT = 64  # outcomes of one feedback request (feedbackRequest.emit)

@@ -258,7 +258,7 @@ def test_a_report_over_a_field_bound_is_refused_naming_the_field_and_not_stored(
     assert emit == (422, f"{c.report_key('demo-0')} is not a valid run report: "
                          "feedbackRequest.emit has 10000 items; the limit is 64")
     method = asyncio.run(put({**raw, "feedbackRequest": {"id": "r-1", "method": "m" * 5000}}))
-    assert method[0] == 422 and "feedbackRequest.method is 5000 characters; the limit is 256" in method[1]
+    assert method[0] == 422 and "feedbackRequest.method is 5000 characters; the limit is 240" in method[1]
     models = asyncio.run(put({**raw, "usage": {"byModel": {f"m{i}": {} for i in range(1000)}}}))
     assert models[0] == 422 and "usage.byModel has 1000 models" in models[1]
     typed = asyncio.run(put({**raw, "exitCode": "three"}))
