@@ -19,7 +19,7 @@ import zlib
 from decimal import Decimal
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from flowkube_api.base import Model, Money, Time
 from flowkube_api.constants import EXCERPT_LIMIT, Reason, RunResult, Trigger
@@ -30,6 +30,25 @@ _SUMMARY_MESSAGE_LIMIT = 1024
 # A report's JSON, decompressed. A real one is a few kB (outputs and messages are excerpts); the
 # bound is what a run report can never need, and what an operator replica can decode at once.
 REPORT_LIMIT = 1 << 20
+
+
+# Every field of a report that reaches status or metrics has a bound, checked where the operator decodes
+# the bytes (the state API, the termination message), so a report over one is refused naming the field.
+# Free text is clipped by the runner's own encoder (``RunReport.bounded``), so its reports never exceed
+# them; names are a flow's own (crewAI method names, its routers' outcomes, model names) and are refused,
+# not clipped, when longer: a clipped name would route or price the wrong thing. docs/api.md lists them.
+NAME_LIMIT = 253  # characters of a pod's or a Flow's name (a DNS subdomain)
+ID_LIMIT = 240  # characters of flowId, sessionId, a method name, an outcome (emit item, defaultOutcome)
+# Characters of a feedback request's id ("<method>-<count>"): what the feedback inbox's requestId
+# takes (status.feedback.response.requestId), so every request can be answered by its id.
+REQUEST_ID_LIMIT = 253
+MODEL_NAME_LIMIT = 512  # characters of a model name in usage.byModel (bedrock ARNs, azure deployments)
+MODELS_LIMIT = 64  # models in one report's usage.byModel; the runner folds the rest into "other"
+EMIT_LIMIT = 64  # outcomes of one feedback request (feedbackRequest.emit)
+TEXT_LIMIT = EXCERPT_LIMIT  # characters of message, feedback message, response, output and reply
+COUNT_LIMIT = 1 << 53  # any token or request count (exact as a float, which is what metrics hold)
+COST_LIMIT = Decimal(10) ** 9  # USD of one report's cost, or one model's in it
+OTHER_MODEL = "other"
 
 
 class ReportTooLarge(ValueError):
@@ -173,12 +192,36 @@ class RunReport(Model):
     started_at: Time | None = None
     finished_at: Time | None = None
 
+    @model_validator(mode="after")
+    def _within_bounds(self) -> RunReport:
+        """Refuse a report with any field over its bound (see ``NAME_LIMIT`` and after), naming it."""
+        problem = report_problem(self)
+        if problem is not None:
+            raise ValueError(problem)
+        return self
+
     def to_json(self) -> str:
         return self.model_dump_json(by_alias=True, exclude_none=True)
 
+    def bounded(self) -> RunReport:
+        """This report with its free text clipped to ``TEXT_LIMIT`` bytes and the models beyond the
+        first ``MODELS_LIMIT - 1`` folded into ``other``, so what the runner sends is never refused for
+        them (names are not clipped: see ``NAME_LIMIT``)."""
+        update: dict[str, Any] = {"message": excerpt(self.message, TEXT_LIMIT), "output": _clip(self.output)}
+        if len(self.usage.by_model) > MODELS_LIMIT:
+            update["usage"] = _folded_models(self.usage)
+        if (req := self.feedback_request) is not None:
+            update["feedback_request"] = req.model_copy(
+                update={"message": excerpt(req.message, TEXT_LIMIT), "output": _clip(req.output)})
+        if (applied := self.feedback_applied) is not None:
+            update["feedback_applied"] = applied.model_copy(update={"response": excerpt(applied.response, TEXT_LIMIT)})
+        if (turn := self.conversation) is not None:
+            update["conversation"] = turn.model_copy(update={"reply": _clip(turn.reply)})
+        return self.model_copy(update=update)
+
     def encode(self) -> bytes:
-        """The binaryData value: gzip JSON (mtime 0 so identical reports are identical bytes)."""
-        return gzip.compress(self.to_json().encode("utf-8"), mtime=0)
+        """The binaryData value: gzip JSON (mtime 0 so identical reports are identical bytes), bounded."""
+        return gzip.compress(self.bounded().to_json().encode("utf-8"), mtime=0)
 
     @classmethod
     def decode(cls, data: bytes) -> RunReport:
@@ -202,7 +245,7 @@ class RunReport(Model):
         It backs up the ConfigMap report when that write failed; outputs and the per-model
         breakdown are dropped to stay under the kubelet's limit.
         """
-        summary = self.model_copy(
+        summary = self.bounded().model_copy(
             update={
                 "message": excerpt(self.message, _SUMMARY_MESSAGE_LIMIT),
                 "output": None,
@@ -235,3 +278,85 @@ class RunReport(Model):
                 minimal["conversation"].pop("reply", None)
             text = json.dumps(minimal, separators=(",", ":"))
         return text
+
+
+def _clip(text: str | None) -> str | None:
+    return excerpt(text, TEXT_LIMIT) if text is not None else None
+
+
+def _folded_models(usage: Usage) -> Usage:
+    """``usage`` with the models past the first ``MODELS_LIMIT - 1`` (by name) summed as ``other``."""
+    names = sorted(usage.by_model)
+    kept = {name: usage.by_model[name] for name in names[: MODELS_LIMIT - 1] if name != OTHER_MODEL}
+    rest = TokenUsage()
+    for name in names:
+        if name not in kept:
+            rest = rest.plus_tokens(usage.by_model[name])
+    return usage.model_copy(update={"by_model": {**kept, OTHER_MODEL: rest}})
+
+
+def _text_problem(path: str, value: str | None, limit: int) -> str | None:
+    if value is not None and len(value) > limit:
+        return f"{path} is {len(value)} characters; the limit is {limit}"
+    return None
+
+
+def _usage_problem(path: str, usage: TokenUsage) -> str | None:
+    for name in TokenUsage.model_fields:
+        value = getattr(usage, name)
+        limit = COST_LIMIT if name == "cost" else COUNT_LIMIT
+        if value > limit:
+            return f"{path}.{_camel(name)} is over its limit of {limit}"
+    return None
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(part.title() for part in rest)
+
+
+def _texts(report: RunReport) -> list[tuple[str, str | None, int]]:
+    """(wire path, value, limit) of every string field of ``report``."""
+    out: list[tuple[str, str | None, int]] = [
+        ("pod", report.pod, NAME_LIMIT), ("flow", report.flow, NAME_LIMIT), ("message", report.message, TEXT_LIMIT),
+        ("flowId", report.flow_id, ID_LIMIT), ("output", report.output, TEXT_LIMIT)]
+    if (req := report.feedback_request) is not None:
+        out += [("feedbackRequest.id", req.id, REQUEST_ID_LIMIT), ("feedbackRequest.method", req.method, ID_LIMIT),
+                ("feedbackRequest.message", req.message, TEXT_LIMIT),
+                ("feedbackRequest.defaultOutcome", req.default_outcome, ID_LIMIT),
+                ("feedbackRequest.output", req.output, TEXT_LIMIT)]
+        out += [(f"feedbackRequest.emit[{i}]", item, ID_LIMIT) for i, item in enumerate(req.emit or ())]
+    if (applied := report.feedback_applied) is not None:
+        out += [("feedbackApplied.requestId", applied.request_id, REQUEST_ID_LIMIT),
+                ("feedbackApplied.method", applied.method, ID_LIMIT),
+                ("feedbackApplied.response", applied.response, TEXT_LIMIT),
+                ("feedbackApplied.outcome", applied.outcome, ID_LIMIT)]
+    if (turn := report.conversation) is not None:
+        out += [("conversation.sessionId", turn.session_id, ID_LIMIT), ("conversation.reply", turn.reply, TEXT_LIMIT)]
+    return out
+
+
+def report_problem(report: RunReport) -> str | None:
+    """The first field of ``report`` over its bound, as a refusal naming it; None when all are within.
+
+    Counts before texts: ``feedbackRequest.emit`` could otherwise list a million names to check."""
+    if report.feedback_request is not None and len(report.feedback_request.emit or ()) > EMIT_LIMIT:
+        return f"feedbackRequest.emit has {len(report.feedback_request.emit or ())} items; the limit is {EMIT_LIMIT}"
+    if len(report.usage.by_model) > MODELS_LIMIT:
+        return f"usage.byModel has {len(report.usage.by_model)} models; the limit is {MODELS_LIMIT}"
+    if report.conversation is not None and not 0 <= report.conversation.turn <= COUNT_LIMIT:
+        return f"conversation.turn is {report.conversation.turn}; it is a count from 0 to {COUNT_LIMIT}"
+    if not -(1 << 31) <= report.exit_code < 1 << 31:
+        return f"exitCode is {report.exit_code}; an exit code is a 32-bit integer"
+    for path, value, limit in _texts(report):
+        if (problem := _text_problem(path, value, limit)) is not None:
+            return problem
+    for model in report.usage.by_model:
+        if (problem := _text_problem("usage.byModel key", model, MODEL_NAME_LIMIT)) is not None:
+            return problem
+    if (problem := _usage_problem("usage", report.usage)) is not None:
+        return problem
+    for model, tokens in report.usage.by_model.items():
+        if (problem := _usage_problem(f"usage.byModel[{model}]", tokens)) is not None:
+            return problem
+    return None

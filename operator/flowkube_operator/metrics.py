@@ -3,7 +3,14 @@
 Every number here is a function of the Flow objects the operator caches, so a restarted operator
 exports exactly the same values (no reset, no double count) and a deleted Flow's series vanish.
 Each Flow's series are rendered to text when its status changes; a scrape only concatenates,
-so `/metrics` stays fast with tens of thousands of Flows.
+so `/metrics` stays fast with tens of thousands of Flows, and it does so off the event loop, from a
+``snapshot`` taken on it (see app.py).
+
+Label values a tenant chooses (definition, template and cronflow names, model names) are capped per
+namespace by a ``LabelBudget``: the first ``limit`` (definition, template, cronflow) combinations and
+the first ``limit`` models seen in a namespace keep their names, the rest are folded into ``other``.
+So the number of series per namespace is bounded whatever names a tenant makes up, and a deleted
+Flow's spend, which the namespace's counters keep, stays in one of those bounded series.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ from decimal import Decimal
 from typing import Any
 
 from flowkube_api.base import parse_time
-from flowkube_api.constants import LABEL_CRONFLOW, Phase, Trigger
+from flowkube_api.constants import CRONFLOW_KIND, GROUP, LABEL_CRONFLOW, Phase, Trigger
 from flowkube_operator.resources import definition_name
 
 Body = dict[str, Any]
@@ -57,6 +64,32 @@ ROLLUP_COUNTERS = frozenset({"flowkube_flow_tokens_total", "flowkube_flow_llm_re
                              "flowkube_flow_turns_total"})
 
 
+OTHER = "other"  # the value that every label value past its namespace's budget is folded into
+LABEL_VALUE_LIMIT = 256  # characters of a tenant-chosen label value; a longer one is folded into OTHER
+
+
+class LabelBudget:
+    """The tenant-chosen label values each namespace may use: the first ``limit`` of each kind
+    (``group``: a (definition, template, cronflow) combination; ``model``), in the order the Flows are
+    folded in (on a restart, the cache's first list, which the API server returns by name). A value
+    once admitted stays for the life of the process, so a series never changes its labels."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._seen: dict[tuple[str, str], set[str]] = {}
+
+    def value(self, namespace: str, kind: str, value: str, *parts: str) -> str:
+        """``value`` if it is (or now becomes) one of the namespace's ``kind``, else ``OTHER``; a
+        combination passes its ``parts``, each of which must be within ``LABEL_VALUE_LIMIT``."""
+        seen = self._seen.setdefault((namespace, kind), set())
+        if value in seen:
+            return value
+        if len(seen) >= self.limit or max(len(part) for part in parts or (value,)) > LABEL_VALUE_LIMIT:
+            return OTHER
+        seen.add(value)
+        return value
+
+
 def _escape(v: str) -> str:
     return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
@@ -83,27 +116,58 @@ _PHASES = tuple(p.value for p in Phase)
 _TRIGGERS = tuple(t.value for t in Trigger)
 
 
-def contributions(body: Body) -> dict[tuple[str, Labels], float]:
-    """Every sample one Flow adds, with the full label set (flow included)."""
-    meta, st = body.get("metadata") or {}, body.get("status") or {}
-    ns, name, definition = meta.get("namespace", ""), meta.get("name", ""), _definition(body)
+def cronflow_of(meta: Body) -> str:
+    """The CronFlow that started this Flow: its ``flowkube.io/cronflow`` label only when a CronFlow of
+    that name controls it (a tenant may write the label on any Flow; the CronFlow controller sets the
+    owner, and the garbage collector deletes a Flow whose owner does not exist)."""
+    name = str((meta.get("labels") or {}).get(LABEL_CRONFLOW) or "")
+    if name and any(ref.get("kind") == CRONFLOW_KIND and ref.get("name") == name and ref.get("controller")
+                    and str(ref.get("apiVersion") or "").startswith(f"{GROUP}/")
+                    for ref in meta.get("ownerReferences") or ()):
+        return name
+    return ""
+
+
+def _names(body: Body, budget: LabelBudget) -> tuple[str, Labels]:
+    """The Flow's definition label and its template/cronflow labels, within the namespace's budget."""
+    meta = body.get("metadata") or {}
+    definition = _definition(body)
     # A Flow of a template, or started by a CronFlow, carries its name: spend and usage sum by either.
     template = str(((body.get("spec") or {}).get("templateRef") or {}).get("name") or "")
-    cronflow = str((meta.get("labels") or {}).get(LABEL_CRONFLOW) or "")
+    cronflow = cronflow_of(meta)
+    group = f"{definition}\0{template}\0{cronflow}"
+    if budget.value(meta.get("namespace", ""), "group", group, definition, template, cronflow) == OTHER:
+        definition, template, cronflow = OTHER, template and OTHER, cronflow and OTHER
     of_template: Labels = ((("template", template),) if template else ()) + (
         (("cronflow", cronflow),) if cronflow else ())
+    return definition, of_template
+
+
+def _usage(out: dict[tuple[str, Labels], float], ns: str, base: Labels, of_definition: Labels, usage: Body,
+           budget: LabelBudget) -> None:
+    """The usage families, by model; models past the namespace's budget are summed under ``other``."""
+    for name, u in sorted((usage.get("byModel") or {}).items()):
+        model = budget.value(ns, "model", name)
+        cost = float(Decimal(u.get("cost") or 0))
+        values: list[tuple[tuple[str, Labels], float]] = [
+            (("flowkube_flow_tokens_total", (*base, ("model", model), ("type", tname))), u.get(field, 0))
+            for tname, field in TOKEN_TYPES.items()]
+        values += [(("flowkube_flow_llm_requests_total", (*base, ("model", model))), u.get("successfulRequests", 0)),
+                   (("flowkube_flow_cost_usd_total", (*base, ("model", model))), cost),
+                   (("flowkube_flow_unpriced_tokens_total", (*base, ("model", model))), u.get("unpricedTokens", 0)),
+                   (("flowkube_namespace_cost_usd_total", (*of_definition, ("model", model))), cost)]
+        for sample, v in values:
+            out[sample] = out.get(sample, 0) + v
+
+
+def contributions(body: Body, budget: LabelBudget) -> dict[tuple[str, Labels], float]:
+    """Every sample one Flow adds, with the full label set (flow included)."""
+    meta, st = body.get("metadata") or {}, body.get("status") or {}
+    ns, name = meta.get("namespace", ""), meta.get("name", "")
+    definition, of_template = _names(body, budget)
     base = (("namespace", ns), ("flow", name), ("definition", definition), *of_template)
     out: dict[tuple[str, Labels], float] = {}
-    usage = st.get("usage") or {}
-    for model, u in sorted((usage.get("byModel") or {}).items()):
-        for tname, field in TOKEN_TYPES.items():
-            out[("flowkube_flow_tokens_total", (*base, ("model", model), ("type", tname)))] = u.get(field, 0)
-        out[("flowkube_flow_llm_requests_total", (*base, ("model", model)))] = u.get("successfulRequests", 0)
-        cost = float(Decimal(u.get("cost") or 0))
-        out[("flowkube_flow_cost_usd_total", (*base, ("model", model)))] = cost
-        out[("flowkube_flow_unpriced_tokens_total", (*base, ("model", model)))] = u.get("unpricedTokens", 0)
-        out[("flowkube_namespace_cost_usd_total", (("namespace", ns), ("definition", definition), *of_template,
-                                                   ("model", model)))] = cost
+    _usage(out, ns, base, (("namespace", ns), ("definition", definition), *of_template), st.get("usage") or {}, budget)
     counts = dict.fromkeys(_TRIGGERS, 0)
     for r in st.get("runs") or []:
         counts[r.get("trigger", "kickoff")] = counts.get(r.get("trigger", "kickoff"), 0) + 1
@@ -138,9 +202,32 @@ def _family_of(sample: str) -> str:
     return sample
 
 
+DEFAULT_LABEL_VALUES = 20
+_WAIT_SAMPLES = len(WAIT_BUCKETS) + 3  # the buckets, +Inf, _sum and _count
+
+
+def flow_series_budget(label_values: int) -> int:
+    """Most series one Flow adds with per-flow metrics: 8 per model (five token types, requests, cost,
+    unpriced tokens) for at most ``label_values`` + 1 models (``other``), 4 triggers, 7 phases, turns."""
+    return 8 * (label_values + 1) + len(_TRIGGERS) + len(_PHASES) + 1
+
+
+def namespace_series_budget(label_values: int, per_flow: bool) -> int:
+    """Most series a namespace adds besides its Flows' own, however many Flows it made and deleted:
+    ``flowkube_namespace_cost_usd_total`` per (group, model), ``flowkube_flows`` per phase and the
+    feedback histogram per definition; in rollup mode also the per-flow families without ``flow``."""
+    groups = models = label_values + 1
+    total = groups * models + len(_PHASES) + _WAIT_SAMPLES * groups
+    if not per_flow:
+        total += 8 * groups * models + (len(_TRIGGERS) + len(_PHASES) + 1) * groups
+    return total
+
+
+
 class FlowMetrics:
-    def __init__(self, per_flow: bool = True) -> None:
+    def __init__(self, per_flow: bool = True, label_values: int = DEFAULT_LABEL_VALUES) -> None:
         self.per_flow = per_flow
+        self.budget = LabelBudget(label_values)
         self._contrib: dict[Key, dict[tuple[str, Labels], float]] = {}
         self._chunks: dict[Key, dict[str, str]] = {}
         self._agg: dict[tuple[str, Labels], float] = defaultdict(float)
@@ -150,7 +237,7 @@ class FlowMetrics:
         return len(self._contrib)
 
     def update(self, key: Key, body: Body | None) -> None:
-        new = contributions(body) if body is not None else {}
+        new = contributions(body, self.budget) if body is not None else {}
         # Only the small aggregated part is kept as numbers; per-flow series are kept as text.
         agg = {k: v for k, v in new.items() if not self.per_flow or k[0] not in PER_FLOW}
         old = self._contrib.pop(key, {})
@@ -184,6 +271,29 @@ class FlowMetrics:
             labels = tuple(kv for kv in labels if kv[0] != "flow")
         return name, labels
 
+    def snapshot(self) -> MetricsSnapshot:
+        """What ``render`` needs, copied on the event loop that updates it, to render in a thread: the
+        aggregates (a few hundred numbers per namespace) and the per-flow text, whose chunks ``update``
+        replaces and never changes in place, so a shallow copy is enough."""
+        return MetricsSnapshot(self.per_flow, dict(self._agg), list(self._chunks.values()) if self.per_flow else [])
+
+    def render(self) -> str:
+        return self.snapshot().render()
+
+    def series(self) -> int:
+        """How many series (samples) ``render`` exports: what the budget in docs/api.md bounds."""
+        flows = sum(ch.count("\n") for chunks in self._chunks.values() for ch in chunks.values())
+        namespaces = {dict(labels)["namespace"] for name, labels in self._agg if name == "flowkube_flows"}
+        phases = {(name, labels) for name, labels in self._agg if name == "flowkube_flows"}
+        return flows + len(self._agg) - len(phases) + len(namespaces) * len(_PHASES)
+
+
+class MetricsSnapshot:
+    """The samples of a ``FlowMetrics`` at one moment; ``render`` touches nothing else."""
+
+    def __init__(self, per_flow: bool, agg: dict[tuple[str, Labels], float], chunks: list[dict[str, str]]) -> None:
+        self.per_flow, self._agg, self._chunks = per_flow, agg, chunks
+
     def render(self) -> str:
         by_family: dict[str, list[str]] = defaultdict(list)
         samples = dict(self._agg)
@@ -197,6 +307,6 @@ class FlowMetrics:
         for fam, (mtype, help_text) in FAMILIES.items():
             parts.append(f"# HELP {fam} {help_text}\n# TYPE {fam} {mtype}\n")
             if self.per_flow and fam in PER_FLOW:
-                parts.extend(ch.get(fam, "") for ch in self._chunks.values())
+                parts.extend(ch.get(fam, "") for ch in self._chunks)
             parts.extend(by_family.get(fam, ()))
         return "".join(parts)

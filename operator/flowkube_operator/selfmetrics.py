@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from flowkube_operator.metrics import DEFAULT_LABEL_VALUES, LabelBudget
+
 REGISTRY = CollectorRegistry(auto_describe=True)
 
 RECONCILE_SECONDS = Histogram(
@@ -40,14 +42,33 @@ LEADER = Gauge("flowkube_operator_leader",
                "1 while this replica reconciles (holds the Lease, or runs without leader election), else 0. "
                "Only the leader exports the per-flow series.", registry=REGISTRY)
 
+
+
+class _ByDefinition:
+    """A histogram by namespace and definition whose definitions, a tenant's own names, are capped per
+    namespace like the per-flow metrics' (``LabelBudget``: the first ``limit``, then ``other``): its
+    series outlive the Flows, so without the cap made-up names would add series for ever."""
+
+    def __init__(self, histogram: Histogram, limit: int = DEFAULT_LABEL_VALUES) -> None:
+        self._histogram = histogram
+        self._budget = LabelBudget(limit)
+
+    def limit(self, limit: int) -> None:
+        """Set the cap (the operator's ``metrics_label_values``) before anything is observed."""
+        self._budget = LabelBudget(limit)
+
+    def labels(self, namespace: str, definition: str) -> Histogram:
+        return self._histogram.labels(namespace, self._budget.value(namespace, "definition", definition))
+
+
 # Named for the conversation, not the operator: a user-facing latency. Observed once, by the replica
 # whose status write put the reply in place (so a dashboard sums replicas without double counting).
-TURN_SECONDS = Histogram(
+TURN_SECONDS = _ByDefinition(Histogram(
     "flowkube_conversation_turn_seconds",
     "Time from a conversation message accepted to its reply in the Flow's status.",
     ["namespace", "definition"], registry=REGISTRY,
     buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300),
-)
+))
 
 # Notifications (notifier.py): counted by the leader that ended the delivery.
 NOTIFICATIONS = Counter(

@@ -148,6 +148,11 @@ class Settings(BaseSettings):
         default=True,
         description="Export per-flow series; false keeps only namespace/definition/model rollups.",
     )
+    metrics_label_values: int = Field(
+        default=20, ge=1, le=1000,
+        description="Per namespace, how many (definition, template, cronflow) combinations and how many model "
+        "names keep their own label values in the metrics; later ones are counted under `other` (docs/api.md).",
+    )
     bind_address: str = Field(default="0.0.0.0", description="Address the HTTP endpoints listen on.")  # noqa: S104
 
     state_port: int = Field(default=8443, ge=1, le=65535,

@@ -515,7 +515,9 @@ class StateApi:
                 report = RunReport.decode(value)
             except ReportTooLarge as e:
                 return _error(413, f"{key}: {e} (a run report is a few kB)")
-            except (ValidationError, OSError, ValueError, EOFError):
+            except ValidationError as e:
+                return _error(422, f"{key} is not a valid run report: {_first_error(e)}")
+            except (OSError, ValueError, EOFError):
                 return _error(400, f"{key} must hold a run report (gzip JSON)")
             if report.pod != t.pod:
                 return _error(403, f"pod {t.pod} may report only its own run, not {report.pod!r}")
@@ -546,6 +548,14 @@ class StateApi:
         await web.TCPSite(runner, host, port, ssl_context=ctx).start()
         log.info("serving the state API on https://%s:%s", host, port)
         return runner
+
+
+def _first_error(e: ValidationError) -> str:
+    """The first refusal of a report, naming its field (a bound's own message names it already)."""
+    first = e.errors(include_url=False, include_input=False)[0]
+    where = ".".join(str(part) for part in first["loc"])
+    message = str(first["msg"]).removeprefix("Value error, ")
+    return f"{where}: {message}" if where else message
 
 
 def _error(status: int, message: str) -> web.Response:

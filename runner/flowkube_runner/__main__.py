@@ -22,7 +22,7 @@ from types import FrameType
 from typing import NoReturn
 
 from flowkube_api import constants as c
-from flowkube_api.report import RunReport
+from flowkube_api.report import RunReport, excerpt
 
 from .config import ConfigError, RunnerConfig
 from .run import execute, publish
@@ -112,7 +112,7 @@ def run_from_environment() -> int:
             trigger=c.Trigger.KICKOFF,
             result=c.RunResult.FAILED,
             reason=e.reason,
-            message=str(e),
+            message=excerpt(str(e)),
             exit_code=c.EXIT_PERMANENT,
             started_at=started_at,
             finished_at=datetime.now(UTC),
@@ -130,7 +130,7 @@ def run_from_environment() -> int:
             trigger=config.trigger,
             result=c.RunResult.FAILED,
             reason=c.Reason.INTERNAL_ERROR,
-            message=f"state store: {e}",
+            message=excerpt(f"state store: {e}"),
             exit_code=c.EXIT_RETRYABLE,
             started_at=started_at,
             finished_at=datetime.now(UTC),

@@ -1,8 +1,8 @@
 """A scripted runner for operator lifecycle tests only (not shipped, not crewAI).
 
 It behaves as the Flow's `spec.inputs.plan[run index]` says — sleep (with an interim report every
-`interim` seconds, one more token each, as after each LLM call), exit code, result, tokens, cost (a
-decimal string) and unpriced tokens,
+`interim` seconds, one more token each, as after each LLM call), exit code, result, tokens (of `model`,
+`stub-model` unless given), cost (a decimal string) and unpriced tokens,
 feedback request — and reports exactly like the real runner: a gzip RunReport in the Flow's state,
 written through the operator's state API with the pod's bound token (the runner's own client).
 The real runner is exercised end to end by the runner and feedback tests.
@@ -19,6 +19,7 @@ import time
 import zlib
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 from flowkube_api import constants as c
 from flowkube_api.report import FeedbackRequest, RunReport, TokenUsage, Usage
@@ -27,6 +28,31 @@ from flowkube_runner.store import StateApiStore, StateTooLarge, StoreError
 
 def _stop(*_: object) -> None:
     sys.exit(143)
+
+
+def _abuse(store: StateApiStore, pod: str, step: dict[str, Any]) -> None:
+    """What an abusive runner (its own image, or a script step) sends before its real report."""
+    if step.get("bomb"):
+        # An abusive runner (its own image, or a script step): a gzip bomb under the value limit as
+        # its report, `bomb` MiB of zeros. The state API's answer goes to the log for the test.
+        out = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+        zeros = bytes(1 << 20)
+        bomb = b"".join([*(out.compress(zeros) for _ in range(int(step["bomb"]))), out.flush()])
+        try:
+            store.put(c.report_key(pod), bomb)
+            print("bomb: stored", flush=True)
+        except (StoreError, StateTooLarge) as e:
+            print(f"bomb: refused: {type(e).__name__}: {e}", flush=True)
+    if step.get("raw_report"):
+        # A runner that sends what it likes as its report (its own image): the state API's answer
+        # goes to the log for the test, and the run goes on to its real report.
+        raw = {"pod": pod, "trigger": os.environ[c.ENV_TRIGGER], "result": "Failed", "reason": "FlowError",
+               "exitCode": 1, **step["raw_report"]}
+        try:
+            store.put(c.report_key(pod), zlib.compress(json.dumps(raw).encode(), wbits=16 + zlib.MAX_WBITS))
+            print("raw: stored", flush=True)
+        except (StoreError, StateTooLarge) as e:
+            print(f"raw: refused: {type(e).__name__}: {e}", flush=True)
 
 
 def main() -> int:
@@ -42,17 +68,7 @@ def main() -> int:
         Path(step["touch"]).write_text(pod)
     store = StateApiStore.from_environment()
     tokens = int(step.get("tokens", 0))
-    if step.get("bomb"):
-        # An abusive runner (its own image, or a script step): a gzip bomb under the value limit as
-        # its report, `bomb` MiB of zeros. The state API's answer goes to the log for the test.
-        out = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
-        zeros = bytes(1 << 20)
-        bomb = b"".join([*(out.compress(zeros) for _ in range(int(step["bomb"]))), out.flush()])
-        try:
-            store.put(c.report_key(pod), bomb)
-            print("bomb: stored", flush=True)
-        except (StoreError, StateTooLarge) as e:
-            print(f"bomb: refused: {type(e).__name__}: {e}", flush=True)
+    _abuse(store, pod, step)
     if step.get("interim"):
         # As the real runner after each LLM call: the usage so far, as an interrupted run's report.
         deadline = time.monotonic() + float(step.get("sleep", 0))
@@ -92,7 +108,8 @@ def main() -> int:
         pod=pod, flow=os.environ[c.ENV_FLOW_NAME], trigger=os.environ[c.ENV_TRIGGER], result=result,
         reason=step.get("reason", {"Succeeded": "RunSucceeded", "Paused": "RunPaused"}.get(result, "FlowError")),
         message=step.get("message", f"fake {result}; feedback={os.environ.get(c.ENV_FEEDBACK, '')}"),
-        exit_code=exit_code, usage=Usage(**t.model_dump(), by_model={"stub-model": t} if tokens else {}),
+        exit_code=exit_code,
+        usage=Usage(**t.model_dump(), by_model={step.get("model", "stub-model"): t} if tokens else {}),
         output=step.get("output"), feedback_request=fr,
     )
     if not step.get("no_report"):

@@ -343,3 +343,64 @@ def test_labelled_secrets_near_1_mib_by_the_hundred_cost_the_operator_nothing_of
           f"watch events, {relisted:.0f} MB after a restart listed them all")
     assert watched < SECRETS_RSS_MB and relisted < SECRETS_RSS_MB
     cluster.kubectl("delete", "secret", "-n", flows.ns, "-l", c.LABEL_NOTIFICATIONS, "--wait=false")
+
+
+def test_a_report_with_every_field_at_its_bound_is_folded_and_one_over_is_refused_naming_it(
+        flows: Flows, operator: ChartOperator, cluster: LocalCluster) -> None:
+    """A runner sends a report over a field's bound (65 outcomes), then one with every field of its
+    feedback request at its bound: the first is refused naming the field, the second is the status."""
+    before = restarts(operator)
+    request = {"id": "r" * 253, "method": "m" * 240, "message": "x" * 4096,
+               "emit": [f"{i:03d}" + "o" * 237 for i in range(64)], "defaultOutcome": "000" + "o" * 237}
+    over = {"result": "Paused", "reason": "RunPaused", "exitCode": 0,
+            "feedbackRequest": {**request, "emit": [*request["emit"], "one-more"]}}
+    flows.apply("wide", {"flowRef": "a:B", "inputs": {"plan": [
+        {"result": "Paused", "feedback": request, "tokens": 2, "raw_report": over}]}})
+    st = flows.wait_phase("wide", "AwaitingFeedback", timeout=120)
+    got = st["feedback"]["request"]
+    assert (len(got["id"]), len(got["method"]), len(got["message"]), len(got["emit"])) == (253, 240, 4096, 64)
+    assert st["usage"]["totalTokens"] == 2
+    log = cluster.kubectl("logs", "wide-0", "-n", flows.ns).stdout
+    assert "raw: refused: StoreError" in log and "HTTP 422" in log, log
+    assert "feedbackRequest.emit has 65 items; the limit is 64" in log, log
+    assert restarts(operator) == before, operator.diagnose()
+
+
+def namespace_series(text: str, namespace: str) -> list[str]:
+    return [line for line in text.splitlines() if not line.startswith("#") and f'namespace="{namespace}"' in line]
+
+
+def test_made_up_names_by_the_thousand_created_and_deleted_leave_at_most_the_series_budget(
+        flows: Flows, operator: ChartOperator, cluster: LocalCluster) -> None:
+    """Thousands of definition names and cronflow labels (forged: no CronFlow owns these Flows), and
+    a few dozen runs each with its own definition and model, all deleted: the namespace keeps at
+    most its documented budget of series (docs/api.md, 763 at 20 names), and its spend, counted once."""
+    before = restarts(operator)
+    forged = [{"apiVersion": c.API_VERSION, "kind": c.KIND,
+               "metadata": {"name": f"made-up-{i}", "labels": {c.LABEL_CRONFLOW: f"cron-{i}", "abuse": "names"}},
+               "spec": {"flowRef": f"a:Made{i}", "suspend": True}} for i in range(2000)]
+    for start in range(0, len(forged), 250):
+        cluster.kubectl("apply", "-n", flows.ns, "-f", "-", timeout=180,
+                        input=json.dumps({"apiVersion": "v1", "kind": "List", "items": forged[start:start + 250]}))
+    runs = 40
+    for i in range(runs):
+        cluster.kubectl("apply", "-n", flows.ns, "-f", "-", input=json.dumps({
+            "apiVersion": c.API_VERSION, "kind": c.KIND,
+            "metadata": {"name": f"spender-{i}", "labels": {"abuse": "names"}},
+            "spec": {"flowRef": f"a:Def{i}", "inputs": {"plan": [{"tokens": 3, "cost": "0.01", "model": f"m-{i}"}]}}}))
+    for i in range(runs):
+        flows.wait_phase(f"spender-{i}", "Succeeded", timeout=300)
+    text = operator.metrics()
+    assert f'namespace="{flows.ns}",flow="made-up-0",' in text  # while they exist
+    definitions = {part for line in namespace_series(text, flows.ns) for part in line.split(",")
+                   if part.startswith("definition=")}
+    assert len(definitions) <= 21, sorted(definitions)  # 20 names and "other"
+    assert "cronflow=" not in "".join(namespace_series(text, flows.ns))  # a forged label is no label value
+    cluster.kubectl("delete", "flows", "-n", flows.ns, "-l", "abuse=names", "--wait=true", timeout=600)
+    series = namespace_series(operator.metrics(), flows.ns)
+    print(f"\nseries of namespace {flows.ns} after 2040 made-up names came and went: {len(series)}")
+    assert len(series) <= 763, "\n".join(series[:50])
+    spend = [float(line.rsplit(" ", 1)[1]) for line in series if line.startswith("flowkube_namespace_cost_usd_total")]
+    assert abs(sum(spend) - 0.01 * runs) < 1e-9
+    assert any('definition="other"' in line and 'model="other"' in line for line in series)
+    assert restarts(operator) == before, operator.diagnose()

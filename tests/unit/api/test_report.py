@@ -55,3 +55,97 @@ def test_a_report_with_negative_counts_is_not_a_report() -> None:
     raw["usage"]["byModel"] = {"gpt-4o-mini": {"promptTokens": -5}}
     with pytest.raises(ValidationError):
         RunReport.model_validate(raw)
+
+
+def _raw(**fields: object) -> dict[str, object]:
+    import json
+
+    raw: dict[str, object] = json.loads(REPORT.to_json())
+    raw.update(fields)
+    return raw
+
+
+def _request(**fields: object) -> dict[str, object]:
+    return {"id": "review-1", "method": "review", "emit": ["approved", "rejected"], **fields}
+
+
+def _largest() -> dict[str, object]:
+    """A report with every bounded field at its bound: what a runner may send at most."""
+    from flowkube_api import report as r
+
+    method, name = "m" * r.ID_LIMIT, "o" * r.ID_LIMIT
+    models = {f"{i:03d}" + "x" * (r.MODEL_NAME_LIMIT - 3): {"totalTokens": 1} for i in range(r.MODELS_LIMIT)}
+    return _raw(pod="p" * r.NAME_LIMIT, flow="f" * r.NAME_LIMIT, message="é" * r.TEXT_LIMIT, flowId=name,
+                output="x" * r.TEXT_LIMIT, exitCode=(1 << 31) - 1,
+                usage={"totalTokens": r.COUNT_LIMIT, "cost": str(r.COST_LIMIT), "byModel": models},
+                feedbackRequest=_request(id="i" * r.REQUEST_ID_LIMIT, method=method, message="x" * r.TEXT_LIMIT,
+                                         emit=[name] * r.EMIT_LIMIT, defaultOutcome=name, output="x" * r.TEXT_LIMIT),
+                feedbackApplied={"requestId": "i" * r.REQUEST_ID_LIMIT, "method": method,
+                                 "response": "x" * r.TEXT_LIMIT, "outcome": name},
+                conversation={"sessionId": name, "turn": 3, "reply": "x" * r.TEXT_LIMIT})
+
+
+def test_a_report_with_every_field_at_its_bound_is_accepted() -> None:
+    import json
+
+    largest = RunReport.decode(gzip.compress(json.dumps(_largest()).encode()))
+    assert largest.feedback_request is not None and len(largest.feedback_request.emit or ()) == 64
+    assert len(largest.usage.by_model) == 64
+
+
+@pytest.mark.parametrize(("path", "value", "named"), [
+    (("pod",), "p" * 254, "pod is 254 characters; the limit is 253"),
+    (("flow",), "f" * 254, "flow is 254 characters"),
+    (("message",), "x" * 4097, "message is 4097 characters; the limit is 4096"),
+    (("flowId",), "x" * 241, "flowId is 241 characters"),
+    (("exitCode",), 1 << 40, "exitCode"),
+    (("feedbackRequest", "id"), "i" * 254, "feedbackRequest.id is 254 characters; the limit is 253"),
+    (("feedbackRequest", "method"), "m" * 241, "feedbackRequest.method is 241 characters; the limit is 240"),
+    (("feedbackRequest", "message"), "x" * 4097, "feedbackRequest.message is 4097"),
+    (("feedbackRequest", "emit"), ["a"] * 65, "feedbackRequest.emit has 65 items; the limit is 64"),
+    (("feedbackRequest", "emit"), ["a", "o" * 241], r"feedbackRequest.emit\[1\] is 241 characters"),
+    (("feedbackRequest", "defaultOutcome"), "o" * 241, "feedbackRequest.defaultOutcome is 241"),
+    (("feedbackApplied", "response"), "x" * 4097, "feedbackApplied.response is 4097"),
+    (("feedbackApplied", "outcome"), "o" * 241, "feedbackApplied.outcome is 241"),
+    (("conversation", "sessionId"), "s" * 241, "conversation.sessionId is 241"),
+    (("conversation", "reply"), "x" * 4097, "conversation.reply is 4097"),
+    (("usage", "byModel"), {f"m{i}": {} for i in range(65)}, "usage.byModel has 65 models; the limit is 64"),
+    (("usage", "byModel"), {"m" * 513: {}}, "usage.byModel key is 513 characters; the limit is 512"),
+    (("usage", "totalTokens"), 1 << 60, "usage.totalTokens is over its limit"),
+    (("usage", "cost"), "1e30", "usage.cost is over its limit"),
+    (("usage", "byModel"), {"gpt": {"promptTokens": 1 << 60}}, r"usage.byModel\[gpt\].promptTokens is over"),
+])
+def test_a_report_over_any_bound_is_refused_naming_the_field(path: tuple[str, ...], value: object, named: str) -> None:
+    """Every field a runner sends that reaches status or metrics: refused where the bytes are decoded."""
+    import json
+
+    from pydantic import ValidationError
+
+    raw = _raw(feedbackRequest=_request(), feedbackApplied={"requestId": "review-1", "method": "review"},
+               conversation={"sessionId": "s-1"})
+    where: dict[str, object] = raw
+    for key in path[:-1]:
+        where = where.setdefault(key, {})  # type: ignore[assignment]
+    where[path[-1]] = value
+    with pytest.raises(ValidationError, match=named):
+        RunReport.decode(gzip.compress(json.dumps(raw).encode()))
+    with pytest.raises(ValidationError, match=named):  # the termination message's path
+        RunReport.model_validate_json(json.dumps(raw))
+
+
+def test_what_a_runner_encodes_is_never_refused_for_its_text_or_its_number_of_models() -> None:
+    """The runner's own encoder clips free text (a long exception, a long feedback prompt) and folds
+    models past the bound into ``other``, keeping every token."""
+    from flowkube_api.report import MODELS_LIMIT, OTHER_MODEL, FeedbackRequest, TokenUsage
+
+    report = REPORT.model_copy(update={
+        "message": "boom " * 10_000,
+        "usage": Usage(total_tokens=200, by_model={f"model-{i:03d}": TokenUsage(total_tokens=2) for i in range(100)}),
+        "feedback_request": FeedbackRequest(id="review-1", method="review", message="please " * 5_000),
+    })
+    decoded = RunReport.decode(report.encode())
+    assert len(decoded.message.encode()) <= 4096 and decoded.message.startswith("boom")
+    assert len(decoded.usage.by_model) == MODELS_LIMIT
+    assert decoded.usage.by_model[OTHER_MODEL].total_tokens == 2 * (100 - MODELS_LIMIT + 1)
+    assert sum(u.total_tokens for u in decoded.usage.by_model.values()) == 200
+    assert RunReport.model_validate_json(report.termination_summary()).usage.total_tokens == 200

@@ -459,6 +459,7 @@ def test_operator_settings_and_ports(helm: Path) -> None:
         "FLOWKUBE_WEBHOOK_CONFIGURATION": "flowkube-flowkube-system.flowkube.io",
         "FLOWKUBE_VALIDATOR_URL": "http://127.0.0.1:8081/validate",
         "FLOWKUBE_METRICS_PER_FLOW": "true",
+        "FLOWKUBE_METRICS_LABEL_VALUES": "20",
         "FLOWKUBE_LOG_FORMAT": "json",
         "FLOWKUBE_LOG_LEVEL": "INFO",
     }

@@ -25,6 +25,14 @@ def body(name: str, phase: str = "Succeeded", tokens: tuple[int, int] = (10, 5),
     }
 
 
+def of_cronflow(b: dict[str, Any], cronflow: str) -> dict[str, Any]:
+    """``b`` as the CronFlow controller makes it: its label and its controller reference."""
+    b["metadata"]["labels"] = {"flowkube.io/cronflow": cronflow}
+    b["metadata"]["ownerReferences"] = [{"apiVersion": "flowkube.io/v1alpha1", "kind": "CronFlow", "name": cronflow,
+                                         "uid": f"uid-{cronflow}", "controller": True}]
+    return b
+
+
 def samples(text: str) -> dict[str, float]:
     out = {}
     for line in text.splitlines():
@@ -161,8 +169,150 @@ def test_flows_of_a_template_carry_its_name_and_spend_sums_by_template() -> None
 
 def test_flows_of_a_cronflow_carry_its_name() -> None:
     m = FlowMetrics(per_flow=True)
-    b = body("nightly-29000000")
-    b["metadata"]["labels"] = {"flowkube.io/cronflow": "nightly"}
-    m.update(("team-a", "nightly-29000000"), b)
+    m.update(("team-a", "nightly-29000000"), of_cronflow(body("nightly-29000000"), "nightly"))
     assert ('flowkube_flow_llm_requests_total{namespace="team-a",flow="nightly-29000000",definition="research",'
             'cronflow="nightly",model="gpt-4o"} 2') in m.render()
+
+
+def test_a_cronflow_label_on_a_flow_no_cronflow_owns_is_not_a_label_value() -> None:
+    """Anyone who may write a Flow may write the label; only a CronFlow's own Flows carry its name."""
+    m = FlowMetrics(per_flow=True)
+    forged = body("forged")
+    forged["metadata"]["labels"] = {"flowkube.io/cronflow": "nightly"}
+    other_owner = of_cronflow(body("other-owner"), "nightly")
+    other_owner["metadata"]["ownerReferences"][0]["name"] = "weekly"  # owned, but by another CronFlow
+    m.update(("team-a", "forged"), forged)
+    m.update(("team-a", "other-owner"), other_owner)
+    text = m.render()
+    assert "cronflow=" not in text
+    assert 'flowkube_flow_llm_requests_total{namespace="team-a",flow="forged",definition="research",' \
+        'model="gpt-4o"} 2' in text
+
+
+@pytest.mark.parametrize("per_flow", [True, False])
+def test_thousands_of_names_created_and_deleted_leave_at_most_the_documented_series(per_flow: bool) -> None:
+    """A tenant making up definition, cronflow and model names by the thousand, with Flows it then
+    deletes, moves its own namespace's series into ``other``; the spend stays counted, once."""
+    from flowkube_operator.metrics import OTHER, flow_series_budget, namespace_series_budget
+
+    m = FlowMetrics(per_flow=per_flow, label_values=20)
+    m.update(("team-b", "steady"), body("steady", ns="team-b"))
+    steady = m.series()
+    for i in range(3000):
+        b = of_cronflow(body(f"f{i}", model=f"model-{i}"), f"cron-{i}")
+        b["status"]["definition"] = f"def-{i}"
+        b["status"]["usage"]["byModel"][f"model-{i}"]["cost"] = "0.25"
+        b["status"]["feedback"]["history"] = [{"requestedAt": "2026-11-22T00:00:00Z", "respondedAt":
+                                               "2026-11-22T00:00:09Z"}]
+        m.update(("team-a", f"f{i}"), b)
+        assert m.series() <= steady + namespace_series_budget(20, per_flow) + (i + 1) * flow_series_budget(20)
+    for i in range(3000):
+        m.update(("team-a", f"f{i}"), None)
+    # The namespace's series: at most its budget, 763 (per-flow) or 4543 (rollup) at 20 names (docs/api.md).
+    assert namespace_series_budget(20, per_flow) == (763 if per_flow else 4543)
+    assert m.series() - steady <= namespace_series_budget(20, per_flow)
+    text = m.render()
+    s = samples(text)
+    assert len(s) == m.series()
+    spend = {k: v for k, v in s.items() if k.startswith('flowkube_namespace_cost_usd_total{namespace="team-a"')}
+    assert sum(spend.values()) == pytest.approx(0.25 * 3000)  # every deleted Flow's spend, counted once
+    other = f'namespace="team-a",definition="{OTHER}",cronflow="{OTHER}",model="{OTHER}"'
+    assert spend[f"flowkube_namespace_cost_usd_total{{{other}}}"] == pytest.approx(0.25 * 2980)
+    assert len({k for k in spend if 'definition="def-' in k}) == 20  # the first 20 names seen keep theirs
+    # Another namespace's names are its own: untouched by team-a's.
+    assert 'flowkube_namespace_cost_usd_total{namespace="team-b",definition="research",model="gpt-4o"}' in text
+
+
+def test_a_label_value_longer_than_the_limit_is_folded() -> None:
+    m = FlowMetrics(per_flow=True)
+    b = body("long", model="m" * 300)
+    b["status"]["definition"] = "d" * 300
+    m.update(("team-a", "long"), b)
+    text = m.render()
+    assert "m" * 300 not in text and "d" * 300 not in text
+    assert 'flow="long",definition="other",model="other"' in text
+    b = body("long-template")
+    b["spec"] = {"templateRef": {"name": "t" * 253}}
+    b["status"]["definition"] = "d" * 256  # each within the limit, together longer: both kept
+    m.update(("team-a", "long-template"), b)
+    assert f'flow="long-template",definition="{"d" * 256}",template="{"t" * 253}",model="gpt-4o"' in m.render()
+
+
+def test_render_time_at_10000_flows() -> None:
+    """Not a timed assertion: prints the figures (`pytest -s`) for docs and bench_scale. The render
+    runs in a thread (app.py); on the event loop only the snapshot is taken."""
+    import gc
+    import time
+
+    for per_flow in (True, False):
+        m = FlowMetrics(per_flow=per_flow)
+        for i in range(10_000):
+            ns = f"team-{i % 20}"
+            m.update((ns, f"f{i}"), body(f"f{i}", ns=ns))
+        gc.collect()  # a collection can fall in any allocation on the loop: not the snapshot's own time
+        started = time.perf_counter()
+        snap = m.snapshot()
+        taken = time.perf_counter()
+        text = snap.render()
+        done = time.perf_counter()
+        print(f"\n10,000 Flows, per_flow={per_flow}: snapshot {1000 * (taken - started):.2f} ms on the loop, "
+              f"render {1000 * (done - taken):.1f} ms in a thread, {len(text)} bytes, {m.series()} series")
+        assert text.count("\n") - 2 * 10 == m.series()  # every sample but the HELP and TYPE lines
+
+
+def test_the_turn_latency_histogram_caps_definitions_per_namespace() -> None:
+    """Its series outlive the Flows: made-up definition names go to ``other`` past the namespace's cap."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from flowkube_operator.selfmetrics import TURN_SECONDS, _ByDefinition
+
+    registry = CollectorRegistry()
+    turns = _ByDefinition(Histogram("turn_seconds", "", ["namespace", "definition"], registry=registry), limit=3)
+    for i in range(1000):
+        turns.labels("team-a", f"def-{i}").observe(1.0)
+    turns.labels("team-b", "chat").observe(1.0)
+    counts = samples(generate_latest(registry).decode())
+    assert {k: v for k, v in counts.items() if k.startswith("turn_seconds_count")} == {
+        'turn_seconds_count{definition="def-0",namespace="team-a"}': 1.0,
+        'turn_seconds_count{definition="def-1",namespace="team-a"}': 1.0,
+        'turn_seconds_count{definition="def-2",namespace="team-a"}': 1.0,
+        'turn_seconds_count{definition="other",namespace="team-a"}': 997.0,
+        'turn_seconds_count{definition="chat",namespace="team-b"}': 1.0}
+    assert isinstance(TURN_SECONDS, _ByDefinition)  # the operator's own is capped the same way
+
+
+def test_metrics_are_rendered_off_the_event_loop_from_a_snapshot(tmp_path: Any, monkeypatch: Any) -> None:
+    """The loop that renews the Lease only takes the snapshot; the text is made in another thread."""
+    import asyncio
+    import threading
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from flowkube_operator import tls
+    from flowkube_operator.app import App
+    from flowkube_operator.metrics import MetricsSnapshot
+    from flowkube_operator.settings import Settings
+
+    app = App(Settings(webhook_enabled=False, leader_election=False),
+              tls.issue(tls.ca_from_dir(str(tmp_path)), str(tmp_path), ["127.0.0.1"], ""))
+    app.controller.flow_event("ADDED", {"metadata": {"name": "f", "namespace": "ns", "uid": "u1",
+                                                     "resourceVersion": "3"},
+                                        "spec": {"flowRef": "a:B"}, "status": {"phase": "Running"}})
+    app.controller.leading = True  # only the leader exports the per-flow series
+    rendered_on: list[threading.Thread] = []
+    render = MetricsSnapshot.render
+
+    def spy(self: MetricsSnapshot) -> str:
+        rendered_on.append(threading.current_thread())
+        return render(self)
+
+    monkeypatch.setattr(MetricsSnapshot, "render", spy)
+
+    async def scrape() -> tuple[str, threading.Thread]:
+        async with TestClient(TestServer(app._metrics_app())) as client:
+            return await (await client.get("/metrics")).text(), threading.current_thread()
+
+    text, loop_thread = asyncio.run(scrape())
+    assert 'flowkube_flow_phase{namespace="ns",flow="f",definition="' in text
+    assert "flowkube_operator_leader" in text
+    assert rendered_on and all(t is not loop_thread for t in rendered_on)

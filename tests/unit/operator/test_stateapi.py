@@ -241,6 +241,38 @@ def test_a_closed_runs_pod_may_write_only_its_own_report_and_the_controller_hear
     assert RunReport.decode(base64.b64decode(stored)) == report
 
 
+def test_a_report_over_a_field_bound_is_refused_naming_the_field_and_not_stored() -> None:
+    import gzip
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    kube = FakeKube()
+    kube.flows["demo"]["status"]["runs"] = [{"pod": "demo-0", "finishedAt": "2026-11-22T00:00:00Z"}]
+    runs = FakeRuns()
+    state = StateApi(lambda: kube, runs)  # type: ignore[arg-type,return-value]
+    auth = {"Authorization": f"Bearer {jwt('good')}"}
+    raw = json.loads(RunReport(pod="demo-0", trigger=Trigger.KICKOFF, result=RunResult.PAUSED,
+                               reason=Reason.RUN_PAUSED, exit_code=0).to_json())
+
+    async def put(report: dict[str, Any]) -> tuple[int, str]:
+        async with TestClient(TestServer(state.app())) as client:
+            answer = await client.put(c.STATE_API_PREFIX + c.report_key("demo-0"), headers=auth,
+                                      data=gzip.compress(json.dumps(report).encode()))
+            return answer.status, (await answer.json())["message"]
+
+    emit = asyncio.run(put({**raw, "feedbackRequest": {"id": "r-1", "method": "review", "emit": ["x"] * 10_000}}))
+    assert emit == (422, f"{c.report_key('demo-0')} is not a valid run report: "
+                         "feedbackRequest.emit has 10000 items; the limit is 64")
+    method = asyncio.run(put({**raw, "feedbackRequest": {"id": "r-1", "method": "m" * 5000}}))
+    assert method[0] == 422 and "feedbackRequest.method is 5000 characters; the limit is 240" in method[1]
+    models = asyncio.run(put({**raw, "usage": {"byModel": {f"m{i}": {} for i in range(1000)}}}))
+    assert models[0] == 422 and "usage.byModel has 1000 models" in models[1]
+    typed = asyncio.run(put({**raw, "exitCode": "three"}))
+    assert typed[0] == 422 and typed[1].endswith("exitCode: Input should be a valid integer, unable to parse string "
+                                                  "as an integer")
+    assert runs.late == [] and "demo-state" not in kube.configmaps
+
+
 def test_a_restarted_operator_asks_the_api_server_about_a_pod_it_has_not_seen() -> None:
     kube = FakeKube()
     state = api(kube)  # empty caches

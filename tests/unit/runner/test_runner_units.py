@@ -66,10 +66,11 @@ def test_termination_summary_stays_under_the_kubelet_limit() -> None:
         result=c.RunResult.FAILED,
         reason=c.Reason.FLOW_ERROR,
         exit_code=c.EXIT_RETRYABLE,
-        message=huge,
-        output=huge,
-        usage=Usage(**{f"m{i}": 1 for i in range(0)}, by_model={f"model-{i}": TokenUsage() for i in range(200)}),
     )
+    # As the runner fills a report in (assigned, not validated: a report over the bounds is refused
+    # only where the operator decodes it, and the runner's encoders clip it first).
+    report.message = report.output = huge
+    report.usage = Usage(by_model={f"model-{i}": TokenUsage() for i in range(200)})
     summary = report.termination_summary()
     assert len(summary.encode()) <= 4096
     parsed = RunReport.model_validate_json(summary)
