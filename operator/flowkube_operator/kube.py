@@ -117,7 +117,10 @@ class Kube:
                                       on_open=selfmetrics.API_CONNECTIONS.inc)
         # Reviews have theirs too: a flood of tokens at the state API never takes the slots the
         # reconcile's reads and writes need, and the reconcile's burst never delays a runner's review.
-        self._review_pool = http1.Pool(self.server, ssl_ctx, limit=REVIEW_CONNECTIONS, headers=headers,
+        # The issuer's key set is served only as application/jwk-set+json (a bare application/json is
+        # answered 406); reviews are JSON.
+        self._review_pool = http1.Pool(self.server, ssl_ctx, limit=REVIEW_CONNECTIONS,
+                                       headers={**headers, "Accept": "application/json, application/jwk-set+json"},
                                        on_open=selfmetrics.API_CONNECTIONS.inc)
         # Watches hold their connection for minutes, two per watched namespace: their own pool, so
         # they never take the connections writes need (and never wait for one).

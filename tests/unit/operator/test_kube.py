@@ -133,3 +133,29 @@ def test_token_reviews_and_the_reconciles_requests_never_wait_for_each_other() -
 
     asyncio.run(scenario(review_path, "/api/v1/namespaces/x/configmaps/c", "GET"))
     asyncio.run(scenario("/api/v1/namespaces/x/configmaps", review_path, "POST"))
+
+
+def test_the_issuers_key_set_is_asked_for_as_the_api_server_serves_it() -> None:
+    """kube-apiserver serves /openid/v1/jwks only as application/jwk-set+json: a client that accepts
+    only application/json gets 406, and the state API fell back to a TokenReview per token (seen on
+    the local stack). The server here negotiates as the API server does."""
+    async def main() -> object:
+        async def jwks(request: web.Request) -> web.Response:
+            if "application/jwk-set+json" not in request.headers.get("Accept", ""):
+                return web.Response(status=406, text="Available representations: application/jwk-set+json")
+            return web.json_response({"keys": []}, content_type="application/jwk-set+json")
+
+        app = web.Application()
+        app.router.add_get("/openid/v1/jwks", jwks)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        client = Kube(kopf.ConnectionInfo(server=f"http://127.0.0.1:{runner.addresses[0][1]}", token="t"))
+        try:
+            return await client.request("GET", "/openid/v1/jwks")
+        finally:
+            await client.close()
+            await runner.cleanup()
+
+    assert asyncio.run(main()) == {"keys": []}
