@@ -100,9 +100,19 @@ def stop_on_sigterm() -> threading.Event:
     return stop
 
 
+# crewAI's start-up work that has no one to serve in a pod, off unless the pod's env (a Flow's
+# spec.env, the image) says otherwise. The first-run trace: every pod starts with an empty $HOME, so
+# every run was crewAI's "first" and buffered its spans for a consent prompt that a pod without a
+# terminal always declines. The version check: each run asked pypi.org for crewAI's latest version
+# (a DNS lookup and HTTPS, up to 2 s where egress is blocked) to print an upgrade hint for a pinned image.
+CREWAI_DEFAULTS = {"CREWAI_TRACING_ENABLED": "false", "CREWAI_DISABLE_VERSION_CHECK": "true"}
+
+
 def run_from_environment() -> int:
     started_at = datetime.now(UTC)
     stop = stop_on_sigterm()
+    for name, value in CREWAI_DEFAULTS.items():
+        os.environ.setdefault(name, value)
     try:
         config = RunnerConfig.from_env()
     except ConfigError as e:

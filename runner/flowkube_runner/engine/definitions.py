@@ -15,6 +15,7 @@ from crewai.flow.flow_definition import FlowDefinition, FlowPersistenceDefinitio
 from crewai.flow.runtime import Flow as RuntimeFlow
 from pydantic import ValidationError
 
+from . import celcache
 from .api import InvalidFlow
 
 _RUNNER_PERSISTENCE = FlowPersistenceDefinition(enabled=True)
@@ -153,6 +154,7 @@ def check_definition(raw: Any) -> tuple[FlowDefinition | None, list[DefinitionPr
     """
     if not isinstance(raw, dict):
         return None, [DefinitionProblem((), "a flow definition must be a JSON object")]
+    celcache.prepare()  # the parser crewAI checks ${...} templates with, from the image's cache
     collector = _IssueCollector()
     definition_logger = logging.getLogger("crewai.flow.flow_definition")
     definition_logger.addHandler(collector)
