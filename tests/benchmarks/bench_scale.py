@@ -2,6 +2,7 @@
 
     .venv/bin/python -m tests.benchmarks.bench_scale [--steps 1000,10000] [--template-flows 5000]
         [--template-kib 250] [--secrets 100] [--secrets-per-namespace 50] [--restart | --no-restart]
+        [--renew-deadline S]
 
 Issue 37's goal: operator RSS <= 300 MB with 10,000 Flows of which 5,000 name one FlowTemplate near
 the 256 KiB bound, and no growth from labelled Secrets beyond their bounded keys.
