@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 from typing import Any
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from flowkube_api import templates
 from flowkube_operator.controller import Controller, ForeignObjectError
 from flowkube_operator.settings import Settings
-from flowkube_operator.snapshots import Index, SpecCache, collectable
+from flowkube_operator.snapshots import Index, SpecCache, collectable, footprint
 
 TEMPLATE = {"apiVersion": "flowkube.io/v1alpha1", "kind": "FlowTemplate",
             "metadata": {"name": "article", "namespace": "ns", "uid": "t1", "generation": 3, "resourceVersion": "9"},
@@ -26,10 +27,29 @@ def test_the_spec_cache_is_bounded_by_count_and_by_bytes() -> None:
     assert cache.get(("ns", "a")) == {"x": "1"}  # a is now the most recently used
     cache.put(("ns", "c"), {"x": "3"})
     assert cache.get(("ns", "b")) is None and len(cache) == 2
-    cache.put(("ns", "big"), {"x": "y" * 985})
+    cache.put(("ns", "big"), {"x": "y" * 680})
     assert len(cache) == 1 and cache.bytes <= 1000 and cache.get(("ns", "big")) is not None
     cache.put(("ns", "huge"), {"x": "y" * 2000})  # above the whole bound: never kept, read at each use
     assert cache.get(("ns", "huge")) is None and cache.bytes <= 1000
+
+
+def test_the_spec_cache_counts_what_a_spec_takes_parsed_not_its_json() -> None:
+    """255 kB of empty objects (within every bound of a template) is 5.8 MB of Python objects: 64 of
+    them in a cache bounded by their JSON's 64 MiB would have been 370 MB (bench_scale's finding)."""
+    import tracemalloc
+
+    spec: dict[str, Any] = {"template": {"inputs": {"x": [{} for _ in range(80_000)]}}}
+    text = templates.canonical(spec)
+    tracemalloc.start()
+    parsed = json.loads(text)
+    taken, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert parsed == spec and len(text) < 256 * 1024 < 20 * len(text) < taken
+    assert footprint(text) >= taken
+    cache = SpecCache(entries=64, max_bytes=64 << 20)
+    for i in range(64):
+        cache.put(("ns", f"s{i}"), spec)
+    assert cache.bytes <= 64 << 20 and len(cache) == (64 << 20) // footprint(text)
 
 
 def test_garbage_collection_takes_only_snapshots_unreferenced_for_the_grace_and_not_in_flight() -> None:
@@ -120,10 +140,16 @@ def test_twenty_flows_of_one_template_make_one_snapshot_before_their_status_name
         for i in range(20):
             ctl.flow_event("ADDED", _new_flow(f"f{i}"))
             await _reconcile(ctl, f"f{i}")
+            for path, obj in store.objects.items():  # what the ControllerRevisions' watch delivers
+                if "/controllerrevisions/" in path:
+                    ctl.snapshots.index.event("ADDED", obj)
 
     asyncio.run(scenario())
     revisions = [p for p in store.objects if "/controllerrevisions/" in p]
     assert len(revisions) == 1
+    # The first Flow made it; the 19 others took what this process knows it holds, without a request
+    # (each once sent the whole 250 KiB snapshot again, answered AlreadyExists, and read it back).
+    assert [v for v, path in store.calls if "/controllerrevisions" in path] == ["POST"]
     name = revisions[0].rsplit("/", 1)[-1]
     order = [path for verb, path in store.calls if verb in ("POST", "PATCH") and not path.endswith("/events")]
     assert order[0].endswith("/controllerrevisions"), "the snapshot comes before anything names it"
