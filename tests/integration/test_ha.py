@@ -82,11 +82,12 @@ def task(cluster: LocalCluster, container_id: str) -> tuple[int, str]:
     raise AssertionError(f"no task {container_id} on the node")
 
 
-def container_rss_mb(cluster: LocalCluster, container_id: str) -> float:
-    """Resident memory of a container's main process, from /proc (the node shares this host's pids)."""
+def container_rss_mb(cluster: LocalCluster, container_id: str, field: str = "VmRSS") -> float:
+    """Resident memory of a container's main process, from /proc (the node shares this host's pids);
+    ``field="VmHWM"``: its peak since it started."""
     pid, _ = task(cluster, container_id)
     status = Path(f"/proc/{pid}/status").read_text()
-    match = re.search(r"^VmRSS:\s+(\d+) kB", status, flags=re.M)
+    match = re.search(rf"^{field}:\s+(\d+) kB", status, flags=re.M)
     assert match, status
     return int(match[1]) / 1024
 

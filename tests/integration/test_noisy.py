@@ -28,7 +28,6 @@ import json
 import re
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -41,7 +40,7 @@ from flowkube_devstack.operator import ChartOperator
 from tests.integration.conftest import Flows, PodWatch
 from tests.integration.realrunner import RealRunnerStack, real_runner_stack
 from tests.integration.test_e2e_runner import RULES, RUN_TIMEOUT, review_definition
-from tests.integration.test_ha import task
+from tests.integration.test_ha import container_rss_mb
 
 pytestmark = pytest.mark.slow
 
@@ -51,15 +50,6 @@ TEMPLATE_FLOWS = 60  # suspended Flows of one template near the 256 KiB bound
 LABELLED_FLOWS = 200  # Flows with a distinct definition name and a forged cronflow label each
 PEAK_MB = 300  # an operator replica's peak RSS through all of it (docs/operations.md, capacity)
 LEASE_GAP_SECONDS = 7.0
-
-
-def peak_rss_mb(cluster: LocalCluster, container_id: str) -> float:
-    """The peak resident memory of a container's main process (VmHWM), from /proc."""
-    pid, _ = task(cluster, container_id)
-    status = Path(f"/proc/{pid}/status").read_text()
-    match = re.search(r"^VmHWM:\s+(\d+) kB", status, flags=re.M)
-    assert match, status
-    return int(match[1]) / 1024
 
 
 def operator_containers(op: ChartOperator) -> dict[str, tuple[str, int]]:
@@ -195,7 +185,7 @@ def test_a_noisy_tenant_restarts_no_operator_delays_no_lease_and_changes_no_othe
             op.kill_container(follower)
             wait_for(lambda: operator_containers(op).get(follower, ("", 0))[0] not in ("", before[follower][0])
                      and synced(op, follower), 180, f"{follower} restarted and its caches synced")
-            peaks = {p: peak_rss_mb(cluster, cid) for p, (cid, _) in operator_containers(op).items()}
+            peaks = {p: container_rss_mb(cluster, cid, "VmHWM") for p, (cid, _) in operator_containers(op).items()}
             print("operator replicas' peak RSS (the follower listing the noisy namespace again): "
                   + ", ".join(f"{p}: {v:.0f} MB" for p, v in peaks.items()))
             longest = gaps.longest(now=time.time())

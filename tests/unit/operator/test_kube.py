@@ -4,6 +4,8 @@ projected token again and try once more with it (a scripted HTTP server plays th
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import kopf
@@ -12,6 +14,20 @@ from aiohttp import web
 
 from flowkube_operator import kube as kube_mod
 from flowkube_operator.kube import ApiError, Kube
+
+
+@contextlib.asynccontextmanager
+async def api_server(app: web.Application, token: str = "t", limit: int = 64) -> AsyncIterator[Kube]:
+    """``app`` served on a free port of this host, and the operator's client of it holding ``token``."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    client = Kube(kopf.ConnectionInfo(server=f"http://127.0.0.1:{runner.addresses[0][1]}", token=token), limit=limit)
+    try:
+        yield client
+    finally:
+        await client.close()
+        await runner.cleanup()
 
 
 async def _served(valid: str) -> tuple[list[str | None], object]:
@@ -26,19 +42,11 @@ async def _served(valid: str) -> tuple[list[str | None], object]:
 
     app = web.Application()
     app.router.add_get("/api/v1/namespaces/x", namespace)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    client = Kube(kopf.ConnectionInfo(server=f"http://127.0.0.1:{port}", token="old"))
-    try:
-        result: object = await client.get("/api/v1/namespaces/x")
-    except ApiError as e:
-        result = e
-    finally:
-        await client.close()
-        await runner.cleanup()
+    async with api_server(app, token="old") as client:
+        try:
+            result: object = await client.get("/api/v1/namespaces/x")
+        except ApiError as e:
+            result = e
     return seen, result
 
 
@@ -78,21 +86,15 @@ def test_lease_requests_never_wait_behind_the_other_requests() -> None:
         app = web.Application()
         app.router.add_get("/api/v1/namespaces/x/configmaps/c", slow)
         app.router.add_put("/apis/coordination.k8s.io/v1/namespaces/x/leases/l", lease)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        port = runner.addresses[0][1]
-        client = Kube(kopf.ConnectionInfo(server=f"http://127.0.0.1:{port}", token="t"), limit=4)
-        held = [asyncio.create_task(client.get("/api/v1/namespaces/x/configmaps/c")) for _ in range(8)]
-        try:
-            async with asyncio.timeout(5):  # would wait for `release` if it shared the slots
-                renewed = await client.request("PUT", "/apis/coordination.k8s.io/v1/namespaces/x/leases/l", {})
-            assert renewed == {"kind": "Lease"}
-        finally:
-            release.set()
-            await asyncio.gather(*held)
-            await client.close()
-            await runner.cleanup()
+        async with api_server(app, limit=4) as client:
+            held = [asyncio.create_task(client.get("/api/v1/namespaces/x/configmaps/c")) for _ in range(8)]
+            try:
+                async with asyncio.timeout(5):  # would wait for `release` if it shared the slots
+                    renewed = await client.request("PUT", "/apis/coordination.k8s.io/v1/namespaces/x/leases/l", {})
+                assert renewed == {"kind": "Lease"}
+            finally:
+                release.set()
+                await asyncio.gather(*held)
 
     asyncio.run(scenario())
 
@@ -115,21 +117,15 @@ def test_token_reviews_and_the_reconciles_requests_never_wait_for_each_other() -
         app = web.Application()
         app.router.add_route("*", slow_path, slow)
         app.router.add_route("*", fast_path, fast)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        port = runner.addresses[0][1]
-        client = Kube(kopf.ConnectionInfo(server=f"http://127.0.0.1:{port}", token="t"), limit=4)
-        held = [asyncio.create_task(client.request("POST", slow_path, {}))
-                for _ in range(kube_mod.REVIEW_CONNECTIONS + 8)]
-        try:
-            async with asyncio.timeout(5):  # would wait for `release` if they shared the slots
-                assert await client.request(method, fast_path, {} if method == "POST" else None) == {"kind": "Fast"}
-        finally:
-            release[-1].set()
-            await asyncio.gather(*held)
-            await client.close()
-            await runner.cleanup()
+        async with api_server(app, limit=4) as client:
+            held = [asyncio.create_task(client.request("POST", slow_path, {}))
+                    for _ in range(kube_mod.REVIEW_CONNECTIONS + 8)]
+            try:
+                async with asyncio.timeout(5):  # would wait for `release` if they shared the slots
+                    assert await client.request(method, fast_path, {} if method == "POST" else None) == {"kind": "Fast"}
+            finally:
+                release[-1].set()
+                await asyncio.gather(*held)
 
     asyncio.run(scenario(review_path, "/api/v1/namespaces/x/configmaps/c", "GET"))
     asyncio.run(scenario("/api/v1/namespaces/x/configmaps", review_path, "POST"))
@@ -147,15 +143,7 @@ def test_the_issuers_key_set_is_asked_for_as_the_api_server_serves_it() -> None:
 
         app = web.Application()
         app.router.add_get("/openid/v1/jwks", jwks)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        client = Kube(kopf.ConnectionInfo(server=f"http://127.0.0.1:{runner.addresses[0][1]}", token="t"))
-        try:
+        async with api_server(app) as client:
             return await client.request("GET", "/openid/v1/jwks")
-        finally:
-            await client.close()
-            await runner.cleanup()
 
     assert asyncio.run(main()) == {"keys": []}
