@@ -22,24 +22,21 @@ equal to the stub's ledger once it is answered.
 from __future__ import annotations
 
 import base64
-import contextlib
-import itertools
 import json
 import re
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from flowkube_api import constants as c
-from flowkube_api.base import parse_time
 from flowkube_api.report import Usage
 from flowkube_devstack.cluster import LocalCluster, wait_for
 from flowkube_devstack.operator import ChartOperator
-from tests.integration.conftest import Flows, PodWatch
+from tests.integration.conftest import Flows
 from tests.integration.realrunner import RealRunnerStack, real_runner_stack
 from tests.integration.test_e2e_runner import RULES, RUN_TIMEOUT, review_definition
+from tests.integration.test_fuzz import LeaseWatch
 from tests.integration.test_ha import container_rss_mb
 
 pytestmark = pytest.mark.slow
@@ -61,33 +58,6 @@ def operator_containers(op: ChartOperator) -> dict[str, tuple[str, int]]:
                 cid = str(s["containerID"]).removeprefix("containerd://")
                 out[pod["metadata"]["name"]] = (cid, int(s.get("restartCount", 0)))
     return out
-
-
-class LeaseGaps:
-    """Every renewal of the operator's Lease the API server shows (a watch), and the longest time
-    between two of them (or from the last one to now)."""
-
-    def __init__(self, watch: PodWatch) -> None:
-        self.watch = watch
-
-    def renewals(self) -> list[float]:
-        times = {(parse_time(o.get("spec", {}).get("renewTime")) or parse_time(o.get("spec", {}).get("acquireTime")))
-                 for o in list(self.watch.seen)}
-        return sorted(t.timestamp() for t in times if t is not None)
-
-    def longest(self, now: float) -> float:
-        times = self.renewals()
-        assert times, "no renewal of the Lease was seen"
-        return max([b - a for a, b in itertools.pairwise(times)] + [now - times[-1]])
-
-
-@contextlib.contextmanager
-def lease_gaps(cluster: LocalCluster, op: ChartOperator) -> Iterator[LeaseGaps]:
-    watch = PodWatch(cluster, op.namespace, ["--field-selector", f"metadata.name={op.lease_name}"], "leases")
-    try:
-        yield LeaseGaps(watch)
-    finally:
-        watch.stop()
 
 
 def create_all(cluster: LocalCluster, namespace: str, objects: list[dict[str, Any]], batch: int = 20) -> None:
@@ -153,7 +123,7 @@ def stack(cluster: LocalCluster) -> Iterator[RealRunnerStack]:
 def test_a_noisy_tenant_restarts_no_operator_delays_no_lease_and_changes_no_other_tenants_usage(
         stack: RealRunnerStack, flows: Flows, cluster: LocalCluster) -> None:
     """One scenario, because each attack must be tried beside the others and the warm Flow (the
-    budget: a real runner's kickoff and resume, two operator restarts' lists and about 300 objects)."""
+    budget: a real runner's kickoff and resume, a replica's restart and its list, about 400 objects)."""
     op = stack.operator
     mark = len(stack.stub.ledger())
     flows.apply("warm", {"definition": review_definition(), "feedback": {"keepWarmSeconds": 600}})
@@ -161,35 +131,35 @@ def test_a_noisy_tenant_restarts_no_operator_delays_no_lease_and_changes_no_othe
     noisy = f"noisy-{flows.ns[-6:]}"
     cluster.kubectl("create", "namespace", noisy)
     try:
-        with lease_gaps(cluster, op) as gaps:
-            before = operator_containers(op)
-            create_all(cluster, noisy, labelled_secrets(SECRETS), batch=4)
-            cluster.kubectl("create", "-n", noisy, "-f", "-", input=json.dumps(big_template()))
-            create_all(cluster, noisy, template_flows(TEMPLATE_FLOWS))
-            create_all(cluster, noisy, labelled_flows(LABELLED_FLOWS), batch=50)
-            Flows(cluster, noisy).wait("of-big-0", lambda s: bool(s.get("template")), "the template taken",
-                                       timeout=120)
+        lease = LeaseWatch(op)
+        before = operator_containers(op)
+        create_all(cluster, noisy, labelled_secrets(SECRETS), batch=4)
+        cluster.kubectl("create", "-n", noisy, "-f", "-", input=json.dumps(big_template()))
+        create_all(cluster, noisy, template_flows(TEMPLATE_FLOWS))
+        create_all(cluster, noisy, labelled_flows(LABELLED_FLOWS), batch=50)
+        Flows(cluster, noisy).wait("of-big-0", lambda s: bool(s.get("template")), "the template taken",
+                                   timeout=120)
 
-            # The forged CronFlow labels are no label values; definition names are capped per namespace.
-            leader = op.leader()
-            wait_for(lambda: f'flow="noisy-{LABELLED_FLOWS - 1}"' in op.pod_metrics(leader), 120,
-                     "the last noisy Flow in /metrics")
-            scrape = op.pod_metrics(leader)
-            assert 'cronflow="forged-' not in scrape
-            definitions = set(re.findall(rf'namespace="{noisy}"[^}}]*definition="([^"]*)"', scrape))
-            print(f"\n/metrics of the leader: {len(scrape.splitlines())} lines, "
-                  f"{len(definitions)} definition values for {LABELLED_FLOWS} definitions")
+        # The forged CronFlow labels are no label values; definition names are capped per namespace.
+        leader = op.leader()
+        wait_for(lambda: f'flow="noisy-{LABELLED_FLOWS - 1}"' in op.pod_metrics(leader), 120,
+                 "the last noisy Flow in /metrics")
+        scrape = op.pod_metrics(leader)
+        assert 'cronflow="forged-' not in scrape
+        definitions = set(re.findall(rf'namespace="{noisy}"[^}}]*definition="([^"]*)"', scrape))
+        print(f"\n/metrics of the leader: {len(scrape.splitlines())} lines, "
+              f"{len(definitions)} definition values for {LABELLED_FLOWS} definitions")
 
-            # The follower lists everything again, as after an upgrade or a drain.
-            (follower,) = [p for p in before if p != leader]
-            op.kill_container(follower)
-            wait_for(lambda: operator_containers(op).get(follower, ("", 0))[0] not in ("", before[follower][0])
-                     and synced(op, follower), 180, f"{follower} restarted and its caches synced")
-            peaks = {p: container_rss_mb(cluster, cid, "VmHWM") for p, (cid, _) in operator_containers(op).items()}
-            print("operator replicas' peak RSS (the follower listing the noisy namespace again): "
-                  + ", ".join(f"{p}: {v:.0f} MB" for p, v in peaks.items()))
-            longest = gaps.longest(now=time.time())
-            print(f"the Lease's longest time without a renewal: {longest:.1f}s")
+        # The follower lists everything again, as after an upgrade or a drain.
+        (follower,) = [p for p in before if p != leader]
+        op.kill_container(follower)
+        wait_for(lambda: operator_containers(op).get(follower, ("", 0))[0] not in ("", before[follower][0])
+                 and synced(op, follower), 180, f"{follower} restarted and its caches synced")
+        peaks = {p: container_rss_mb(cluster, cid, "VmHWM") for p, (cid, _) in operator_containers(op).items()}
+        print("operator replicas' peak RSS (the follower listing the noisy namespace again): "
+              + ", ".join(f"{p}: {v:.0f} MB" for p, v in peaks.items()))
+        longest = lease.stop()
+        print(f"the Lease's longest time without a renewal: {longest:.1f}s")
 
         after = operator_containers(op)
         assert {p: r for p, (_, r) in after.items()} == {p: r + (p == follower) for p, (_, r) in before.items()}, \
