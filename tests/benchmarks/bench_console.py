@@ -36,6 +36,7 @@ import aiohttp
 
 from flowkube_devstack.cluster import LocalCluster
 from tests.benchmarks.bench_apply import Client, until
+from tests.benchmarks.bench_scale import proc_status
 from tests.benchmarks.realstack import scripted_stack
 
 NS = "bench-console"
@@ -101,13 +102,6 @@ async def write_flows(client: Client, start: int, stop: int, waiting: int, concu
     await asyncio.gather(*(worker() for _ in range(concurrency)))
 
 
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
 async def page_times(session: aiohttp.ClientSession, url: str, token: str, n: int) -> tuple[list[float], int]:
     times, size = [], 0
     for _ in range(n):
@@ -159,7 +153,7 @@ async def pages_part(cluster: LocalCluster, proc: subprocess.Popen[bytes], url: 
                 if time.monotonic() > deadline:
                     raise TimeoutError("the console did not start")
                 await asyncio.sleep(0.1)
-            print(f"console started: {rss_mb(proc.pid):.1f} MB resident", flush=True)
+            print(f"console started: {proc_status(proc.pid)[0]:.1f} MB resident", flush=True)
             t0 = time.monotonic()
             await write_flows(client, 0, flows, waiting)
             print(f"{flows} Flows written in {time.monotonic() - t0:.0f} s", flush=True)
@@ -173,7 +167,7 @@ async def pages_part(cluster: LocalCluster, proc: subprocess.Popen[bytes], url: 
             print(figures(f"Flows page, {flows} rows, server time", listing) + f", {listing_bytes // 1024} KiB")
             print(figures(f"peer: the same {flows} Flows listed from the API server and decoded", peer))
             print(f"inbox p50 / peer p50: {statistics.median(inbox) / statistics.median(peer):.2f}")
-            print(f"console resident memory with {flows} Flows in view: {rss_mb(proc.pid):.1f} MB", flush=True)
+            print(f"console resident memory with {flows} Flows in view: {proc_status(proc.pid)[0]:.1f} MB", flush=True)
             if scale > flows:
                 t0 = time.monotonic()
                 await write_flows(client, flows, scale, waiting)
@@ -181,14 +175,14 @@ async def pages_part(cluster: LocalCluster, proc: subprocess.Popen[bytes], url: 
                 await until_rows(session, url, token, scale)
                 inbox, _ = await page_times(session, url + "/", token, 20)
                 print(figures(f"inbox page, {scale} Flows ({waiting} waiting), server time", inbox))
-                print(f"console resident memory with {scale} Flows in view: {rss_mb(proc.pid):.1f} MB")
+                print(f"console resident memory with {scale} Flows in view: {proc_status(proc.pid)[0]:.1f} MB")
                 # A console started with all of them there lists them (100 a page) before it watches.
                 fresh = console_process(cluster, 18932)
                 try:
                     t0 = time.monotonic()
                     await until_rows(session, "http://127.0.0.1:18932", token, scale)
                     print(f"a console started with {scale} Flows there shows them all after "
-                          f"{time.monotonic() - t0:.1f} s; resident memory {rss_mb(fresh.pid):.1f} MB")
+                          f"{time.monotonic() - t0:.1f} s; resident memory {proc_status(fresh.pid)[0]:.1f} MB")
                 finally:
                     fresh.terminate()
     finally:

@@ -28,7 +28,7 @@ from flowkube_devstack.cluster import LocalCluster
 from flowkube_devstack.operator import OperatorProcess
 from tests.benchmarks import jobpeer
 from tests.benchmarks.bench_apply import Client, namespace, until
-from tests.benchmarks.bench_scale import rss_mb
+from tests.benchmarks.bench_scale import proc_status
 
 NS = "bench-cron"
 GROUP_PATH = f"/apis/flowkube.io/v1alpha1/namespaces/{NS}"
@@ -82,7 +82,7 @@ async def one_minute(client: Client, n: int, url: str, pid: int) -> dict[str, fl
     watch.cancel()
     late = sorted(t + offset - minute for t in seen.values())
     return {"p50": statistics.median(late), "p99": late[int(0.99 * (len(late) - 1))], "max": late[-1],
-            "within": sum(1 for x in late if x < 60), "cpu": cpu, "rss": rss_mb(pid),
+            "within": sum(1 for x in late if x < 60), "cpu": cpu, "rss": proc_status(pid)[0],
             "minute": float(minute)}
 
 
@@ -109,7 +109,7 @@ def main() -> None:
                 try:
                     await namespace(client, NS)
                     took = await create_all(client, f"{GROUP_PATH}/cronflows", [cronflow(i) for i in range(n)])
-                    print(f"{n} CronFlows created in {took:.1f} s; operator RSS {rss_mb(pid):.0f} MB")
+                    print(f"{n} CronFlows created in {took:.1f} s; operator RSS {proc_status(pid)[0]:.0f} MB")
                     ours = await one_minute(client, n, f"{client.server}{GROUP_PATH}/flows", pid)
                     print(line(f"CronFlows at {dt.datetime.fromtimestamp(ours['minute'], dt.UTC):%H:%M}", n, ours))
                     async with client.session.delete(f"{client.server}{GROUP_PATH}/cronflows") as r:
