@@ -177,10 +177,11 @@ def snapshot_name(data: Mapping[str, Any]) -> str:
     return f"{_safe(str(data.get('name') or ''), NAME_PREFIX_CHARS)}-{digest}"
 
 
-def snapshot_object(namespace: str, data: Mapping[str, Any]) -> Body:
-    """The ControllerRevision that stores `data` in `namespace` (the Flow's, a ClusterFlowTemplate's too)."""
+def snapshot_object(namespace: str, data: Mapping[str, Any], name: str | None = None) -> Body:
+    """The ControllerRevision that stores `data` in `namespace` (the Flow's, a ClusterFlowTemplate's too).
+    ``name``: `snapshot_name(data)` when the caller has it already (it hashes the whole spec)."""
     return {"apiVersion": SNAPSHOT_API_VERSION, "kind": SNAPSHOT_KIND,
-            "metadata": {"name": snapshot_name(data), "namespace": namespace,
+            "metadata": {"name": name or snapshot_name(data), "namespace": namespace,
                          "labels": {c.LABEL_MANAGED_BY: c.MANAGED_BY,
                                     c.LABEL_TEMPLATE: _safe(str(data.get("name") or ""), LABEL_VALUE_CHARS)}},
             "data": dict(data), "revision": int(data.get("generation") or 0)}

@@ -362,12 +362,12 @@ class Controller(FlowCache):
 
     async def _ensure_snapshot(self, body: Body, obj: Body, taken: TemplateStatus) -> None:
         try:
-            stored = await self.snapshots.ensure(obj, self._may_write)
+            stored, digest = await self.snapshots.ensure(obj, self._may_write)
         except SnapshotMismatchError as e:  # said where users look; tried again now and then
             self._post_event(body, "Warning", c.Reason.TEMPLATE_SNAPSHOT_UNUSABLE, str(e))
             raise ForeignObjectError(str(e), retry_after=60.0) from e
         # The Flow names what is stored: the same generation, maybe taken at an earlier resourceVersion.
-        taken.hash = templates.data_hash(stored)
+        taken.hash = digest
         taken.resource_version = stored.get("resourceVersion")
 
     async def _taken(self, key: Key, body: Body) -> Taken | None:

@@ -115,7 +115,8 @@ class Settings(BaseSettings):
         "Every Flow of one template generation shares one entry.")
     template_snapshot_cache_mib: int = Field(
         default=64, ge=1, le=4096,
-        description="Bound on the bytes (canonical JSON) of the template specs kept in memory.")
+        description="Bound on the memory of the template specs kept (each counted as an upper estimate of "
+        "its parsed size).")
 
     leader_election: bool = Field(
         default=False, description="Reconcile only while holding a coordination.k8s.io Lease, so that of "

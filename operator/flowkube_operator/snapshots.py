@@ -184,7 +184,7 @@ class Snapshots:
         # uid it had): the next Flow of the same template generation takes it without a request.
         # Without this, 5,000 Flows of one 250 KiB template sent 2.5 GB (a POST answered
         # AlreadyExists and a GET per Flow) and held the event loop long enough to miss a Lease renewal.
-        self._stored: dict[SnapKey, tuple[str, Body]] = {}
+        self._stored: dict[SnapKey, tuple[str, Body, str]] = {}  # -> (uid, data without spec, data's hash)
 
     def informers(self, kube: Callable[[], Kube | None], namespaces: list[str]) -> list[Informer]:
         self._informers = [Informer(kube, snapshot_path(ns), templates.SNAPSHOT_API_VERSION, templates.SNAPSHOT_KIND,
@@ -215,8 +215,9 @@ class Snapshots:
         self.specs.put(key, spec)
         return spec, None
 
-    async def ensure(self, obj: Body, fence: Callable[[], None]) -> Body:
-        """Create the snapshot `obj` before the status write that names it; returns the `data` it holds.
+    async def ensure(self, obj: Body, fence: Callable[[], None]) -> tuple[Body, str]:
+        """Create the snapshot `obj` before the status write that names it; returns the `data` it holds
+        and that data's hash (`templates.data_hash`, taken once per snapshot, not once per take).
         AlreadyExists is success when it holds the same template generation (another Flow took it):
         its data is returned (its resourceVersion may be an earlier one of the same generation, when
         only the template's metadata changed between the takes), and the Flow names that. Another
@@ -252,18 +253,19 @@ class Snapshots:
             self.index.in_flight.discard(key)
             raise ApiError(409, "the snapshot vanished after each AlreadyExists", "POST", snapshot_path(*key))
         self.specs.put(key, dict(data.get("spec") or {}))
+        digest = templates.data_hash(data)
         if uid:
-            self._stored[key] = (uid, {k: v for k, v in data.items() if k != "spec"})
-        return dict(data)
+            self._stored[key] = (uid, {k: v for k, v in data.items() if k != "spec"}, digest)
+        return dict(data), digest
 
-    def _known(self, key: SnapKey) -> Body | None:
-        """The data of a snapshot this process made or found, while the watch shows that same object
-        and its spec is in the LRU; None: ask the API server."""
+    def _known(self, key: SnapKey) -> tuple[Body, str] | None:
+        """The data (and its hash) of a snapshot this process made or found, while the watch shows that
+        same object and its spec is in the LRU; None: ask the API server."""
         stored = self._stored.get(key)
         if stored is None or key in self._deleting or self.index.existing.get(key) != stored[0]:
             return None
         spec = self.specs.get(key)
-        return None if spec is None else {**stored[1], "spec": spec}
+        return None if spec is None else ({**stored[1], "spec": spec}, stored[2])
 
     def not_taken(self, obj: Body | None) -> None:
         """A take whose status write failed: no longer in flight (the retry adds it again)."""

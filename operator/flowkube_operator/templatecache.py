@@ -28,7 +28,7 @@ Body = dict[str, Any]
 TemplateKey = tuple[str, str, str]  # (kind, namespace or "", name)
 FlowKey = tuple[str, str]
 SPEC_ENTRIES = 32  # template specs kept in memory, least recently used dropped first
-SPEC_BYTES = 32 * 1024 * 1024  # and at most these bytes of them (canonical JSON)
+SPEC_BYTES = 32 * 1024 * 1024  # and at most these bytes of them (parsed, as snapshots.footprint estimates)
 
 
 def template_path(kind: str, namespace: str, name: str = "") -> str:

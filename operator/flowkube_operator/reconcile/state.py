@@ -152,8 +152,9 @@ class FlowState:
             self._terminal(Phase.FAILED, Reason.INVALID_SPEC, too_big)
             return False
         # Stored once per generation (a snapshot all its Flows name), made before the status write.
-        self.st.template = TemplateStatus.model_validate(snapshot_ref(data))
-        self.plan.snapshot = snapshot_object(str(self.meta.get("namespace") or ""), data)
+        ref = snapshot_ref(data)
+        self.st.template = TemplateStatus.model_validate(ref)
+        self.plan.snapshot = snapshot_object(str(self.meta.get("namespace") or ""), data, name=ref["snapshot"])
         self.template_spec = self.plan.template_spec = data["spec"]
         effective, problems = template_problems(self.template, str(self.meta.get("namespace") or ""), self.own_spec)
         if problems:
