@@ -85,7 +85,7 @@ NOTIFICATION_SECONDS = Histogram(
 )
 CACHE_SYNCED = Gauge(
     "flowkube_operator_cache_synced",
-    "1 once a watched collection's first list is in this replica's cache (0 before, and while it lists again), "
+    "1 once a watched collection's first list is in this replica's cache (no sample before it), "
     "by the collection's API path (the operator's own configuration: its watched namespaces).",
     ["resource"], registry=REGISTRY,
 )
