@@ -28,9 +28,10 @@ SHARED_SCOPES = ("session", "package", "module", "class")
 
 @dataclass
 class Spent:
-    started: float = field(default_factory=time.monotonic)
-    module_wall: dict[str, list[float]] = field(default_factory=dict)  # module -> [first start, last end]
+    started: float = field(default_factory=time.time)
+    module_wall: dict[str, list[float]] = field(default_factory=dict)  # module -> [first start, last end], epoch
     module_tests: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
+    lane_wall: dict[str, list[float]] = field(default_factory=dict)  # xdist group ("" for none) -> span
     shared_setup: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))  # by test
     current: str = ""  # the test being run now
 
@@ -48,21 +49,30 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "budget(seconds): this test's own time budget (say why in its docstring)")
     config.stash[SPENT] = Spent()
-
-
-def _module(item: pytest.Item) -> str:
-    return item.nodeid.split("::", 1)[0]
+    config.pluginmanager.register(Reports(config.stash[SPENT]), "flowkube-budget-reports")
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
-    spent = item.config.stash[SPENT]
-    spent.current = item.nodeid
-    start = time.monotonic()
+    item.config.stash[SPENT].current = item.nodeid
     yield
-    end = time.monotonic()
-    spent.module_wall.setdefault(_module(item), [start, end])[1] = end
-    spent.module_tests[_module(item)] += 1
+
+
+class Reports:
+    """Each phase's report, in the process that prints the summary (with xdist: the controller,
+    from every worker's reports): the modules' wall time and test counts."""
+
+    def __init__(self, spent: Spent) -> None:
+        self.spent = spent
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        module = report.nodeid.split("::", 1)[0]
+        lane = report.nodeid.rpartition("@")[2] if "@" in report.nodeid.rpartition("::")[2] else ""
+        for spans, key in ((self.spent.module_wall, module), (self.spent.lane_wall, lane)):
+            span = spans.setdefault(key, [report.start, report.stop])
+            span[0], span[1] = min(span[0], report.start), max(span[1], report.stop)
+        if report.when == "call" or (report.when == "setup" and not report.passed):
+            self.spent.module_tests[module] += 1
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -106,8 +116,12 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     rows = module_rows(spent)
     if not rows:
         return
-    total = time.monotonic() - spent.started
+    total = time.time() - spent.started
     terminalreporter.write_sep("=", f"suite wall time {total / 60:.1f} min; the ten slowest modules")
+    lanes = sorted(spent.lane_wall.items())
+    if len(lanes) > 1:
+        terminalreporter.write_line("lanes: " + ", ".join(
+            f"{lane or 'the other tests'} {(end - start) / 60:.1f} min" for lane, (start, end) in lanes))
     for module, tests, seconds in rows[:10]:
         terminalreporter.write_line(f"{seconds:8.1f}s  {tests:4d} tests  {module}")
     path = config.getoption("--module-table")

@@ -13,13 +13,16 @@ import pytest
 
 from flowkube_devstack.cluster import ClusterError, LocalCluster, wait_for
 
-pytest_plugins = ["tests.budget"]  # each test's time budget, and the slowest modules at the end
+# tests.budget: each test's time budget, and the slowest modules at the end; tests.lanes: the local
+# stack's tests in one xdist worker, the others beside them.
+pytest_plugins = ["tests.budget", "tests.lanes"]
 
 # Fixtures whose binaries are built from the Kubernetes Go modules: a test that takes one is marked
 # `controlplane` whether or not its author said so, and `-m "not controlplane"` needs no Go.
 BUILT_FROM_GO = frozenset({"cluster", "helm"})
 
 
+@pytest.hookimpl(tryfirst=True)  # before tests.lanes reads the fixtures' closure
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if BUILT_FROM_GO & set(getattr(item, "fixturenames", ())):

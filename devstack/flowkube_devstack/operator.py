@@ -315,9 +315,17 @@ class ChartOperator(_Operator):
         if self.installed:
             self.helm("uninstall", self.release, "--namespace", self.namespace, "--wait", "--timeout=120s")
             self.installed = False
-            # helm waits for the Deployment to go, not for its pods: they stop gracefully (the preStop
-            # sleep) while the next install starts. Nothing of this one may be left for the next test.
+            # helm waits for the Deployment to go, not for its pods: they would stop gracefully (the
+            # 5 s preStop sleep) while the next install starts. Their ServiceAccount and Role are gone,
+            # so nothing graceful is left for them to do: they go at once. Nothing of this one may be
+            # left for the next test.
+            self.cluster.kubectl("delete", "pods", "-n", self.namespace, "-l", self._pod_selector,
+                                 "--grace-period=0", "--force", "--ignore-not-found", check=False)
             wait_for(lambda: not self.pods(), 120, f"the operator pods of {self.release} gone")
+            # The Lease is the operator's own object, not the chart's: its holder could not release
+            # it (helm removed its Role in the same breath), so the next install's pod would wait out
+            # the lease duration (10 s) before it leads.
+            self.cluster.kubectl("delete", "lease", self.lease_name, "-n", self.namespace, "--ignore-not-found")
 
     def kill(self) -> None:
         """SIGKILL every replica's operator process, as a crash or an OOM kill, and keep them down
@@ -342,10 +350,12 @@ class ChartOperator(_Operator):
 
     # -- views ------------------------------------------------------------------------------------
 
+    @property
+    def _pod_selector(self) -> str:
+        return f"app.kubernetes.io/instance={self.release},app.kubernetes.io/component=operator"
+
     def pods(self) -> list[dict[str, Any]]:
-        out = self.cluster.kubectl("get", "pods", "-n", self.namespace, "-l",
-                                   f"app.kubernetes.io/instance={self.release},app.kubernetes.io/component=operator",
-                                   "-o", "json")
+        out = self.cluster.kubectl("get", "pods", "-n", self.namespace, "-l", self._pod_selector, "-o", "json")
         items: list[dict[str, Any]] = json.loads(out.stdout)["items"]
         return items
 

@@ -33,7 +33,7 @@ from flowkube_api.models import TemplateStatus
 from flowkube_api.report import RunReport
 from flowkube_operator import notify, resources, selfmetrics
 from flowkube_operator.cache import FlowCache, FlowListener, Key
-from flowkube_operator.cronflows import CronFlows
+from flowkube_operator.cronflows import Clock, CronFlows
 from flowkube_operator.informer import Informer
 from flowkube_operator.kube import (
     ApiError,
@@ -80,7 +80,8 @@ class Controller(FlowCache):
                  fence: Callable[[], bool] = lambda: True, state_ca: str = "",
                  notifier: Notifier | None = None) -> None:
         # CronFlows share the client, the fence and the Events; they hear of their Flows from this cache.
-        self.cron = CronFlows(lambda: self.kube, lambda: self.fence(), self._post_event)
+        self.cron = CronFlows(lambda: self.kube, lambda: self.fence(), self._post_event,
+                              Clock(settings.cron_clock_rate, settings.cron_clock_epoch))
         # Template snapshots: the Flows' references counted as their events enter the cache.
         self.snapshots = Snapshots(lambda: self.kube, settings.template_snapshot_cache_entries,
                                    settings.template_snapshot_cache_mib * 1024 * 1024)

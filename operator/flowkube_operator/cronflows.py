@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -55,10 +56,28 @@ def scheduled_flow(cronflow: Body, name: str, scheduled: dt.datetime) -> Body:
     }
 
 
+class Clock:
+    """CronFlows' time: the real clock, or (``rate`` > 1, for tests and demos) one that runs ``rate``
+    times faster from ``epoch`` (Unix seconds), the same in every replica that has the same settings."""
+
+    def __init__(self, rate: float = 1.0, epoch: float = 0.0,
+                 real: Callable[[], float] = time.time) -> None:
+        self.rate, self.epoch, self.real = rate, epoch, real
+
+    def now(self) -> dt.datetime:
+        t = self.real()
+        return dt.datetime.fromtimestamp(self.epoch + (t - self.epoch) * self.rate, dt.UTC)
+
+    def real_seconds(self, seconds: float) -> float:
+        """How long ``seconds`` of this clock take on the real one."""
+        return seconds / self.rate
+
+
 class CronFlows:
     def __init__(self, kube: Callable[[], Kube | None], fence: Callable[[], bool], post_event: PostEvent,
-                 clock: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.UTC), workers: int = 2) -> None:
-        self.kube, self.fence, self.post_event, self.clock = kube, fence, post_event, clock
+                 clock: Clock | None = None, workers: int = 2) -> None:
+        self.kube, self.fence, self.post_event = kube, fence, post_event
+        self.clock = clock or Clock()
         self.cronflows: dict[Key, Body] = {}
         self.children: dict[Key, dict[str, Child]] = {}  # (namespace, cronflow) -> its Flows by name
         self._cronflow_of: dict[Key, Key] = {}  # a Flow's key -> its CronFlow's, for the Flows in children
@@ -152,7 +171,7 @@ class CronFlows:
             return None
         uid = body["metadata"]["uid"]
         children = [ch for ch in self.children.get(key, {}).values() if ch.owner == uid]
-        now = self.clock()
+        now = self.clock.now()
         p = plan(body, children, now)
         refused = await self._create(kube, body, p) if p.create is not None else None
         if refused is not None:  # not started: the time stays due, nothing is replaced for it
@@ -172,7 +191,7 @@ class CronFlows:
         for etype, reason, message in p.events:
             self.post_event(body, etype, reason, message, c.CRONFLOW_KIND)
         if p.requeue_after is not None:
-            self.queue.add_after(key, p.requeue_after)
+            self.queue.add_after(key, self.clock.real_seconds(p.requeue_after))
         return p
 
     async def _create(self, kube: Kube, cronflow: Body, p: CronPlan) -> str | None:

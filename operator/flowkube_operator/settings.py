@@ -118,6 +118,16 @@ class Settings(BaseSettings):
         description="Bound on the memory of the template specs kept (each counted as an upper estimate of "
         "its parsed size).")
 
+    cron_clock_rate: float = Field(
+        default=1.0, ge=1.0, le=60.0, description="For tests and demos only: CronFlows' clock runs this many "
+        "times faster than the real one, from FLOWKUBE_CRON_CLOCK_EPOCH (3: a schedule's minute passes in 20 "
+        "real seconds; the Flows it starts are named and annotated with that clock's times). 1, the default: "
+        "the real clock.")
+    cron_clock_epoch: float = Field(
+        default=0.0, ge=0.0, description="For tests and demos only: the Unix time at which CronFlows' clock "
+        "and the real one agree, when FLOWKUBE_CRON_CLOCK_RATE is not 1. Every replica needs the same value, "
+        "so that a new leader starts each scheduled time once.")
+
     leader_election: bool = Field(
         default=False, description="Reconcile only while holding a coordination.k8s.io Lease, so that of "
         "several replicas exactly one writes Flow status (all of them watch and serve the state API and "

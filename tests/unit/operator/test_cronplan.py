@@ -7,6 +7,7 @@ from typing import Any
 
 from flowkube_api import cron
 from flowkube_api.models import Usage
+from flowkube_operator.cronflows import Clock
 from flowkube_operator.cronplan import Child, CronPlan, plan
 
 T0 = dt.datetime(2026, 11, 27, 2, 0, tzinfo=dt.UTC)  # a scheduled time of "0 * * * *"
@@ -155,3 +156,15 @@ def test_forbid_waiting_says_so_once_and_says_nothing_of_missed_times_meanwhile(
     assert [e[1] for e in p.events] == ["ConcurrencyForbidden"]
     p = step(body, [running], T0 + dt.timedelta(seconds=30))
     assert p.events == []
+
+
+def test_the_clock_for_tests_and_demos_runs_faster_from_its_epoch_and_times_its_wakeups_in_real_seconds() -> None:
+    real = [T0.timestamp()]
+    assert Clock(real=lambda: real[0]).now() == T0  # rate 1: the real clock
+    fast = Clock(3.0, epoch=T0.timestamp(), real=lambda: real[0])
+    assert fast.now() == T0
+    real[0] += 20
+    assert fast.now() == T0 + dt.timedelta(minutes=1)  # one of its minutes in 20 real seconds
+    assert fast.real_seconds(60) == 20  # a wake-up a minute away is queued 20 real seconds away
+    p = plan(cronflow(schedule="* * * * *"), [], fast.now() + dt.timedelta(seconds=3))
+    assert p.requeue_after is not None and fast.real_seconds(p.requeue_after) == 19
