@@ -5,9 +5,9 @@
   that makes it rather than as a slower CI. A test whose scenario really needs more says so with
   ``@pytest.mark.budget(seconds)`` and a reason in its docstring. Fixtures shared by several tests (the
   local cluster, a module's operator) are not charged to the test that happens to set them up.
-- At the end the run prints its wall time and the ten slowest modules (wall time from a module's
-  first test to its last, module-scoped stacks included); ``--module-table PATH`` writes every module's
-  figures as a Markdown table (docs/development.md holds one).
+- At the end the run prints its wall time, each xdist worker's, and the ten slowest modules (a
+  module's tests' setup, call and teardown summed, module-scoped stacks included); ``--module-table
+  PATH`` writes every module's figures as a Markdown table (docs/development.md holds one).
 
 Why pytest-timeout is not enough: it kills a test that hangs (300 s), which says nothing about a
 test that quietly went from 20 s to 200 s.
@@ -23,15 +23,18 @@ from typing import Any
 
 import pytest
 
+from tests.lanes import lane_of
+
 SHARED_SCOPES = ("session", "package", "module", "class")
 
 
 @dataclass
 class Spent:
     started: float = field(default_factory=time.time)
-    module_wall: dict[str, list[float]] = field(default_factory=dict)  # module -> [first start, last end], epoch
+    module_seconds: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
     module_tests: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
-    lane_wall: dict[str, list[float]] = field(default_factory=dict)  # xdist group ("" for none) -> span
+    worker_wall: dict[str, list[float]] = field(default_factory=dict)  # xdist worker -> [first start, last end]
+    worker_lanes: defaultdict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
     shared_setup: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))  # by test
     current: str = ""  # the test being run now
 
@@ -67,10 +70,14 @@ class Reports:
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         module = report.nodeid.split("::", 1)[0]
-        lane = report.nodeid.rpartition("@")[2] if "@" in report.nodeid.rpartition("::")[2] else ""
-        for spans, key in ((self.spent.module_wall, module), (self.spent.lane_wall, lane)):
-            span = spans.setdefault(key, [report.start, report.stop])
-            span[0], span[1] = min(span[0], report.start), max(span[1], report.stop)
+        # A module's time: its tests' setup, call and teardown summed (module-scoped stacks included),
+        # so a module whose tests ran in two workers is not charged the time between them.
+        self.spent.module_seconds[module] += report.duration
+        worker = getattr(getattr(getattr(report, "node", None), "gateway", None), "id", "")
+        span = self.spent.worker_wall.setdefault(worker, [report.start, report.stop])
+        span[0], span[1] = min(span[0], report.start), max(span[1], report.stop)
+        if lane_of(report.nodeid):
+            self.spent.worker_lanes[worker].add(lane_of(report.nodeid))
         if report.when == "call" or (report.when == "setup" and not report.passed):
             self.spent.module_tests[module] += 1
 
@@ -107,7 +114,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 def module_rows(spent: Spent) -> list[tuple[str, int, float]]:
     """(module, tests, wall seconds), slowest first."""
-    rows = [(m, spent.module_tests[m], end - start) for m, (start, end) in spent.module_wall.items()]
+    rows = [(m, spent.module_tests[m], seconds) for m, seconds in spent.module_seconds.items()]
     return sorted(rows, key=lambda r: r[2], reverse=True)
 
 
@@ -118,10 +125,11 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         return
     total = time.time() - spent.started
     terminalreporter.write_sep("=", f"suite wall time {total / 60:.1f} min; the ten slowest modules")
-    lanes = sorted(spent.lane_wall.items())
-    if len(lanes) > 1:
-        terminalreporter.write_line("lanes: " + ", ".join(
-            f"{lane or 'the other tests'} {(end - start) / 60:.1f} min" for lane, (start, end) in lanes))
+    workers = sorted(spent.worker_wall.items())
+    if len(workers) > 1:  # xdist: what each worker ran, and for how long
+        terminalreporter.write_line("workers: " + ", ".join(
+            f"{w} {(end - start) / 60:.1f} min ({', '.join(sorted(spent.worker_lanes[w])) or 'no stack'})"
+            for w, (start, end) in workers))
     for module, tests, seconds in rows[:10]:
         terminalreporter.write_line(f"{seconds:8.1f}s  {tests:4d} tests  {module}")
     path = config.getoption("--module-table")

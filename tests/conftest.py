@@ -13,9 +13,9 @@ import pytest
 
 from flowkube_devstack.cluster import ClusterError, LocalCluster, wait_for
 
-# tests.budget: each test's time budget, and the slowest modules at the end; tests.lanes: the local
-# stack's tests in one xdist worker, the others beside them.
-pytest_plugins = ["tests.budget", "tests.lanes"]
+# tests.lanes: each local stack's tests in one xdist worker, on its own cluster, the other tests
+# beside them; tests.budget: each test's time budget, and the slowest modules at the end.
+pytest_plugins = ["tests.lanes", "tests.budget"]
 
 # Fixtures whose binaries are built from the Kubernetes Go modules: a test that takes one is marked
 # `controlplane` whether or not its author said so, and `-m "not controlplane"` needs no Go.
@@ -31,7 +31,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    root = Path(os.environ.get("FLOWKUBE_TEST_CLUSTER_DIR") or tmp_path_factory.mktemp("cluster"))
+    chosen = os.environ.get("FLOWKUBE_TEST_CLUSTER_DIR")  # one per xdist worker: each has its own cluster
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    root = Path(f"{chosen}-{worker}" if chosen and worker else chosen or tmp_path_factory.mktemp("cluster"))
     c = LocalCluster(root, with_node=os.environ.get("FLOWKUBE_TEST_NO_NODE") != "1").start()
     try:
         yield c
