@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
@@ -14,3 +15,45 @@ def test_every_benchmark_is_listed_in_the_development_and_benchmarks_pages() -> 
         text = (REPO / "docs" / page).read_text()
         missing = [b for b in benches if f"`{b}" not in text]
         assert not missing, f"docs/{page} does not name {missing}"
+
+
+PACKAGES = ("api/flowkube_api", "operator/flowkube_operator", "runner/flowkube_runner", "console/flowkube_console",
+            "kubectl/flowkube_kubectl")
+
+
+def layout_entry(text: str, package: str) -> str:
+    """development.md's repository map, the entry of one package: from its line to the next entry."""
+    block = text.split("## Repository layout", 1)[1].split("```", 2)[1]
+    lines = block.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"{package}/"))
+    end = next((i for i in range(start + 1, len(lines)) if lines[i] and not lines[i][0].isspace()), len(lines))
+    return "\n".join(lines[start:end])
+
+
+def test_every_module_of_the_shipped_packages_is_on_the_development_pages_map() -> None:
+    """A module added, renamed or moved without the map saying where it is fails here."""
+    text = (REPO / "docs" / "development.md").read_text()
+    for package in PACKAGES:
+        entry, root = layout_entry(text, package), REPO / package
+        names = [f"{p.parent.name}/" for p in root.glob("*/__init__.py")]
+        names += [p.name for p in root.glob("*.py") if p.name != "__init__.py"]
+        if package.startswith(("api/", "operator/")):  # their subpackages' modules too
+            names += [p.name for p in root.glob("*/*.py") if p.name != "__init__.py"]
+        missing = [n for n in names if n not in entry]
+        assert not missing, f"docs/development.md's map of {package}/ does not name {missing}"
+
+
+def test_the_architecture_page_names_every_admission_handler_and_every_watched_kind() -> None:
+    text = (REPO / "docs" / "architecture.md").read_text()
+    handlers = (REPO / "operator" / "flowkube_operator" / "handlers.py").read_text()
+    ids = re.findall(r'id="([a-z-]+)"', handlers)
+    assert 'id=f"validate-{plural}"' in handlers  # the templates' two, one per plural
+    ids += ["validate-flowtemplates", "validate-clusterflowtemplates"]
+    assert len(ids) == 6, ids
+    missing = [i for i in ids if f"`{i}`" not in text]
+    assert not missing, f"docs/architecture.md does not name the admission handlers {missing}"
+    sources = "\n".join(p.read_text() for p in (REPO / "operator" / "flowkube_operator").glob("*.py"))
+    kinds = set(re.findall(r'"(Pod|Secret|Node|ServiceCIDR)"', sources)) | {
+        "Flow", "FlowTemplate", "ClusterFlowTemplate", "CronFlow", "ControllerRevision"}
+    missing = [k for k in sorted(kinds) if k not in text.split("**What the operator itself does per event.**")[1][:900]]
+    assert not missing, f"docs/architecture.md's list of watches does not name {missing}"
