@@ -113,6 +113,8 @@ class Reason(StrEnum):
     # The snapshot (ControllerRevision) status.template names is gone or not what the Flow took
     TEMPLATE_SNAPSHOT_UNUSABLE = "TemplateSnapshotUnusable"
     INVALID_SPEC = "InvalidSpec"  # over a bound of flowkube_api.limits (a Flow the webhook did not see)
+    # The runner pod's image is not a valid reference (the kubelet's InvalidImageName): it can never start
+    INVALID_IMAGE_NAME = "InvalidImageName"
     STATE_CORRUPT = "StateCorrupt"
     STATE_TOO_LARGE = "StateTooLarge"
     RUN_PENDING = "RunPending"

@@ -32,6 +32,14 @@ from flowkube_api.report import FeedbackRequest, TokenUsage, Usage
 _DOTTED = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
 FLOW_REF_PATTERN = f"^{_DOTTED}:{_DOTTED}$"
 FlowRef = Annotated[str, Field(pattern=FLOW_REF_PATTERN, max_length=512)]
+# A container image reference, by the grammar of the distribution project's `reference` package (the
+# one the kubelet parses with): an optional registry host (and port), lower-case path components, an
+# optional tag and an optional digest. Anything else ("../../etc", a NUL byte, upper-case paths) would
+# be admitted and then wait forever on the node as InvalidImageName.
+_DOMAIN = r"(?:[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)(?:\.(?:[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?))*(?::[0-9]+)?"
+_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+IMAGE_REFERENCE_PATTERN = (rf"^(?:{_DOMAIN}/)?{_COMPONENT}(?:/{_COMPONENT})*(?::[a-zA-Z0-9_][a-zA-Z0-9_.-]{{0,127}})?"
+                           r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?$")
 
 # Marker for "any JSON object, kept as is" (x-kubernetes-preserve-unknown-fields in the CRD).
 FreeObject = Annotated[
@@ -266,8 +274,9 @@ class FlowFields(Model):
         description='"package.module:ClassName" of a crewAI Flow subclass importable in the runner image.',
     )
     inputs: FreeObject | None = Field(default=None, description="Passed to kickoff(inputs=...).")
-    image: str | None = Field(default=None, max_length=1024,
-                              description="Runner image; defaults to the operator's runner image.")
+    image: str | None = Field(default=None, max_length=1024, pattern=IMAGE_REFERENCE_PATTERN,
+                              description="Runner image (a container image reference: [registry[:port]/]"
+                              "path[:tag][@digest]); defaults to the operator's runner image.")
     env: list[EnvVar] | None = Field(
         default=None, max_length=ENV_LIMIT,
         description=f"As in a Pod container; names starting with {ENV_PREFIX} are the operator's.")

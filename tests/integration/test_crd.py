@@ -53,6 +53,9 @@ def test_valid_flow_is_accepted_and_listed_with_printer_columns(cluster: LocalCl
         ({"templateRef": {"name": "Not_A_Name"}}, "spec.templateRef.name"),
         ({"templateRef": {"name": "t", "kind": "Job"}}, "spec.templateRef.kind"),
         ({"flowRef": "not a ref"}, "spec.flowRef"),
+        ({"flowRef": "a:B", "image": "../../etc"}, "spec.image"),  # admitted, it waited as InvalidImageName
+        ({"flowRef": "a:B", "image": "runner\u0000:1"}, "spec.image"),
+        ({"flowRef": "a:B", "image": "Team/Runner:1"}, "spec.image"),
         ({"definition": {"methods": []}}, "spec.definition.name: Required value"),
         ({"flowRef": "a:B", "retries": {"limit": -1}}, "spec.retries.limit"),
         ({"flowRef": "a:B", "activeDeadlineSeconds": 0}, "spec.activeDeadlineSeconds"),

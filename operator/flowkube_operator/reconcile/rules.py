@@ -19,6 +19,7 @@ Body = dict[str, Any]
 # A run that failed for one of these reasons is not retried: running it again cannot help.
 PERMANENT_REASONS = frozenset({
     Reason.INVALID_DEFINITION, Reason.INVALID_FLOW_REF, Reason.INVALID_INPUTS, Reason.INVALID_SPEC,
+    Reason.INVALID_IMAGE_NAME,
     Reason.STATE_CORRUPT,
     Reason.STATE_TOO_LARGE, Reason.BUDGET_EXCEEDED, Reason.DEADLINE_EXCEEDED,
 })

@@ -132,7 +132,12 @@ class RunSteps(WarmSteps):
             # Not scheduled, or its image or a Secret it needs is missing: say so in Kubernetes'
             # words, where `kubectl get flows` shows it (the pod's own Events have the details).
             reason, why = pod.waiting
-            self.failure = (reason, excerpt(f"runner pod {pod.name} is waiting ({reason}): {why}", 1024))
+            message = excerpt(f"runner pod {pod.name} is waiting ({reason}): {why}", 1024)
+            if reason == Reason.INVALID_IMAGE_NAME:  # the pod's image cannot change: it would wait forever
+                self._stop_pod(run.pod)
+                self._end_run(run, None, RunResult.FAILED, Reason.INVALID_IMAGE_NAME, message)
+                return
+            self.failure = (reason, message)
         over = self._over_deadline(None)
         if over is None:
             return

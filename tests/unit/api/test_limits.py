@@ -95,3 +95,14 @@ def test_a_spec_the_model_refuses_is_refused_naming_the_field() -> None:
         "spec.budget.maxTotalTokens: Input should be greater than or equal to 1")
     assert spec_problem({"flowRef": "a:B", "definition": {"name": "d"}}) == (
         "spec: exactly one of spec.definition or spec.flowRef must be set")
+
+
+def test_an_image_that_is_not_a_reference_is_refused_naming_the_field() -> None:
+    """`spec.image: ../../etc` (or a NUL byte, or upper-case path components) was admitted, and its pod
+    waited forever as InvalidImageName; references a registry takes still pass."""
+    for bad in ("../../etc", "runner\x00:1", "Team/Runner:1", "runner:", "/abs/path"):
+        problem = spec_problem({"flowRef": "a:B", "image": bad})
+        assert problem is not None and problem.startswith("spec.image: String should match pattern"), (bad, problem)
+    for good in ("python", "localhost/flowkube-devstack:bfba7bf81b3f", "registry.example.com:5000/team/runner:1",
+                 "ghcr.io/flowkube/flowkube-runner:0.1.0@sha256:" + "a" * 64):
+        assert spec_problem({"flowRef": "a:B", "image": good}) is None, good

@@ -796,6 +796,25 @@ def test_a_runner_pod_that_cannot_start_says_why_in_the_flows_status_until_it_st
     assert body["status"]["phase"] == Phase.RUNNING and cond(body, "Running")["status"] == "True"
 
 
+
+def test_a_runner_pod_whose_image_name_is_invalid_fails_the_flow_with_it_and_is_deleted() -> None:
+    """InvalidImageName never passes (a pod's image cannot change): the Flow used to stay Pending with
+    it forever. Now the run fails with the kubelet's reason, not retried, and the pod is deleted."""
+    body = flow(retries={"limit": 3})
+    step(body)
+    bad = PodView.from_pod({
+        "metadata": {"name": "f-0", "resourceVersion": "2", "uid": "uid-f-0"},
+        "status": {"phase": "Pending", "containerStatuses": [{"name": "runner", "state": {"waiting": {
+            "reason": "InvalidImageName", "message": 'Failed to apply default image tag "../../etc"'}}}]}})
+    p = step(body, {"f-0": bad}, at=1)
+    st = body["status"]
+    assert st["phase"] == Phase.FAILED and len(st["runs"]) == 1  # no retry: it would be the same
+    assert st["runs"][0]["reason"] == Reason.INVALID_IMAGE_NAME
+    assert 'Failed to apply default image tag "../../etc"' in st["message"]
+    assert cond(body, "Succeeded")["reason"] == Reason.INVALID_IMAGE_NAME
+    assert [d.name for d in p.delete_pods] == ["f-0"]
+
+
 # -- templates ---------------------------------------------------------------------------------------
 
 TEMPLATE = {"apiVersion": "flowkube.io/v1alpha1", "kind": "FlowTemplate",
