@@ -168,7 +168,41 @@ def check_definition(raw: Any) -> tuple[FlowDefinition | None, list[DefinitionPr
         definition_logger.removeHandler(collector)
     if collector.problems:
         return None, _dedupe(collector.problems)
+    if unreachable := unreachable_listens(definition):
+        return None, unreachable
     return definition, []
+
+
+def unreachable_listens(definition: FlowDefinition) -> list[DefinitionProblem]:
+    """Methods whose ``listen`` no method can ever satisfy: crewAI accepts them and they never run.
+
+    A label is emitted when a method of that name finishes, or by a router (``emit``, or a feedback
+    step's ``emit``). A router that declares no ``emit`` may return any label, and a conversational
+    flow routes by its own labels: then nothing is refused. ``or`` needs one reachable branch,
+    ``and`` every branch.
+    """
+    methods = definition.methods
+    routes = {name: [*(m.emit or []), *((m.human_feedback.emit or []) if m.human_feedback else [])]
+              for name, m in methods.items()}
+    if definition.conversational is not None or any(m.router and not routes[n] for n, m in methods.items()):
+        return []
+    labels = set(methods) | {label for emitted in routes.values() for label in emitted}
+    return [DefinitionProblem(("methods", name, "listen"),
+                              f"listens to {method.listen!r}, which no method emits or routes to: it would never run "
+                              f"(labels: {', '.join(sorted(labels))})")
+            for name, method in methods.items()
+            if method.listen is not None and not _reachable(method.listen, labels)]
+
+
+def _reachable(condition: Any, labels: set[str]) -> bool:
+    if isinstance(condition, str):
+        return condition in labels
+    if isinstance(condition, dict):
+        if "and" in condition:
+            return all(_reachable(c, labels) for c in condition["and"])
+        if "or" in condition:
+            return any(_reachable(c, labels) for c in condition["or"])
+    return True  # a shape crewAI has and this does not know: not refused here
 
 
 def _dedupe(problems: list[DefinitionProblem]) -> list[DefinitionProblem]:

@@ -115,6 +115,24 @@ def test_crewai_errors_name_the_place(validator: str, definition: Any, loc: list
     assert answer["message"].startswith(f"1 problem: {'.'.join(loc)}: ")
 
 
+def test_a_listen_nothing_emits_or_routes_to_is_refused_naming_it(validator: str) -> None:
+    """crewAI accepted a method listening to a label no method emits or routes to ("aproved" for
+    "approved"), and the Flow finished without ever running it."""
+    typo = flow(**{**VALID["methods"], "publish": {**VALID["methods"]["publish"], "listen": "aproved"}})
+    (error,) = check(validator, typo)["errors"]
+    assert error["loc"] == ["methods", "publish", "listen"]
+    assert error["msg"].startswith("listens to 'aproved', which no method emits or routes to: it would never run")
+    assert "approved" in error["msg"]  # the labels that exist
+    either = flow(**{**VALID["methods"], "publish": {**VALID["methods"]["publish"],
+                                                    "listen": {"or": ["aproved", "approved"]}}})
+    assert check(validator, either)["valid"] is True  # one branch can run it
+    both = flow(**{**VALID["methods"], "publish": {**VALID["methods"]["publish"],
+                                                  "listen": {"and": ["draft", "aproved"]}}})
+    assert check(validator, both)["errors"][0]["loc"] == ["methods", "publish", "listen"]
+    dynamic = flow(pick={"start": True, "router": True, "do": EXPR}, later={"listen": "anything", "do": EXPR})
+    assert check(validator, dynamic)["valid"] is True  # a router without `emit` may return any label
+
+
 def test_a_misspelt_call_is_one_error_listing_the_choices(validator: str) -> None:
     answer = check(validator, flow(a={"start": True, "do": {"call": "agnet"}}, b={"listen": "a", "do": EXPR}))
     (error,) = answer["errors"]
