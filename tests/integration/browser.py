@@ -100,6 +100,17 @@ class Browser:
             return False
         return True
 
+    def wrapped(self, css: str) -> list[str]:
+        """The texts of the elements matching ``css`` that the page breaks over more than one line."""
+        script = """return Array.from(document.querySelectorAll(arguments[0])).filter(el => {
+            const range = document.createRange(); range.selectNodeContents(el);
+            const tops = new Set(Array.from(range.getClientRects()).map(r => Math.round(r.top)));
+            return tops.size > 1; }).map(el => el.textContent);"""
+        return [str(t) for t in self.driver.execute_script(script, css)]
+
+    def resize(self, width: int, height: int) -> None:
+        self.driver.set_window_size(width, height)
+
     def screenshot(self, label: str) -> Path:
         self.shots.mkdir(parents=True, exist_ok=True)
         path = self.shots / f"{self.name}-{''.join(c if c.isalnum() else '-' for c in label)[:60]}.png"

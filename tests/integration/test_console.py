@@ -198,6 +198,13 @@ def test_a_reviewer_sees_the_request_live_answers_it_and_a_second_answer_is_refu
         assert f"system:serviceaccount:{ns}:alice" in a.text("tr.history .by")
         a.open(url + "/")
         a.wait(lambda: a.has("#inbox-empty"), 30, "the inbox empty again")
+        # The Flows table as a reviewer sees it in a 1400-pixel window: its titles and phase badges on
+        # one line each ("Token s", "AwaitingFeedbac k" were broken before).
+        a.resize(1400, 900)
+        a.open(url + "/flows")
+        a.wait(lambda: a.has("td .phase"), 30, "the Flows table")
+        a.screenshot("flows-table")
+        assert a.wrapped("th, .phase, td.num, td.age") == [], "titles, badges or figures broken over two lines"
         assert not a.alert_shown()
 
         # The chat's link, clicked on another site's page: the browser holds the SameSite=Strict session
