@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass
+from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from flowkube_api import constants as c
 
 MACROS = {"@yearly": "0 0 1 1 *", "@annually": "0 0 1 1 *", "@monthly": "0 0 1 * *",
           "@weekly": "0 0 * * 0", "@daily": "0 0 * * *", "@midnight": "0 0 * * *", "@hourly": "0 * * * *"}
@@ -167,4 +170,35 @@ def flow_name(cronflow: str, scheduled: dt.datetime) -> str:
     return f"{cronflow}-{int(scheduled.timestamp()) // 60}"
 
 
-__all__ = ["MACROS", "Schedule", "ScheduleError", "flow_name", "parse"]
+def cronflow_flow(cronflow: dict[str, Any], scheduled: dt.datetime, *, name: str | None = None,
+                  triggered_by: str | None = None) -> dict[str, Any]:
+    """The Flow a CronFlow starts for ``scheduled``: its flowTemplate, labelled with the CronFlow,
+    annotated with the time, owned by it. The operator's (``name``: `flow_name`, the one Flow of that
+    time) owns it with blockOwnerDeletion; `kubectl flow trigger`'s (``triggered_by``; ``name`` or a
+    generated `<cronflow>-manual-...`) without, which needs the update permission on
+    cronflows/finalizers that a user may lack, and says who started it."""
+    meta, spec = cronflow["metadata"], cronflow.get("spec") or {}
+    template = spec.get("flowTemplate") or {}
+    tmeta = template.get("metadata") or {}
+    annotations = {**(tmeta.get("annotations") or {}),
+                   c.ANNOTATION_SCHEDULED: scheduled.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    owner = {"apiVersion": c.API_VERSION, "kind": c.CRONFLOW_KIND, "name": meta["name"], "uid": meta["uid"],
+             "controller": True}
+    if triggered_by:
+        annotations[c.ANNOTATION_TRIGGERED_BY] = triggered_by
+    else:
+        owner["blockOwnerDeletion"] = True
+    return {
+        "apiVersion": c.API_VERSION, "kind": c.KIND,
+        "metadata": {
+            **({"name": name} if name else {"generateName": f"{meta['name']}-manual-"}),
+            "namespace": meta["namespace"],
+            "labels": {**(tmeta.get("labels") or {}), c.LABEL_CRONFLOW: meta["name"]},
+            "annotations": annotations,
+            "ownerReferences": [owner],
+        },
+        "spec": template.get("spec") or {},
+    }
+
+
+__all__ = ["MACROS", "Schedule", "ScheduleError", "cronflow_flow", "flow_name", "parse"]

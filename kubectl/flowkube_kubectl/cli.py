@@ -49,15 +49,12 @@ from pathlib import Path
 from typing import Any
 
 from flowkube_api.constants import (
-    ANNOTATION_SCHEDULED,
-    ANNOTATION_TRIGGERED_BY,
     API_VERSION,
     CLUSTER_TEMPLATE_KIND,
     CLUSTER_TEMPLATE_PLURAL,
     CRONFLOW_KIND,
     CRONFLOW_PLURAL,
     KIND,
-    LABEL_CRONFLOW,
     PLURAL,
     SINGULAR,
     TEMPLATE_KIND,
@@ -65,6 +62,7 @@ from flowkube_api.constants import (
     Phase,
     Reason,
 )
+from flowkube_api.cron import cronflow_flow
 from flowkube_api.inbox import feedback_patch, message_patch
 from flowkube_api.templates import describe_ref, parameter_problems
 
@@ -599,27 +597,10 @@ def _create_flow(a: Args, body: dict[str, Any]) -> int:
 
 
 def trigger_flow(cronflow: dict[str, Any], now: datetime, name: str | None = None) -> dict[str, Any]:
-    """The Flow `trigger` creates: the operator's scheduled Flow (flowkube_operator.cronflows.scheduled_flow,
-    which the plugin may not import; a unit test keeps the two alike) for ``now``, named NAME or
-    CRONFLOW-manual-<suffix> by the API server, annotated as started by kubectl flow, and owned without
-    blockOwnerDeletion (that needs the update permission on cronflows/finalizers, which a user may lack)."""
-    meta, spec = cronflow["metadata"], cronflow.get("spec") or {}
-    template = spec.get("flowTemplate") or {}
-    tmeta = template.get("metadata") or {}
-    return {
-        "apiVersion": API_VERSION, "kind": KIND,
-        "metadata": {
-            **({"name": name} if name else {"generateName": f"{meta['name']}-manual-"}),
-            "namespace": meta["namespace"],
-            "labels": {**(tmeta.get("labels") or {}), LABEL_CRONFLOW: meta["name"]},
-            "annotations": {**(tmeta.get("annotations") or {}),
-                            ANNOTATION_SCHEDULED: now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                            ANNOTATION_TRIGGERED_BY: TRIGGERED_BY},
-            "ownerReferences": [{"apiVersion": API_VERSION, "kind": CRONFLOW_KIND, "name": meta["name"],
-                                 "uid": meta["uid"], "controller": True}],
-        },
-        "spec": template.get("spec") or {},
-    }
+    """The Flow `trigger` creates: the operator's scheduled Flow for ``now`` (one function serves
+    both: `flowkube_api.cron.cronflow_flow`), named NAME or CRONFLOW-manual-<suffix> by the API server,
+    annotated as started by kubectl flow, owned without blockOwnerDeletion."""
+    return cronflow_flow(cronflow, now, name=name, triggered_by=TRIGGERED_BY)
 
 
 def trigger(a: Args) -> int:

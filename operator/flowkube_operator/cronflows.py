@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from flowkube_api import constants as c
+from flowkube_api import cron
 from flowkube_operator import projections
 from flowkube_operator.cronplan import Child, CronPlan, plan
 from flowkube_operator.informer import Informer
@@ -38,22 +39,9 @@ def cronflow_path(namespace: str, name: str | None = None, sub: str | None = Non
 
 
 def scheduled_flow(cronflow: Body, name: str, scheduled: dt.datetime) -> Body:
-    """The Flow a CronFlow starts for ``scheduled``: its flowTemplate, labelled, annotated and owned."""
-    meta, spec = cronflow["metadata"], cronflow.get("spec") or {}
-    template = spec.get("flowTemplate") or {}
-    tmeta = template.get("metadata") or {}
-    return {
-        "apiVersion": c.API_VERSION, "kind": c.KIND,
-        "metadata": {
-            "name": name, "namespace": meta["namespace"],
-            "labels": {**(tmeta.get("labels") or {}), c.LABEL_CRONFLOW: meta["name"]},
-            "annotations": {**(tmeta.get("annotations") or {}),
-                            c.ANNOTATION_SCHEDULED: scheduled.strftime("%Y-%m-%dT%H:%M:%SZ")},
-            "ownerReferences": [{"apiVersion": c.API_VERSION, "kind": c.CRONFLOW_KIND, "name": meta["name"],
-                                 "uid": meta["uid"], "controller": True, "blockOwnerDeletion": True}],
-        },
-        "spec": template.get("spec") or {},
-    }
+    """The Flow a CronFlow starts for ``scheduled`` (`flowkube_api.cron.cronflow_flow`, which
+    `kubectl flow trigger` shares)."""
+    return cron.cronflow_flow(cronflow, scheduled, name=name)
 
 
 class Clock:

@@ -606,7 +606,7 @@ def _paths(doc: Any, at: tuple[Any, ...] = ()) -> set[tuple[Any, ...]]:
 
 
 def test_trigger_flow_is_the_operators_scheduled_flow_but_for_the_documented_differences() -> None:
-    """The plugin may not import the operator: its copy of scheduled_flow is held to it here."""
+    """One function (flowkube_api.cron.cronflow_flow) makes both; the plugin's differs only where it says."""
     from flowkube_operator.cronflows import scheduled_flow
 
     now = datetime(2024, 5, 1, 10, 0, 0, tzinfo=UTC)
