@@ -5,7 +5,7 @@
 
 | file | source |
 |---|---|
-| crds/flowkube.io_{flows,flowtemplates,clusterflowtemplates}.yaml | the pydantic models in api/flowkube_api/models.py |
+| crds/flowkube.io_{flows,flowtemplates,clusterflowtemplates}.yaml | the pydantic models in api/flowkube_api/models/ |
 | charts/flowkube/templates/crds/*.yaml | those CRDs, wrapped in the chart's `crds.*` switches |
 | charts/flowkube/templates/status-policy.yaml | the Flow status model (who may write which status field) |
 | charts/flowkube/README.md (values table) | the `# --` comments of charts/flowkube/values.yaml |
