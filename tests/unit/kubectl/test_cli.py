@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from flowkube_kubectl import cli
+from flowkube_kubectl import args, chat, cli, show, start
 
 # Records its argv (and what `create -f -` reads), then answers the n-th call of a kind ("get flow",
 # "patch flow", ...) with the n-th canned reply of that kind (the last one repeats).
@@ -60,7 +60,7 @@ def kubectl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Kubectl:
     script.write_text(f"#!{sys.executable}\n{FAKE}")
     script.chmod(0o755)
     monkeypatch.setenv("KUBECTL", str(script))
-    monkeypatch.setattr(cli, "POLL_INTERVAL", 0)
+    monkeypatch.setattr(chat, "POLL_INTERVAL", 0)
     return Kubectl(tmp_path)
 
 
@@ -153,7 +153,7 @@ def test_usage_errors_name_the_problem_and_run_nothing(kubectl: Kubectl, capsys:
 
 
 def test_console_takes_its_flags_and_kubectls_anywhere() -> None:
-    a = cli.parse(["--context", "prod", "console", "--no-browser", "--port=9000", "-n", "team-a"])
+    a = args.parse(["--context", "prod", "console", "--no-browser", "--port=9000", "-n", "team-a"])
     assert (a.cmd, a.pos, a.opts) == ("console", [], {"--no-browser": "true", "--port": "9000"})
     assert a.kube == ["--context=prod", "--namespace=team-a"]
 
@@ -189,7 +189,7 @@ def test_flow_table_in_one_namespace_with_ages() -> None:
     for f, ts in zip(flows, ["2024-05-01T09:59:30Z", "2024-05-01T09:00:00Z", "2024-04-30T09:00:00Z",
                              "2024-04-20T10:00:00Z"], strict=True):
         f["metadata"]["creationTimestamp"] = ts
-    lines = cli.flow_table(flows, False, now).splitlines()
+    lines = show.flow_table(flows, False, now).splitlines()
     assert lines[0].split() == ["NAME", "PHASE", "DEFINITION", "TOKENS", "AGE"]
     assert [line.split()[-1] for line in lines[1:]] == ["30s", "60m", "25h", "11d"]
 
@@ -327,7 +327,7 @@ def test_describe_shows_the_conversation() -> None:
                         "sender": "alice"},
                        {"role": "assistant", "content": "Sunny. " * 40, "time": "2024-05-01T10:00:05Z"}],
              pending={"turn": 3, "text": "And tomorrow?", "sentBy": "alice", "sentAt": "2024-05-01T10:01:00Z"})
-    text = cli.describe(f)
+    text = show.describe(f)
     assert "Conversation (session sess-42): 2 turns, ended: no" in text
     assert "2024-05-01T10:00:00Z user (alice)" in text and "What is the weather in Paris?" in text
     reply_line = next(line for line in text.splitlines() if "assistant" in line)
@@ -337,7 +337,7 @@ def test_describe_shows_the_conversation() -> None:
 
 
 def test_describe_of_an_ended_conversation_offers_no_next_message() -> None:
-    text = cli.describe(flow("Succeeded", turns=4, sessionId="s", ended=True, lastReply="Bye."))
+    text = show.describe(flow("Succeeded", turns=4, sessionId="s", ended=True, lastReply="Bye."))
     assert "ended: yes" in text and "last reply: Bye." in text and "kubectl flow say" not in text
 
 
@@ -349,7 +349,7 @@ def test_get_shows_each_sinks_last_delivery() -> None:
         {"name": "pager", "event": "FeedbackRequested", "outcome": "Failed", "reason": "Rejected", "attempts": 1,
          "code": 404, "time": "2024-05-01T10:00:02Z", "message": "404: no such hook"},
     ]
-    text = cli.describe(f)
+    text = show.describe(f)
     assert "Notifications (last delivery per sink):" in text
     slack = next(line for line in text.splitlines() if "team-slack" in line)
     assert "FeedbackRequested" in slack and "Delivered" in slack
@@ -385,24 +385,24 @@ CREATE = ["create", "-f", "-", "-o", "json"]
     ("NaN", "NaN"), ("-Infinity", "-Infinity"), ("[1,", "[1,"), ("[" * 100_000, "[" * 100_000),
 ])
 def test_a_param_is_json_when_it_parses_else_text(text: str, value: Any) -> None:
-    assert cli.param_value(text) == value
+    assert start.param_value(text) == value
 
 
 def test_a_string_parameter_keeps_the_text_unless_it_is_a_json_string() -> None:
     texts = {"version": "1.10", "topic": '"quoted"', "words": "300", "tags": '["a"]', "other": "true"}
-    assert cli.template_inputs(texts, template()["spec"]) == {
+    assert start.template_inputs(texts, template()["spec"]) == {
         "version": "1.10", "topic": "quoted", "words": 300, "tags": ["a"], "other": True}
 
 
 def test_params_in_every_flag_form_and_from_a_file(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("line one\nline two\n")
     (tmp_path / "tags.json").write_text('["x", "y"]\n')
-    a = cli.parse(["run-template", "summarize", "-pa=1", "-p=b=x=y", "--param", "c=3", "--param=d=4",
+    a = args.parse(["run-template", "summarize", "-pa=1", "-p=b=x=y", "--param", "c=3", "--param=d=4",
                    "-p", f"notes=@{tmp_path}/notes.txt", "-p", f"tags=@{tmp_path}/tags.json"])
-    texts = cli.read_params(a.params)
+    texts = start.read_params(a.params)
     assert texts == {"a": "1", "b": "x=y", "c": "3", "d": "4", "notes": "line one\nline two\n",
                      "tags": '["x", "y"]\n'}
-    assert cli.template_inputs(texts, template()["spec"])["tags"] == ["x", "y"]
+    assert start.template_inputs(texts, template()["spec"])["tags"] == ["x", "y"]
 
 
 def test_run_template_creates_the_flow_and_prints_its_name(kubectl: Kubectl,
@@ -536,7 +536,7 @@ def test_trigger_with_a_name(kubectl: Kubectl, capsys: pytest.CaptureFixture[str
 def test_trigger_of_a_cronflow_without_template_metadata() -> None:
     cf = cronflow()
     del cf["spec"]["flowTemplate"]["metadata"]
-    meta = cli.trigger_flow(cf, datetime(2024, 5, 1, 10, 0, 30, 123, tzinfo=UTC))["metadata"]
+    meta = start.trigger_flow(cf, datetime(2024, 5, 1, 10, 0, 30, 123, tzinfo=UTC))["metadata"]
     assert meta["labels"] == {"flowkube.io/cronflow": "nightly"}
     assert meta["annotations"] == {"flowkube.io/scheduled-at": "2024-05-01T10:00:30Z",
                                    "flowkube.io/triggered-by": "kubectl-flow"}
@@ -611,7 +611,7 @@ def test_trigger_flow_is_the_operators_scheduled_flow_but_for_the_documented_dif
 
     now = datetime(2024, 5, 1, 10, 0, 0, tzinfo=UTC)
     theirs = scheduled_flow(cronflow(), "nightly-28577040", now)
-    ours = cli.trigger_flow(cronflow(), now)
+    ours = start.trigger_flow(cronflow(), now)
     assert _paths(ours) - _paths(theirs) == {("metadata", "generateName"),
                                              ("metadata", "annotations", "flowkube.io/triggered-by")}
     assert _paths(theirs) - _paths(ours) == {("metadata", "name"),
@@ -620,7 +620,7 @@ def test_trigger_flow_is_the_operators_scheduled_flow_but_for_the_documented_dif
     del theirs["metadata"]["name"], theirs["metadata"]["ownerReferences"][0]["blockOwnerDeletion"]
     del ours["metadata"]["generateName"], ours["metadata"]["annotations"]["flowkube.io/triggered-by"]
     assert ours == theirs
-    named = cli.trigger_flow(cronflow(), now, "nightly-28577040")
+    named = start.trigger_flow(cronflow(), now, "nightly-28577040")
     assert _paths(named) - _paths(scheduled_flow(cronflow(), "nightly-28577040", now)) == {
         ("metadata", "annotations", "flowkube.io/triggered-by")}
 
