@@ -22,8 +22,8 @@ from aiohttp import web
 
 from flowkube_api import cron, limits, templates
 from flowkube_api.models import ConversationStatus, FeedbackRequest
-from flowkube_operator.inbox import validate_message, validate_response
 from flowkube_operator.kube import Kube
+from flowkube_operator.refusals import validate_message, validate_response
 from flowkube_operator.templatecache import TemplateKey
 
 Body = Mapping[str, Any]

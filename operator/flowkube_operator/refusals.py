@@ -1,6 +1,7 @@
 """The inbox rules: when a feedback answer or a conversation message written to the status is
 refused. The admission webhook refuses it at `kubectl` time; the reconcile refuses what got past a
-webhook that was down (the feedback webhook fails open). Pure."""
+webhook that was down (the feedback webhook fails open). Pure. (The patches people send are
+`flowkube_api.inbox`'s.)"""
 
 from __future__ import annotations
 
