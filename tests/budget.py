@@ -76,8 +76,8 @@ class Reports:
         worker = getattr(getattr(getattr(report, "node", None), "gateway", None), "id", "")
         span = self.spent.worker_wall.setdefault(worker, [report.start, report.stop])
         span[0], span[1] = min(span[0], report.start), max(span[1], report.stop)
-        if lane_of(report.nodeid):
-            self.spent.worker_lanes[worker].add(lane_of(report.nodeid))
+        if lane := lane_of(report.nodeid):
+            self.spent.worker_lanes[worker].add(lane)
         if report.when == "call" or (report.when == "setup" and not report.passed):
             self.spent.module_tests[module] += 1
 

@@ -38,12 +38,6 @@ def cronflow_path(namespace: str, name: str | None = None, sub: str | None = Non
     return ns_path(namespace, c.CRONFLOW_PLURAL, name, group=c.GROUP, version=c.VERSION, sub=sub)
 
 
-def scheduled_flow(cronflow: Body, name: str, scheduled: dt.datetime) -> Body:
-    """The Flow a CronFlow starts for ``scheduled`` (`flowkube_api.cron.cronflow_flow`, which
-    `kubectl flow trigger` shares)."""
-    return cron.cronflow_flow(cronflow, scheduled, name=name)
-
-
 class Clock:
     """CronFlows' time: the real clock, or (``rate`` > 1, for tests and demos) one that runs ``rate``
     times faster from ``epoch`` (Unix seconds), the same in every replica that has the same settings."""
@@ -190,7 +184,7 @@ class CronFlows:
         ns, uid = cronflow["metadata"]["namespace"], cronflow["metadata"]["uid"]
         self._fence()
         try:
-            created = await kube.create(flow_path(ns), scheduled_flow(cronflow, name, scheduled))
+            created = await kube.create(flow_path(ns), cron.cronflow_flow(cronflow, scheduled, name=name))
         except ApiError as e:
             if e.status in (400, 401, 403, 404, 422):
                 return str(e)

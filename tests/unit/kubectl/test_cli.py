@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from flowkube_api.cron import cronflow_flow
 from flowkube_kubectl import args, chat, cli, show, start
 
 # Records its argv (and what `create -f -` reads), then answers the n-th call of a kind ("get flow",
@@ -607,10 +608,8 @@ def _paths(doc: Any, at: tuple[Any, ...] = ()) -> set[tuple[Any, ...]]:
 
 def test_trigger_flow_is_the_operators_scheduled_flow_but_for_the_documented_differences() -> None:
     """One function (flowkube_api.cron.cronflow_flow) makes both; the plugin's differs only where it says."""
-    from flowkube_operator.cronflows import scheduled_flow
-
     now = datetime(2024, 5, 1, 10, 0, 0, tzinfo=UTC)
-    theirs = scheduled_flow(cronflow(), "nightly-28577040", now)
+    theirs = cronflow_flow(cronflow(), now, name="nightly-28577040")  # the operator's call
     ours = start.trigger_flow(cronflow(), now)
     assert _paths(ours) - _paths(theirs) == {("metadata", "generateName"),
                                              ("metadata", "annotations", "flowkube.io/triggered-by")}
@@ -621,7 +620,7 @@ def test_trigger_flow_is_the_operators_scheduled_flow_but_for_the_documented_dif
     del ours["metadata"]["generateName"], ours["metadata"]["annotations"]["flowkube.io/triggered-by"]
     assert ours == theirs
     named = start.trigger_flow(cronflow(), now, "nightly-28577040")
-    assert _paths(named) - _paths(scheduled_flow(cronflow(), "nightly-28577040", now)) == {
+    assert _paths(named) - _paths(cronflow_flow(cronflow(), now, name="nightly-28577040")) == {
         ("metadata", "annotations", "flowkube.io/triggered-by")}
 
 
