@@ -102,13 +102,13 @@ class App:
         self.notifier = Notifier(
             settings, wake=lambda key: self.controller.notified(key),
             wake_namespace=lambda ns: self.controller.requeue_namespace(ns),
-            flow_of=lambda key: self.controller.cached_flow(key)) if settings.notifications_enabled else None
+            flow_of=lambda key: self.controller.cache.flow(key)) if settings.notifications_enabled else None
         self.controller = Controller(
             settings, listeners=[self.metrics.update], notifier=self.notifier,
             fence=self.elector.still_leading if self.elector is not None else lambda: True,
             state_ca=serving.ca_pem.decode() if serving is not None else "")
         self.state_api = StateApi(
-            lambda: self.kube, self.controller, issuer=IssuerKeys(lambda: self.kube),
+            lambda: self.kube, self.controller.cache, self.controller, issuer=IssuerKeys(lambda: self.kube),
             limits=ClientLimits(settings.state_client_rate, settings.state_client_burst,
                                 settings.state_client_authenticating),
             token_reviews=settings.state_token_reviews)

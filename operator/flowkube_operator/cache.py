@@ -2,7 +2,7 @@
 
 Every replica keeps it warm (informer.py feeds `flow_event` and `pod_event`); the state API asks it
 which pod is a Flow's running attempt and what a warm pod is waiting for, without a request to the
-API server; `controller.Controller` builds on it to queue and reconcile.
+API server; `controller.Controller` reads it to reconcile, and is woken by it (``wake``) to queue.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from typing import Any
 import orjson
 
 from flowkube_api import constants as c
-from flowkube_api.report import RunReport
 from flowkube_operator import projections, selfmetrics
 from flowkube_operator.informer import Informer
 from flowkube_operator.kube import Kube, flow_path, ns_path
@@ -44,9 +43,12 @@ def _rv(body: Body) -> int:
 
 
 class FlowCache:
-    """The cached Flows and runner pods; ``listeners`` hear every change of a cached Flow."""
+    """The cached Flows and runner pods; ``listeners`` hear every change of a cached Flow, ``wake``
+    every change a Flow's reconcile reads (the Flow, or one of its pods), ``stale_warm`` of a warm pod
+    waiting on something the cached status does not show yet (its report should be read)."""
 
-    def __init__(self, listeners: Sequence[FlowListener] = ()) -> None:
+    def __init__(self, listeners: Sequence[FlowListener] = (), *, wake: Callable[[Key], None] = lambda key: None,
+                 stale_warm: Callable[[Key], None] = lambda key: None) -> None:
         # Flows are kept as compact JSON: a parsed status is ~10x larger as Python objects, and
         # most cached Flows are finished ones that are rarely read again.
         self.flows: dict[Key, tuple[int, str, bytes]] = {}  # (resourceVersion, uid, JSON)
@@ -56,12 +58,7 @@ class FlowCache:
         self._pod_seen: dict[tuple[str, str], float] = {}  # (namespace, pod) -> monotonic time of its last event
         self._listeners = tuple(listeners)
         self._changed: dict[Key, asyncio.Event] = {}  # set when the Flow changes: wakes the long polls
-        # Reports the state API took from pods of closed runs, not yet folded into the status. Lost
-        # with the process, harmlessly: the pod's final report is read again when the pod ends.
-        self._late: dict[Key, dict[str, RunReport]] = {}
-        # Warm reports (a conversation's pod answered a turn and waits for the next message) the state
-        # API took, not yet folded; None: a warm pod is waiting on a turn the status lacks, read its report.
-        self._warm: dict[Key, RunReport | None] = {}
+        self._wake, self._stale_warm = wake, stale_warm
 
     def informers(self, kube: Callable[[], Kube | None], namespaces: list[str]) -> list[Informer]:
         """The two watches that feed the caches: Flows and runner pods, cluster-wide or per namespace.
@@ -87,8 +84,6 @@ class FlowCache:
                 return  # an earlier Flow of this name, deleted (its late DELETED after a relist)
             self.flows.pop(key, None)
             self.pods.pop(key, None)
-            self._late.pop(key, None)
-            self._warm.pop(key, None)
             self._track_active(key, "", None)
             self._tell(key, None)
         else:
@@ -101,7 +96,7 @@ class FlowCache:
             self.flows[key] = (rv, meta.get("uid", ""), compact(body))
             self._track_active(key, meta.get("uid", ""), body)
             self._tell(key, body)
-            self._enqueue(key)
+            self._wake(key)
         changed = self._changed.pop(key, None)
         if changed is not None:
             changed.set()
@@ -129,7 +124,23 @@ class FlowCache:
             if known is not None and dataclasses.replace(known, resource_version=view.resource_version) == view:
                 return  # nothing the reconcile reads changed (the scheduler's binding, a new IP)
         if key in self.flows:
-            self._enqueue(key)
+            self._wake(key)
+
+    def silent_pods(self, seconds: float, limit: int) -> list[tuple[Key, PodView]]:
+        """The running pods of active runs the watch has said nothing of for ``seconds``, the longest
+        silent first (at most ``limit``)."""
+        now, due = time.monotonic(), []
+        for key, pod_name in self._active.items():
+            view = self.pods.get(key, {}).get(pod_name)
+            seen = self._pod_seen.get((key[0], pod_name))
+            if view is not None and not view.terminated and seen is not None and now - seen >= seconds:
+                due.append((seen, key, view))
+        return [(key, view) for _, key, view in sorted(due, key=lambda d: d[0])[:limit]]
+
+    def flow(self, key: Key) -> Body | None:
+        """The cached Flow, parsed (a copy: the caller may change it)."""
+        cached = self.flows.get(key)
+        return orjson.loads(cached[2]) if cached is not None else None
 
     def _tell(self, key: Key, body: Body | None) -> None:
         for listener in self._listeners:
@@ -140,13 +151,6 @@ class FlowCache:
         event = self._changed.setdefault(key, asyncio.Event())
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(event.wait(), seconds)
-
-    def _enqueue(self, key: Key) -> None:
-        """The Flow (or one of its pods) changed: the controller queues it when it leads."""
-
-    def _read_warm_report(self, key: Key) -> None:
-        """A warm pod waits on something the cached status does not show yet: the controller reads
-        its report when it leads."""
 
     def _track_active(self, key: Key, uid: str, body: Body | None) -> None:
         """Which pod is each Flow's running attempt (the unfinished last run), for the state API."""
@@ -198,7 +202,7 @@ class FlowCache:
         if turns > after:
             return 410, {"message": f"message {after + 1} was answered already"}
         if turns < after or not conv.get("sessionId"):
-            self._read_warm_report((namespace, flow))
+            self._stale_warm((namespace, flow))
         return 204, None
 
     def answer_for(self, namespace: str, flow: str, pod: str, request_id: str) -> tuple[int, Body | None]:
@@ -212,7 +216,7 @@ class FlowCache:
             return 204, None
         answer = next((h for h in fb.get("history") or [] if h.get("requestId") == request_id), None)
         if answer is None:
-            self._read_warm_report((namespace, flow))
+            self._stale_warm((namespace, flow))
             return 204, None
         return 200, {"requestId": request_id, "text": answer.get("response") or "",
                      "timedOut": bool(answer.get("timedOut")), "outcome": answer.get("outcome")}

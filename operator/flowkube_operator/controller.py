@@ -1,9 +1,10 @@
-"""The I/O edge around `reconcile.plan`: a work queue, workers, and applying a plan, on the caches
-(`cache.FlowCache`) that two watches (informer.py) feed.
+"""The Flows' kind in the controller shell (shell.py): one reconcile of a Flow around
+`reconcile.plan`, on the caches (`cache.FlowCache`) that two watches (informer.py) feed.
 
-Like controller-runtime: watch events only put a Flow's key on a de-duplicating queue; workers
-take keys, read the latest cached Flow and its pods, plan, and apply. A key is never processed by
-two workers at once, and a key that changes while being processed is processed again afterwards.
+Like controller-runtime: watch events only put a Flow's key on the shell's de-duplicating queue;
+workers take keys, read the latest cached Flow and its pods, plan, and apply. A key is never
+processed by two workers at once, and a key that changes while being processed is processed again
+afterwards.
 
 Every replica keeps the caches warm (the state API and the per-flow metrics read them); only the
 leader (see leader.py) queues and runs workers. Reconciling is level-based, so a replica that begins
@@ -13,17 +14,10 @@ to lead queues every cached Flow once and nothing a follower saw is lost.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
-import datetime as dt
 import logging
 import socket
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
-
-import orjson
-from pydantic import ValidationError
 
 from flowkube_api import constants as c
 from flowkube_api import templates
@@ -35,40 +29,30 @@ from flowkube_operator import notify, resources, selfmetrics
 from flowkube_operator.cache import FlowCache, FlowListener, Key
 from flowkube_operator.cronflows import Clock, CronFlows
 from flowkube_operator.informer import Informer
-from flowkube_operator.kube import (
-    ApiError,
-    Kube,
-    collection_path,
-    delete_if_same,
-    delete_namesake_garbage,
-    flow_path,
-    ns_path,
-)
-from flowkube_operator.meta import Doomed, PodView, owner_uid
+from flowkube_operator.kube import ApiError, Kube, collection_path, delete_namesake_garbage, flow_path, ns_path
+from flowkube_operator.meta import owner_uid
 from flowkube_operator.notifier import Notifier
 from flowkube_operator.reconcile import Plan, RunIntent, Taken, late_pods, plan
+from flowkube_operator.reports import active_report, load_report
 from flowkube_operator.settings import Settings
+from flowkube_operator.shell import RetryLater, Shell, Writes
 from flowkube_operator.snapshots import SnapshotMismatchError, Snapshots
 from flowkube_operator.templatecache import TemplateCache
-from flowkube_operator.workqueue import NotLeadingError, WorkQueue, merge_patch
+from flowkube_operator.workqueue import NotLeadingError
 
-__all__ = ["Controller", "ForeignObjectError", "NotLeadingError", "WorkQueue", "merge_patch"]
+__all__ = ["Controller", "ForeignObjectError", "NotLeadingError"]
 
 Body = dict[str, Any]
 log = logging.getLogger("flowkube.controller")
 
 
-class ForeignObjectError(Exception):
+class ForeignObjectError(RetryLater):
     """An object we would create exists, owned by another Flow (an earlier one of the same name), or
     (a template snapshot) holding something else."""
 
-    def __init__(self, message: str, retry_after: float = 1.0) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
 
-
-class Controller(FlowCache):
-    """The queue and the workers of one operator process, on its caches (built by `app.App`).
+class Controller:
+    """The Flows' reconcile of one operator process, on its caches (built by `app.App`).
 
     ``listeners`` hear every change of a cached Flow (the per-flow metrics); ``fence`` is asked
     before every write (the leader elector's `still_leading`; always yes without election);
@@ -79,38 +63,46 @@ class Controller(FlowCache):
     def __init__(self, settings: Settings, listeners: Sequence[FlowListener] = (), *,
                  fence: Callable[[], bool] = lambda: True, state_ca: str = "",
                  notifier: Notifier | None = None) -> None:
-        # CronFlows share the client, the fence and the Events; they hear of their Flows from this cache.
-        self.cron = CronFlows(lambda: self.kube, lambda: self.fence(), self._post_event,
-                              Clock(settings.cron_clock_rate, settings.cron_clock_epoch))
+        self.settings = settings
+        self.kube: Kube | None = None
+        self.notifier = notifier
+        self.state_ca = state_ca
+        # Both kinds write through one fence, one status writer and one Event poster.
+        self.writes = Writes(lambda: self.kube, fence, socket.gethostname())
+        self.shell = Shell(c.KIND, self.reconcile, settings.workers, measured=True)
+        # CronFlows hear of their Flows from this cache.
+        self.cron = CronFlows(self.writes, Clock(settings.cron_clock_rate, settings.cron_clock_epoch))
         # Template snapshots: the Flows' references counted as their events enter the cache.
         self.snapshots = Snapshots(lambda: self.kube, settings.template_snapshot_cache_entries,
                                    settings.template_snapshot_cache_mib * 1024 * 1024)
-        super().__init__([*listeners, self.cron.flow_changed, self.snapshots.index.flow_changed])
-        self.notifier = notifier
-        self.settings = settings
-        self.kube: Kube | None = None
-        self.queue = WorkQueue()
-        self.state_ca = state_ca
-        self._tasks: list[asyncio.Task[None]] = []
-        self._background: set[asyncio.Task[None]] = set()
-        self._failures: dict[Key, int] = {}  # consecutive failed reconciles, for backoff
-        self.instance = socket.gethostname()
-        self.leading = False  # workers run: this replica is the one status writer
-        self.fence = fence
-        self.templates = TemplateCache(wake=self._enqueue, kube=lambda: self.kube)
+        self.cache = FlowCache([*listeners, self.cron.flow_changed, self.snapshots.index.flow_changed,
+                                self._forget_hints], wake=self.shell.add, stale_warm=self._read_warm_report)
+        self.templates = TemplateCache(wake=self.shell.add, kube=lambda: self.kube)
+        # Reports the state API took from pods of closed runs, not yet folded into the status. Lost
+        # with the process, harmlessly: the pod's final report is read again when the pod ends.
+        self._late: dict[Key, dict[str, RunReport]] = {}
+        # Warm reports (a conversation's pod answered a turn and waits for the next message) the state
+        # API took, not yet folded; None: a warm pod is waiting on a turn the status lacks, read its report.
+        self._warm: dict[Key, RunReport | None] = {}
         self._informers: list[Informer] = []  # the watches CronFlows wait for (see _start_cron_when_listed)
 
-    def _enqueue(self, key: Key) -> None:
-        if self.leading:  # a follower's view is queued all at once when it begins to lead
-            self.queue.add(key)
+    @property
+    def leading(self) -> bool:
+        """Workers run: this replica is the one status writer."""
+        return self.shell.leading
+
+    def _forget_hints(self, key: Key, body: Body | None) -> None:
+        if body is None:  # the Flow is gone
+            self._late.pop(key, None)
+            self._warm.pop(key, None)
 
     def late_report(self, namespace: str, flow: str, report: RunReport) -> None:
         """The state API stored a report from a pod whose run is closed: fold it in soon. (A follower
         drops the hint: the leader reads the report when the pod ends, see `late_pods`.)"""
         key = (namespace, flow)
-        if self.leading and key in self.flows:
+        if self.leading and key in self.cache.flows:
             self._late.setdefault(key, {})[report.pod] = report
-            self.queue.add(key)
+            self.shell.add(key)
 
     def running_report(self, namespace: str, flow: str, report: RunReport) -> bool:
         """The state API stored a report of a Flow's running attempt that says something now: a warm
@@ -120,15 +112,15 @@ class Controller(FlowCache):
         key = (namespace, flow)
         if not self.leading:
             return False
-        if key in self.flows:
+        if key in self.cache.flows:
             self._warm[key] = report
-            self.queue.add(key)
+            self.shell.add(key)
         return True
 
     def informers(self, kube: Callable[[], Kube | None], namespaces: list[str]) -> list[Informer]:
         """The caches' watches, the templates', and the notifier's Secrets."""
         extra = self.notifier.informers(kube, namespaces) if self.notifier is not None else []
-        self._informers = (super().informers(kube, namespaces) + self.templates.informers(kube, namespaces)
+        self._informers = (self.cache.informers(kube, namespaces) + self.templates.informers(kube, namespaces)
                            + self.cron.informers(kube, namespaces) + self.snapshots.informers(kube, namespaces))
         return self._informers + extra
 
@@ -138,31 +130,26 @@ class Controller(FlowCache):
         forget what it was deleting). The templates' first list also wakes the Flows that waited."""
         await asyncio.gather(*(i.synced.wait() for i in self._informers))
         for key in list(self.templates.woken()):
-            self.queue.add(key)
+            self.shell.add(key)
         self.cron.start()
 
     async def _offer_when_ready(self, notifier: Notifier) -> None:
         """Once the notification Secrets are listed and the cluster's ranges known, every Flow is looked
         at again: the ones reconciled before had nothing offered."""
         await notifier.wait_ready()
-        for key in list(self.flows):
-            self.queue.add(key)
+        for key in list(self.cache.flows):
+            self.shell.add(key)
 
     def requeue_namespace(self, namespace: str) -> None:
         """A notification Secret of the namespace changed: its Flows may have sinks to serve now (a
         Secret created after the Flow that names it; new namespace defaults). Rare: a scan is fine."""
-        if self.leading:
-            for key in [k for k in self.flows if k[0] == namespace]:
-                self.queue.add(key)
-
-    def cached_flow(self, key: Key) -> Body | None:
-        cached = self.flows.get(key)
-        return orjson.loads(cached[2]) if cached is not None else None
+        for key in [k for k in self.cache.flows if k[0] == namespace]:
+            self.shell.add(key)
 
     def notified(self, key: Key) -> None:
         """A delivery of the Flow's ended: reconcile it, which records the outcome in its status."""
-        if self.leading and key in self.flows:
-            self.queue.add(key)
+        if self.leading and key in self.cache.flows:
+            self.shell.add(key)
         elif self.notifier is not None:  # the Flow is gone: nowhere to record it
             self.notifier.recorded(key, self.notifier.take(key))
 
@@ -171,9 +158,9 @@ class Controller(FlowCache):
         hint was lost): read its report. Its polls repeat this until the status shows it."""
         if self.leading:
             self._warm.setdefault(key, None)
-            self.queue.add(key)
+            self.shell.add(key)
 
-    # -- workers -------------------------------------------------------------------------------------
+    # -- leading -------------------------------------------------------------------------------------
 
     def attach(self, kube: Kube) -> None:
         """The API client of the latest login (kopf logs in again when credentials expire)."""
@@ -185,29 +172,16 @@ class Controller(FlowCache):
         if self.leading:
             return
         assert self.kube is not None, "attach a client first"
-        self.leading = True
         selfmetrics.LEADER.set(1)
-        for key in list(self.flows):
-            self.queue.add(key)
-        self._tasks.append(asyncio.create_task(self.queue.run_timers()))
-        self._tasks.append(asyncio.create_task(self._recheck_pods_forever()))
-        for _ in range(self.settings.workers):
-            self._tasks.append(asyncio.create_task(self._worker()))
-        self._tasks.append(asyncio.create_task(self._start_cron_when_listed()))
-        self._tasks.append(asyncio.create_task(self._sweep_snapshots_forever()))
+        also = [self._recheck_pods_forever(), self._start_cron_when_listed(), self._sweep_snapshots_forever()]
         if self.notifier is not None:
-            self._tasks.append(asyncio.create_task(self.notifier.learn_cluster(self.kube)))
-            self._tasks.append(asyncio.create_task(self._offer_when_ready(self.notifier)))
+            also += [self.notifier.learn_cluster(self.kube), self._offer_when_ready(self.notifier)]
+        self.shell.start(self.cache.flows, *also)
 
     async def stop(self) -> None:
-        """Stop reconciling at once: the workers are cancelled (a reconcile cut short is repaired by
-        the next leader's, as after a crash)."""
-        self.leading = False
+        """Stop reconciling at once (a reconcile cut short is repaired by the next leader's)."""
         selfmetrics.LEADER.set(0)
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks.clear()
+        await self.shell.stop()
         await self.cron.stop()
         if self.notifier is not None:
             await self.notifier.stop()
@@ -219,7 +193,7 @@ class Controller(FlowCache):
         while True:
             await asyncio.sleep(self.settings.template_snapshot_sweep_seconds)  # a period, not a wait
             try:
-                await self.snapshots.sweep(self._may_write)
+                await self.snapshots.sweep(self.writes.may_write)
             except NotLeadingError:
                 return
             except Exception:
@@ -239,70 +213,25 @@ class Controller(FlowCache):
         the watch; this is the guard against a watch that is connected but silent, which would
         leave the cache showing a pod running for ever. What the
         API server answers goes through ``pod_event`` (a pod gone as DELETED). Returns how many were read."""
-        assert self.kube is not None
-        now, quiet = time.monotonic(), self.settings.pod_recheck_seconds
-        due = []
-        for key, pod_name in list(self._active.items()):
-            view = self.pods.get(key, {}).get(pod_name)
-            seen = self._pod_seen.get((key[0], pod_name))
-            if view is not None and not view.terminated and seen is not None and now - seen >= quiet:
-                due.append((seen, key, pod_name, view))
-        for _, key, pod_name, view in sorted(due)[:limit]:
-            live = await self.kube.get(ns_path(key[0], "pods", pod_name))
+        kube = self.writes.client()
+        due = self.cache.silent_pods(self.settings.pod_recheck_seconds, limit)
+        for key, view in due:
+            live = await kube.get(ns_path(key[0], "pods", view.name))
             if live is None or (live.get("metadata") or {}).get("uid") != view.uid:
                 log.warning("runner pod %s/%s is gone without the watch saying so; its run is looked at again",
-                            key[0], pod_name)
-                self.pod_event("DELETED", {"metadata": {"name": pod_name, "namespace": key[0],
-                                                        "labels": {c.LABEL_FLOW: key[1]}}})
+                            key[0], view.name)
+                self.cache.pod_event("DELETED", {"metadata": {"name": view.name, "namespace": key[0],
+                                                              "labels": {c.LABEL_FLOW: key[1]}}})
             else:
-                self._pod_seen[(key[0], pod_name)] = time.monotonic()
-                self.pod_event("MODIFIED", live)
-        return min(len(due), limit)
-
-    async def _worker(self) -> None:
-        while True:
-            key = await self.queue.get()
-            selfmetrics.IN_FLIGHT.inc()
-            started = time.perf_counter()
-            result = "ok"
-            try:
-                await self.reconcile(key)
-                self._failures.pop(key, None)
-            except NotLeadingError:
-                result = "error"
-                selfmetrics.RECONCILE_ERRORS.labels("NotLeading").inc()
-                log.warning("reconcile %s/%s stopped: no longer the leader", *key)
-            except ForeignObjectError as e:
-                result = "error"
-                selfmetrics.RECONCILE_ERRORS.labels("ForeignObject").inc()
-                log.info("reconcile %s/%s waits: %s", *key, e)
-                self.queue.add_after(key, e.retry_after)
-            except ApiError as e:
-                result = "error"
-                reason = "Conflict" if e.status == 409 else f"Api{e.status}"
-                selfmetrics.RECONCILE_ERRORS.labels(reason).inc()
-                if e.status == 409:
-                    self.queue.add_after(key, 0.05)  # our view was stale; the watch brings the new one
-                else:
-                    failures = self._failures[key] = self._failures.get(key, 0) + 1
-                    log.warning("reconcile %s/%s failed (%d in a row): %s", *key, failures, e)
-                    self.queue.add_after(key, min(60.0, 0.5 * 2 ** failures))
-            except Exception as e:
-                result = "error"
-                selfmetrics.RECONCILE_ERRORS.labels(type(e).__name__).inc()
-                log.exception("reconcile %s/%s failed", *key)
-                self.queue.add_after(key, 2.0)
-            finally:
-                selfmetrics.IN_FLIGHT.dec()
-                selfmetrics.RECONCILE_SECONDS.labels(result).observe(time.perf_counter() - started)
-                self.queue.done(key)
+                self.cache.pod_event("MODIFIED", live)
+        return len(due)
 
     # -- one reconcile -------------------------------------------------------------------------------
 
     async def reconcile(self, key: Key) -> None:
         """Plan from the cached Flow and pods (and the reports the plan needs), then apply."""
-        assert self.kube is not None
-        body = self.cached_flow(key)
+        kube = self.writes.client()
+        body = self.cache.flow(key)
         taken_outcomes = self.notifier.take(key) if self.notifier is not None else []
         if body is None or body.get("metadata", {}).get("deletionTimestamp"):
             if self.notifier is not None:
@@ -312,7 +241,7 @@ class Controller(FlowCache):
         delivered = [o for o in taken_outcomes if notify.of_flow(o.notice_id, body)]
         uid = body["metadata"]["uid"]
         # Pods of an earlier Flow with the same name are not this Flow's, however named.
-        pods = {n: v for n, v in self.pods.get(key, {}).items() if v.owner_uid == uid}
+        pods = {n: v for n, v in self.cache.pods.get(key, {}).items() if v.owner_uid == uid}
         status = body.get("status") or {}
         runs = status.get("runs") or []
         # The warm hint as this reconcile takes it, before any await: one that comes later stays.
@@ -320,14 +249,14 @@ class Controller(FlowCache):
         active = runs[-1]["pod"] if runs and not runs[-1].get("finishedAt") else None
         report, checked = None, False
         if active is not None:
-            report, checked = await self._active_report(key, uid, pods, runs[-1], hinted, hint)
+            report, checked = await active_report(kube, key, uid, pods, runs[-1], hinted, hint)
         if not self.settings.webhook_enabled:
             # Only the mutating webhook can vouch for who answered; without it the name is unknown.
             ((status.get("feedback") or {}).get("response") or {}).pop("respondedBy", None)
         taken = dict(self._late.get(key, {}))  # the state API's hints this reconcile folds in
         late: dict[str, RunReport | None] = dict(taken)
         for pod_name in late_pods(status, pods):  # pods that ended after their run was closed
-            late[pod_name] = await self._load_report(*key, uid, pod_name, pods[pod_name])
+            late[pod_name] = await load_report(kube, *key, uid, pod_name, pods[pod_name])
         cap = self.settings.retry_backoff_cap_seconds
         template = await self._template_of(key, body)
         if template is None and not self.templates.synced() and self.templates.waits(key):
@@ -335,18 +264,18 @@ class Controller(FlowCache):
         template_or_taken = template or await self._taken(key, body)
         p = plan(body, pods, report, backoff_cap=cap, report_checked=checked, late=late, template=template_or_taken)
         if p.need_report and active is not None:
-            report = await self._load_report(*key, uid, active, pods.get(active))
+            report = await load_report(kube, *key, uid, active, pods.get(active))
             p = plan(body, pods, report, backoff_cap=cap, report_checked=True, late=late, template=template_or_taken)
         if delivered:
             current = [n.id for n in notify.notices({"metadata": body["metadata"], "status": p.status.dump()})]
             p.events += notify.record(p.status, delivered, current)
-        # A Flow of a template runs its template's spec (its pods, its notifications).
-        body = templates.effective_flow(await self._take_and_apply(key, body, p), p.template_spec)
+        body = await self._take_and_apply(key, body, p)
         self._forget_late(key, taken)
         if self.notifier is not None:
             self.notifier.recorded(key, taken_outcomes)
             # Offered even when the TTL deletes the Flow now: its end is still told (not retried after).
-            self.notifier.offer(key, body)
+            # A Flow of a template is told with the spec it runs (its template's notifications).
+            self.notifier.offer(key, p.runs_as(body))
         if hinted and key in self._warm and self._warm[key] is hint:
             del self._warm[key]  # a newer one that came meanwhile stays for the next reconcile
 
@@ -356,16 +285,16 @@ class Controller(FlowCache):
         try:
             if p.snapshot is not None and p.status.template is not None:
                 await self._ensure_snapshot(body, p.snapshot, p.status.template)
-            return await self._apply(key, _runs_as(body, p), p)
+            return await self._apply(key, body, p)
         except BaseException:
             self.snapshots.not_taken(p.snapshot)  # its Flow does not name it: a sweep may take it
             raise
 
     async def _ensure_snapshot(self, body: Body, obj: Body, taken: TemplateStatus) -> None:
         try:
-            stored, digest = await self.snapshots.ensure(obj, self._may_write)
+            stored, digest = await self.snapshots.ensure(obj, self.writes.may_write)
         except SnapshotMismatchError as e:  # said where users look; tried again now and then
-            self._post_event(body, "Warning", c.Reason.TEMPLATE_SNAPSHOT_UNUSABLE, str(e))
+            self.writes.event(body, "Warning", c.Reason.TEMPLATE_SNAPSHOT_UNUSABLE, str(e))
             raise ForeignObjectError(str(e), retry_after=60.0) from e
         # The Flow names what is stored: the same generation, maybe taken at an earlier resourceVersion.
         taken.hash = digest
@@ -393,27 +322,6 @@ class Controller(FlowCache):
             self.templates.wait(tkey, key)  # queued when it comes (or when the first list is in)
         return found
 
-    async def _active_report(self, key: Key, uid: str, pods: dict[str, PodView], run: Body,
-                             hinted: bool, hint: RunReport | None) -> tuple[RunReport | None, bool]:
-        """(the active run's report, whether it was read): read when its pod has ended, or when the
-        state API took a warm report (``hint``; None: read it). ``pods`` gains the active pod if the
-        cache lost it but it is there."""
-        assert self.kube is not None
-        active = run["pod"]
-        if active not in pods and run.get("startedAt"):
-            # The cache says the pod is gone; make sure before counting the run as lost.
-            live = await self.kube.get(ns_path(key[0], "pods", active))
-            view = PodView.from_pod(live) if live is not None else None
-            if view is not None and view.owner_uid == uid:
-                pods[active] = view
-        if active in pods and pods[active].terminated:
-            return await self._load_report(*key, uid, active, pods[active]), True
-        if active in pods and hinted:
-            if hint is not None and hint.pod == active:
-                return hint, True
-            return await self._load_report(*key, uid, active, None), True
-        return None, False
-
     def _forget_late(self, key: Key, folded: dict[str, RunReport]) -> None:
         """Drop the hints a reconcile folded in; one that arrived meanwhile (a newer report of the
         same pod, taken during the reconcile's awaits) stays queued for the next."""
@@ -426,46 +334,10 @@ class Controller(FlowCache):
         if not pending:
             del self._late[key]
 
-    async def _load_report(self, ns: str, name: str, uid: str, pod_name: str,
-                           pod: PodView | None) -> RunReport | None:
-        """The run's report from the state ConfigMap, or the summary in the termination message.
-
-        The ConfigMap holds the interim report (usage after every LLM call) until the final one
-        replaces it; if that final write failed, the termination message has the outcome and the
-        interim report still has every token, with the per-model breakdown.
-        """
-        assert self.kube is not None
-        cm = await self.kube.get(ns_path(ns, "configmaps", c.state_configmap_name(name)))
-        if cm is not None and owner_uid(cm["metadata"]) != uid:
-            cm = None  # an earlier Flow's state, about to be garbage-collected: not this run's report
-        raw = ((cm or {}).get("binaryData") or {}).get(c.report_key(pod_name))
-        stored = summary = None
-        # Each on its own: an unreadable (or oversized) stored report must not hide the summary.
-        try:
-            if raw:
-                stored = RunReport.decode(base64.b64decode(raw))
-        except (ValidationError, OSError, ValueError, binascii.Error) as e:
-            log.warning("unreadable report of %s/%s in its state ConfigMap: %s", ns, pod_name, e)
-        try:
-            if pod is not None and pod.message and pod.message.lstrip().startswith("{"):
-                summary = RunReport.model_validate_json(pod.message)
-        except (ValidationError, ValueError) as e:
-            log.warning("unreadable termination message of %s/%s: %s", ns, pod_name, e)
-        if stored is not None and summary is not None and summary.pod == pod_name and summary.further_than(stored):
-            # The stored report stopped (state writes failed for a while; a warm runner's later
-            # turns): the summary has the outcome and the totals, the stored one the per-model split.
-            return summary.model_copy(update={"usage": stored.usage.at_least(summary.usage.totals())})
-        return stored or summary
-
-    def _may_write(self) -> None:
-        if not self.fence():
-            raise NotLeadingError
-
     async def _apply(self, key: Key, body: Body, p: Plan) -> Body:
         """Make the plan so: the pod and the one status write (in the order the intent says), old
         reports pruned, pods stopped, Events posted, the Flow deleted (TTL) or looked at again later.
         Returns the Flow as written."""
-        assert self.kube is not None
         ns, name = key
         old_status = body.get("status") or {}
         intent = p.create_pod
@@ -477,38 +349,28 @@ class Controller(FlowCache):
         new_status = p.status.dump()
         if new_status != old_status:
             body = await self._write_status(key, body, old_status, new_status)
-        if intent is not None and not intent.first:  # from the Flow as written: its template's spec again
-            await self._create_runner_pod(templates.effective_flow(body, p.template_spec), intent)
+        if intent is not None and not intent.first:
+            await self._create_runner_pod(body, p, intent)
         if p.prune_reports:
             await self._prune_reports(ns, name, p.prune_reports)
         for doomed in p.delete_pods:
             # Only the pod the plan saw, by the uid it saw (not the cache's entry now, which may be
             # gone or another pod's): a Flow re-created under the same name may have a new pod of
             # that name by now, which a reconcile still holding the old body must not delete.
-            await self._delete_doomed(ns_path(ns, "pods", doomed.name), doomed)
+            await self.writes.delete(ns_path(ns, "pods", doomed.name), doomed)
         for etype, reason, message in p.events:
-            self._post_event(body, etype, reason, message)
+            self.writes.event(body, etype, reason, message)
         if p.delete_flow is not None:
-            await self._delete_doomed(flow_path(ns, name), p.delete_flow)
+            await self.writes.delete(flow_path(ns, name), p.delete_flow)
         elif p.requeue_after is not None:
-            self.queue.add_after(key, p.requeue_after)
+            self.shell.queue.add_after(key, p.requeue_after)
         return body
-
-    async def _delete_doomed(self, path: str, doomed: Doomed) -> None:
-        """Delete what a plan decided on, never without its uid as the precondition: a name alone
-        could delete an object made again under it since the plan looked."""
-        assert self.kube is not None
-        if not doomed.uid:
-            log.warning("not deleting %s: the plan saw no uid for it", path)
-            return
-        self._may_write()
-        await self.kube.delete(path, delete_if_same(doomed.uid))
 
     async def _create_first(self, key: Key, body: Body, p: Plan, intent: RunIntent) -> None:
         """A kickoff's or retry's pod, before the status write that records its run with the pod's
         creation time as startedAt."""
         try:
-            created = await self._create_runner_pod(body, intent)
+            created = await self._create_runner_pod(body, p, intent)
         except (ApiError, ForeignObjectError):
             # Record the run anyway (started_at unset: "recorded, never seen", created again later),
             # so `kubectl get` shows it Pending while the event says why its pod cannot be made.
@@ -521,35 +383,33 @@ class Controller(FlowCache):
             run.started_at = parse_time(created["metadata"].get("creationTimestamp")) or now_utc()
 
     async def _write_status(self, key: Key, body: Body, old_status: Body, new_status: Body) -> Body:
-        """The one status write of a reconcile, guarded by the resourceVersion the plan was made from."""
-        assert self.kube is not None
-        self._may_write()
-        patch = {"metadata": {"resourceVersion": body["metadata"]["resourceVersion"]},
-                 "status": merge_patch(old_status, new_status)}
-        body = await self.kube.merge_patch(flow_path(*key, sub="status"), patch)
-        self.flow_event("MODIFIED", body)
+        """The one status write of a reconcile; the cache takes its answer at once."""
+        body = await self.writes.status(flow_path(*key, sub="status"), body, old_status, new_status)
+        self.cache.flow_event("MODIFIED", body)
         _observe_turn(key[0], old_status, new_status)
         return body
 
-    async def _create_runner_pod(self, flow: Body, intent: RunIntent) -> Body:
-        """The intent's pod, created, or found already there (ours): the pod as the API server has it."""
+    async def _create_runner_pod(self, flow: Body, p: Plan, intent: RunIntent) -> Body:
+        """The intent's pod, with the spec the plan resolved, created, or found already there (ours):
+        the pod as the API server has it."""
+        assert p.spec is not None
         pod = resources.runner_pod(
-            flow, index=intent.index, trigger=intent.trigger, settings=self.settings,
+            flow, p.spec, index=intent.index, trigger=intent.trigger, settings=self.settings,
             feedback=intent.feedback, message=intent.message, prior=intent.prior,
             active_deadline_seconds=intent.active_deadline_seconds, state_ca=self.state_ca,
             keep_warm_seconds=intent.keep_warm_seconds,
             feedback_keep_warm_seconds=intent.feedback_keep_warm_seconds,
         )
-        self._may_write()
+        self.writes.may_write()
         try:
             created, existing = await self._create_owned(pod)
         except ApiError as e:
             if e.status != 409:  # quota, an invalid podTemplate, Pod Security: say so where users look
-                self._post_event(flow, "Warning", "FailedCreate", f"runner pod {pod['metadata']['name']}: {e}")
+                self.writes.event(flow, "Warning", "FailedCreate", f"runner pod {pod['metadata']['name']}: {e}")
             raise
         if created is not None:
             selfmetrics.RUN_PODS_CREATED.labels(intent.trigger.value).inc()
-            self.pod_event("ADDED", created)
+            self.cache.pod_event("ADDED", created)
             return created
         if existing is None:  # gone again between the AlreadyExists and the read: plan again
             raise ApiError(409, "it vanished after AlreadyExists", "POST", collection_path(pod))
@@ -557,11 +417,10 @@ class Controller(FlowCache):
 
     async def _prune_reports(self, ns: str, name: str, pods: list[str]) -> None:
         """Best effort: a report left behind costs ConfigMap space, not correctness."""
-        assert self.kube is not None
-        self._may_write()
+        self.writes.may_write()
         try:
-            await self.kube.merge_patch(ns_path(ns, "configmaps", c.state_configmap_name(name)),
-                                        {"binaryData": {c.report_key(pod): None for pod in pods}})
+            await self.writes.client().merge_patch(ns_path(ns, "configmaps", c.state_configmap_name(name)),
+                                                   {"binaryData": {c.report_key(pod): None for pod in pods}})
         except ApiError as e:
             if e.status != 404:
                 log.warning("could not drop %d old run reports of %s/%s: %s", len(pods), ns, name, e)
@@ -570,54 +429,19 @@ class Controller(FlowCache):
         """Create obj: (created, None), or (None, the existing one) when it already exists and is ours
         (deterministic names make that success). One left by an earlier Flow of the same name, not yet
         garbage-collected, raises."""
-        assert self.kube is not None
-        created = await self.kube.create(collection_path(obj), obj)
+        kube = self.writes.client()
+        created = await kube.create(collection_path(obj), obj)
         if created is not None:
             return created, None
         meta = obj["metadata"]
         path = f"{collection_path(obj)}/{meta['name']}"
-        existing = await self.kube.get(path)
+        existing = await kube.get(path)
         mine = owner_uid(meta)
         if existing is not None and owner_uid(existing["metadata"]) != mine:
-            await delete_namesake_garbage(self.kube, path, existing, meta["ownerReferences"][0]["name"], mine)
+            await delete_namesake_garbage(kube, path, existing, meta["ownerReferences"][0]["name"], mine)
             raise ForeignObjectError(f"{obj['kind']} {meta['namespace']}/{meta['name']} still belongs to an "
                                      "earlier Flow of the same name; waiting for it to be gone")
         return None, existing
-
-    def _post_event(self, flow: Body, etype: str, reason: str, message: str, kind: str = c.KIND) -> None:
-        """Events are history for `kubectl describe`; posting one never holds up a reconcile. (``flow``
-        is the object the Event is about: a Flow, or a CronFlow.)"""
-        assert self.kube is not None
-        meta = flow["metadata"]
-        now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-        event = {
-            "apiVersion": "events.k8s.io/v1", "kind": "Event",
-            # Named as client-go names Events: the object's name and a hex timestamp.
-            "metadata": {"name": f"{meta['name']}.{time.time_ns():x}", "namespace": meta["namespace"]},
-            "regarding": {"apiVersion": c.API_VERSION, "kind": kind, "name": meta["name"],
-                          "namespace": meta["namespace"], "uid": meta["uid"],
-                          "resourceVersion": meta.get("resourceVersion", "")},
-            "reason": reason, "note": message[:1024], "type": etype, "action": "Reconcile",
-            "eventTime": now, "reportingController": "flowkube.io/operator",
-            "reportingInstance": self.instance,
-        }
-        path = ns_path(meta["namespace"], "events", group="events.k8s.io", version="v1")
-        task = asyncio.create_task(self._post(path, event))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _post(self, path: str, body: Body) -> None:
-        assert self.kube is not None
-        try:
-            await self.kube.create(path, body)
-        except Exception as e:  # an Event lost is a line of history lost, never a reason to fail
-            log.warning("could not post event %s: %s", body.get("reason"), e)
-
-
-def _runs_as(body: Body, p: Plan) -> Body:
-    """The Flow as the plan runs it: with the spec of the template its status took."""
-    taken = p.template_spec
-    return body if taken is None else {**body, "spec": templates.effective_spec(taken, body.get("spec") or {})}
 
 
 def _observe_turn(namespace: str, old: Body, new: Body) -> None:

@@ -1,9 +1,10 @@
 """CronFlows: the watch, the index of the Flows each one started, and the leader's reconcile.
 
 Every replica watches CronFlows and indexes the Flows they started (from the Flow cache's changes:
-label `flowkube.io/cronflow`), so a new leader starts with warm caches. Only the leader reconciles:
-`cronplan.plan` decides, this applies, in the order that survives a crash at any point (cronplan's
-docstring): create the scheduled Flow, write the status, delete what the plan deletes.
+label `flowkube.io/cronflow`), so a new leader starts with warm caches. Only the leader reconciles,
+in the controller shell (shell.py) with the Flows' writes: `cronplan.plan` decides, this applies, in
+the order that survives a crash at any point (cronplan's docstring): create the scheduled Flow,
+write the status, delete what the plan deletes.
 
 A CronFlow is queued when it changes, when one of its Flows starts, ends or goes, and at its next
 scheduled time (a timer per CronFlow, not a scan).
@@ -11,9 +12,7 @@ scheduled time (a timer per CronFlow, not a scan).
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
-import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -23,15 +22,13 @@ from flowkube_api import cron
 from flowkube_operator import projections
 from flowkube_operator.cronplan import Child, CronPlan, plan
 from flowkube_operator.informer import Informer
-from flowkube_operator.kube import ApiError, Kube, delete_if_same, flow_path, ns_path
+from flowkube_operator.kube import ApiError, Kube, flow_path, ns_path
 from flowkube_operator.meta import owner_uid
-from flowkube_operator.workqueue import NotLeadingError, WorkQueue, merge_patch
+from flowkube_operator.shell import Shell, Writes
 
 Body = dict[str, Any]
 Key = tuple[str, str]
-log = logging.getLogger("flowkube.cronflows")
 FAILED_CREATE_RETRY = 30.0  # seconds before a Flow the API server refused is tried again
-PostEvent = Callable[[Body, str, str, str, str], None]  # (object, type, reason, message, kind)
 
 
 def cronflow_path(namespace: str, name: str | None = None, sub: str | None = None) -> str:
@@ -56,17 +53,13 @@ class Clock:
 
 
 class CronFlows:
-    def __init__(self, kube: Callable[[], Kube | None], fence: Callable[[], bool], post_event: PostEvent,
-                 clock: Clock | None = None, workers: int = 2) -> None:
-        self.kube, self.fence, self.post_event = kube, fence, post_event
+    def __init__(self, writes: Writes, clock: Clock | None = None, workers: int = 2) -> None:
+        self.writes = writes
         self.clock = clock or Clock()
         self.cronflows: dict[Key, Body] = {}
         self.children: dict[Key, dict[str, Child]] = {}  # (namespace, cronflow) -> its Flows by name
         self._cronflow_of: dict[Key, Key] = {}  # a Flow's key -> its CronFlow's, for the Flows in children
-        self.queue = WorkQueue(gauges=False)
-        self.leading = False
-        self.workers = workers
-        self._tasks: list[asyncio.Task[None]] = []
+        self.shell = Shell(c.CRONFLOW_KIND, self.reconcile, workers)
 
     # -- what the watches tell -----------------------------------------------------------------------
 
@@ -81,7 +74,7 @@ class CronFlows:
             self.cronflows.pop(key, None)
             return
         self.cronflows[key] = projections.cronflow(body)
-        self._enqueue(key)
+        self.shell.add(key)
 
     def flow_changed(self, key: Key, body: Body | None) -> None:
         """A listener of the Flow cache: keep the index of CronFlows' Flows, and queue a CronFlow
@@ -94,7 +87,7 @@ class CronFlows:
             if not flows:
                 self.children.pop(was, None)
             del self._cronflow_of[key]
-            self._enqueue(was)
+            self.shell.add(was)
         if owner is None or body is None:
             return
         cf = (key[0], owner)
@@ -103,53 +96,22 @@ class CronFlows:
         new, old = Child.of(body), flows.get(key[1])
         flows[key[1]] = new
         if old is None or (old.ended, old.deleting, old.uid) != (new.ended, new.deleting, new.uid):
-            self._enqueue(cf)
-
-    def _enqueue(self, key: Key) -> None:
-        if self.leading:
-            self.queue.add(key)
+            self.shell.add(cf)
 
     # -- leading -------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        if self.leading:
-            return
-        self.leading = True
-        for key in list(self.cronflows):
-            self.queue.add(key)
-        self._tasks.append(asyncio.create_task(self.queue.run_timers()))
-        self._tasks += [asyncio.create_task(self._worker()) for _ in range(self.workers)]
+        self.shell.start(self.cronflows)
 
     async def stop(self) -> None:
-        self.leading = False
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks.clear()
-
-    async def _worker(self) -> None:
-        while True:
-            key = await self.queue.get()
-            try:
-                await self.reconcile(key)
-            except asyncio.CancelledError:
-                raise
-            except ApiError as e:
-                if e.status != 409:  # a conflict is a newer CronFlow: its event queues it again
-                    log.warning("cronflow %s/%s: %s; trying again", *key, e)
-                self.queue.add_after(key, 1.0)
-            except Exception:
-                log.exception("cronflow %s/%s: reconcile failed; trying again", *key)
-                self.queue.add_after(key, 5.0)
-            finally:
-                self.queue.done(key)
+        await self.shell.stop()
 
     # -- one reconcile -------------------------------------------------------------------------------
 
     async def reconcile(self, key: Key) -> CronPlan | None:
         body = self.cronflows.get(key)
-        kube = self.kube()
-        if body is None or kube is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+        kube = self.writes.client()
+        if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
             return None
         uid = body["metadata"]["uid"]
         children = [ch for ch in self.children.get(key, {}).values() if ch.owner == uid]
@@ -161,19 +123,15 @@ class CronFlows:
             p.requeue_after = FAILED_CREATE_RETRY
         new_status, old_status = p.status.dump(), body.get("status") or {}
         if new_status != old_status:
-            self._fence()
-            patch = {"metadata": {"resourceVersion": body["metadata"]["resourceVersion"]},
-                     "status": merge_patch(old_status, new_status)}
-            written = await kube.merge_patch(cronflow_path(*key, sub="status"), patch)
+            written = await self.writes.status(cronflow_path(*key, sub="status"), body, old_status, new_status)
             if self.cronflows.get(key) is body:
                 self.cronflows[key] = projections.cronflow(written)
         for doomed in p.delete:  # by the uid the plan saw: a Flow made again under the name is another
-            self._fence()
-            await kube.delete(flow_path(key[0], doomed.name), delete_if_same(doomed.uid))
+            await self.writes.delete(flow_path(key[0], doomed.name), doomed)
         for etype, reason, message in p.events:
-            self.post_event(body, etype, reason, message, c.CRONFLOW_KIND)
+            self.writes.event(body, etype, reason, message, c.CRONFLOW_KIND)
         if p.requeue_after is not None:
-            self.queue.add_after(key, self.clock.real_seconds(p.requeue_after))
+            self.shell.queue.add_after(key, self.clock.real_seconds(p.requeue_after))
         return p
 
     async def _create(self, kube: Kube, cronflow: Body, p: CronPlan) -> str | None:
@@ -182,7 +140,7 @@ class CronFlows:
         assert p.create is not None
         name, scheduled = p.create
         ns, uid = cronflow["metadata"]["namespace"], cronflow["metadata"]["uid"]
-        self._fence()
+        self.writes.may_write()
         try:
             created = await kube.create(flow_path(ns), cron.cronflow_flow(cronflow, scheduled, name=name))
         except ApiError as e:
@@ -194,7 +152,3 @@ class CronFlows:
             if existing is not None and owner_uid(existing.get("metadata") or {}) != uid:
                 return "a Flow of that name exists and is not this CronFlow's"
         return None
-
-    def _fence(self) -> None:
-        if not self.fence():
-            raise NotLeadingError

@@ -227,6 +227,7 @@ def _with_flow_env(env: list[Body], spec: Body, settings: Settings) -> list[Body
 
 def runner_pod(  # noqa: PLR0913 - keyword-only: every input of the pod spec, each named
     flow: Body,
+    flow_spec: FlowSpec,
     *,
     index: int,
     trigger: c.Trigger,
@@ -252,11 +253,12 @@ def runner_pod(  # noqa: PLR0913 - keyword-only: every input of the pod spec, ea
     The pod policy is applied here again (not only by the webhook): a Flow admitted before a rule,
     or while the webhook was down, still gets no reserved label or annotation and no refused field.
 
-    ``FLOWKUBE_SPEC`` is written from the validated spec (``runspec.RunnerSpec``, the model the runner
-    reads it with); the pod policy touches none of its fields.
+    ``flow_spec`` is the spec the Flow runs, resolved and validated by the reconcile (`Plan.spec`);
+    of ``flow``, only its metadata is read. ``FLOWKUBE_SPEC`` is written from it (``runspec.RunnerSpec``,
+    the model the runner reads it with); the pod policy touches none of its fields.
     """
     meta = flow["metadata"]
-    spec: Body = _apply_policy(flow.get("spec") or {}, settings)[1]
+    spec: Body = _apply_policy(flow_spec.model_dump(mode="json", by_alias=True, exclude_unset=True), settings)[1]
     name = meta["name"]
     template: Body = spec.get("podTemplate") or {}
     tmeta: Body = template.get("metadata") or {}
@@ -267,7 +269,7 @@ def runner_pod(  # noqa: PLR0913 - keyword-only: every input of the pod spec, ea
         {"name": c.ENV_NAMESPACE, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": c.ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": c.ENV_TRIGGER, "value": trigger.value},
-        {"name": c.ENV_SPEC, "value": runner_spec_env(FlowSpec.model_validate(flow.get("spec") or {}))},
+        {"name": c.ENV_SPEC, "value": runner_spec_env(flow_spec)},
         {"name": c.ENV_STATE_URL, "value": settings.state_endpoint},
         {"name": c.ENV_STATE_CA, "value": state_ca},
         # What earlier runs used: the budget (tokens and money) is the flow's, checked per call.

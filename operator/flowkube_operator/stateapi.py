@@ -184,18 +184,11 @@ class ClientLimits:
 
 
 class Runs(Protocol):
-    """What the state API asks of the controller's caches (`controller.Controller`), and tells it."""
+    """What the state API asks of the Flow cache (`cache.FlowCache`)."""
 
     def active_run(self, namespace: str, pod: str) -> tuple[str, str, str] | None:
         """(flow name, flow uid, the pod's uid if its watch event has been seen, else "") when the
         pod is its Flow's running attempt; None otherwise."""
-
-    def late_report(self, namespace: str, flow: str, report: RunReport) -> None:
-        """A pod whose run is closed stored a report: fold it in."""
-
-    def running_report(self, namespace: str, flow: str, report: RunReport) -> bool:
-        """The running attempt stored a warm or a final report: fold it in now (False: this replica
-        does not lead)."""
 
     def message_for(self, namespace: str, flow: str, pod: str, after: int) -> tuple[int, Body | None]: ...
 
@@ -203,6 +196,17 @@ class Runs(Protocol):
 
     async def changed(self, key: tuple[str, str], seconds: float) -> None:
         """Return when the cached Flow changes, or after ``seconds``."""
+
+
+class Reports(Protocol):
+    """What the state API tells the Flows' controller (`controller.Controller`)."""
+
+    def late_report(self, namespace: str, flow: str, report: RunReport) -> None:
+        """A pod whose run is closed stored a report: fold it in."""
+
+    def running_report(self, namespace: str, flow: str, report: RunReport) -> bool:
+        """The running attempt stored a warm or a final report: fold it in now (False: this replica
+        does not lead)."""
 
 
 def claims(token: str) -> dict[str, Any]:
@@ -225,12 +229,13 @@ def plausible(token: str) -> bool:
 
 
 class StateApi:
-    def __init__(self, kube: Callable[[], Kube | None], runs: Runs, *, issuer: IssuerKeys | None = None,
-                 limits: ClientLimits | None = None, token_reviews: int = REVIEW_CONCURRENCY) -> None:
+    def __init__(self, kube: Callable[[], Kube | None], runs: Runs, reports: Reports, *,
+                 issuer: IssuerKeys | None = None, limits: ClientLimits | None = None,
+                 token_reviews: int = REVIEW_CONCURRENCY) -> None:
         """`issuer`: the keys tokens are checked with before a TokenReview (None: none, the TokenReview
         alone decides). `limits`: per source address (default: the documented defaults)."""
         self._kube = kube
-        self._runs = runs
+        self._runs, self._reports = runs, reports
         self._issuer = issuer
         self._limits = limits or ClientLimits()
         # Verdicts by sha256(token): accepted for 60 s (checked against the running attempt on every
@@ -526,10 +531,10 @@ class StateApi:
         # lost if the store fails: the runner sends the report again (its 2xx comes only after both),
         # and a report folded twice counts once (a run's reports are cumulative).
         now = report if report is not None and not t.late and (report.warm or report.final) else None
-        leader = now is not None and self._runs.running_report(t.namespace, t.flow, now)
+        leader = now is not None and self._reports.running_report(t.namespace, t.flow, now)
         await self.put(t, key, value)
         if report is not None and t.late:
-            self._runs.late_report(t.namespace, t.flow, report)
+            self._reports.late_report(t.namespace, t.flow, report)
         elif now is not None and not leader:
             # Stored, but this replica does not reconcile: the runner sends it again, on a new
             # connection (so, through the Service, likely to another replica), until the leader has it

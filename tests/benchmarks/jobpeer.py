@@ -30,6 +30,7 @@ from typing import Any
 import aiohttp
 
 from flowkube_api import constants as c
+from flowkube_api.models import FlowSpec
 from flowkube_api.report import RunReport
 from flowkube_operator import resources
 from flowkube_operator.settings import Settings
@@ -179,7 +180,8 @@ def runner_template(host_ip: str, state_port: int, state_ca: str) -> Body:
                         webhook_host=host_ip, state_port=state_port)
     flow = {"apiVersion": c.API_VERSION, "kind": c.KIND, "spec": {"flowRef": "bench.flows:Noop"},
             "metadata": {"name": "bench", "namespace": "bench", "uid": "-"}}
-    pod = resources.runner_pod(flow, index=0, trigger=c.Trigger.KICKOFF, settings=settings, state_ca=state_ca)
+    pod = resources.runner_pod(flow, FlowSpec.model_validate(flow["spec"]), index=0, trigger=c.Trigger.KICKOFF,
+                               settings=settings, state_ca=state_ca)
     return {"metadata": {"labels": {"app.kubernetes.io/name": "bench-job"}}, "spec": pod["spec"]}
 
 

@@ -70,6 +70,16 @@ class Plan:
     # The template snapshot (a ControllerRevision) to ensure before the status write that names it.
     snapshot: Body | None = None
     template_spec: Body | None = None  # the template spec the Flow runs (taken now, or loaded for it)
+    # The spec the Flow runs, resolved and validated once, here: its own, or (a Flow of a template)
+    # the template's with the Flow's own fields over it. Its pods and notifications are made from it.
+    spec: FlowSpec | None = None
+
+    def runs_as(self, flow: Body) -> Body:
+        """The Flow as it runs: as written, with the resolved spec (the same Flow when it has no
+        template, or has not taken it)."""
+        if self.spec is None or self.template_spec is None:
+            return flow
+        return {**flow, "spec": self.spec.model_dump(mode="json", by_alias=True, exclude_unset=True)}
 
     def later(self, seconds: float) -> None:
         seconds = max(seconds, 0.05)
@@ -121,6 +131,7 @@ class FlowState:
         self.failure: tuple[Reason | str, str] | None = None
         self.resume_now = False  # a warm paused pod ended with its request answered but not taken
         self.plan.template_spec = self.template_spec
+        self.plan.spec = self.spec
 
     def _taken(self, flow: Body, taken: Taken) -> tuple[Body | None, str | None]:
         """(the template spec the Flow took, why it cannot be had): None, None before the take."""
@@ -161,7 +172,7 @@ class FlowState:
             self._terminal(Phase.FAILED, Reason.INVALID_INPUTS, "; ".join(problems))
             return False
         try:
-            self.spec = FlowSpec.model_validate(effective)
+            self.spec = self.plan.spec = FlowSpec.model_validate(effective)
         except ValidationError as e:
             self._terminal(Phase.FAILED, Reason.INVALID_SPEC, f"{what}: {spec_error_text(e)}")
             return False

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from flowkube_operator.controller import Controller, WorkQueue, merge_patch
+from flowkube_operator.controller import Controller
 from flowkube_operator.settings import Settings
+from flowkube_operator.workqueue import WorkQueue, merge_patch
 
 
 def pod(phase: str, rv: int) -> dict[str, Any]:
@@ -23,22 +24,22 @@ def flow(rv: int, phase: str) -> dict[str, Any]:
 
 def test_a_late_answer_to_our_own_create_does_not_overwrite_what_the_watch_said() -> None:
     ctl = Controller(Settings())
-    ctl.pod_event("MODIFIED", pod("Running", 7))
-    ctl.pod_event("ADDED", pod("Pending", 5))  # the POST's response, delivered after the watch event
-    assert ctl.pods[("ns", "f")]["f-0"].phase == "Running"
-    ctl.pod_event("DELETED", pod("Running", 9))
-    assert ("ns", "f") not in ctl.pods
+    ctl.cache.pod_event("MODIFIED", pod("Running", 7))
+    ctl.cache.pod_event("ADDED", pod("Pending", 5))  # the POST's response, delivered after the watch event
+    assert ctl.cache.pods[("ns", "f")]["f-0"].phase == "Running"
+    ctl.cache.pod_event("DELETED", pod("Running", 9))
+    assert ("ns", "f") not in ctl.cache.pods
 
 
 def test_older_flow_events_are_ignored_and_managed_fields_are_not_kept() -> None:
     seen: list[Any] = []
     ctl = Controller(Settings(), listeners=[lambda k, b: seen.append(b)])
-    ctl.flow_event("MODIFIED", flow(10, "Running"))
-    ctl.flow_event("MODIFIED", flow(8, "Pending"))
-    assert len(seen) == 1 and b"Running" in ctl.flows[("ns", "f")][2]
-    assert b"managedFields" not in ctl.flows[("ns", "f")][2]
-    ctl.flow_event("DELETED", flow(11, "Running"))
-    assert ("ns", "f") not in ctl.flows and seen[-1] is None
+    ctl.cache.flow_event("MODIFIED", flow(10, "Running"))
+    ctl.cache.flow_event("MODIFIED", flow(8, "Pending"))
+    assert len(seen) == 1 and b"Running" in ctl.cache.flows[("ns", "f")][2]
+    assert b"managedFields" not in ctl.cache.flows[("ns", "f")][2]
+    ctl.cache.flow_event("DELETED", flow(11, "Running"))
+    assert ("ns", "f") not in ctl.cache.flows and seen[-1] is None
 
 
 def test_late_events_of_an_earlier_flow_of_the_same_name_leave_the_new_one_alone() -> None:
@@ -48,11 +49,11 @@ def test_late_events_of_an_earlier_flow_of_the_same_name_leave_the_new_one_alone
     new = flow(20, "Running")
     new["metadata"]["uid"] = "new"
     new["status"]["runs"] = [{"pod": "f-0", "trigger": "kickoff"}]
-    ctl.flow_event("ADDED", new)
-    ctl.flow_event("MODIFIED", flow(12, "Succeeded"))  # the earlier Flow "u", late
-    ctl.flow_event("DELETED", flow(13, "Succeeded"))
-    assert ctl.flows[("ns", "f")][1] == "new"
-    assert ctl.active_run("ns", "f-0") == ("f", "new", "")
+    ctl.cache.flow_event("ADDED", new)
+    ctl.cache.flow_event("MODIFIED", flow(12, "Succeeded"))  # the earlier Flow "u", late
+    ctl.cache.flow_event("DELETED", flow(13, "Succeeded"))
+    assert ctl.cache.flows[("ns", "f")][1] == "new"
+    assert ctl.cache.active_run("ns", "f-0") == ("f", "new", "")
 
 
 def test_merge_patch_sets_changes_and_nulls_removals() -> None:
@@ -81,13 +82,13 @@ def test_work_queue_hands_a_key_to_one_worker_and_requeues_changes_made_meanwhil
 def test_a_follower_keeps_its_caches_but_queues_nothing_until_it_leads() -> None:
     async def scenario() -> None:
         ctl = Controller(Settings())
-        ctl.flow_event("ADDED", flow(3, "Pending"))
-        ctl.pod_event("ADDED", pod("Running", 4))
-        assert ("ns", "f") in ctl.flows and ctl.pods[("ns", "f")]
-        assert not ctl.queue._queued and not ctl.leading  # a follower writes nothing, so queues nothing
+        ctl.cache.flow_event("ADDED", flow(3, "Pending"))
+        ctl.cache.pod_event("ADDED", pod("Running", 4))
+        assert ("ns", "f") in ctl.cache.flows and ctl.cache.pods[("ns", "f")]
+        assert not ctl.shell.queue._queued and not ctl.leading  # a follower writes nothing, so queues nothing
         ctl.attach(object())  # type: ignore[arg-type]  # no request is made before the first await
         ctl.start()  # leading begins: everything cached is reconciled once (level-based)
-        assert ctl.leading and ctl.queue._queued == {("ns", "f")}
+        assert ctl.leading and ctl.shell.queue._queued == {("ns", "f")}
         await ctl.stop()
         assert not ctl.leading
 
@@ -99,8 +100,8 @@ def test_a_late_report_that_arrives_during_a_reconcile_stays_queued_for_the_next
     from flowkube_api.report import RunReport, Usage
 
     ctl = Controller(Settings())
-    ctl.leading = True
-    ctl.flow_event("MODIFIED", flow(10, "Running"))
+    ctl.shell.leading = True
+    ctl.cache.flow_event("MODIFIED", flow(10, "Running"))
 
     def report(tokens: int) -> RunReport:
         return RunReport(pod="f-0", trigger=Trigger.KICKOFF, result=RunResult.FAILED,
@@ -119,12 +120,12 @@ def test_a_late_report_that_arrives_during_a_reconcile_stays_queued_for_the_next
 def test_the_watch_echo_of_our_own_status_write_queues_no_second_reconcile() -> None:
     seen: list[Any] = []
     ctl = Controller(Settings(), listeners=[lambda k, b: seen.append(b)])
-    ctl.flow_event("MODIFIED", flow(10, "Running"))  # the answer to our status write
-    ctl.flow_event("MODIFIED", flow(10, "Running"))  # the watch delivering the same version
+    ctl.cache.flow_event("MODIFIED", flow(10, "Running"))  # the answer to our status write
+    ctl.cache.flow_event("MODIFIED", flow(10, "Running"))  # the watch delivering the same version
     assert len(seen) == 1, "one change, one reconcile"
     other = flow(10, "Running")
     other["metadata"]["uid"] = "another"  # same version number, another object: not an echo
-    ctl.flow_event("MODIFIED", other)
+    ctl.cache.flow_event("MODIFIED", other)
     assert len(seen) == 2
 
 
@@ -140,16 +141,16 @@ def test_a_running_pod_the_watch_never_said_was_deleted_is_found_gone_by_the_rec
         ctl = Controller(Settings(pod_recheck_seconds=5))
         running = flow(3, "Running")
         running["status"]["runs"] = [{"pod": "f-0", "trigger": "kickoff", "startedAt": "2026-11-23T00:00:00Z"}]
-        ctl.flow_event("ADDED", running)
+        ctl.cache.flow_event("ADDED", running)
         live = pod("Running", 4)
         live["metadata"]["uid"] = "p1"
-        ctl.pod_event("ADDED", live)
+        ctl.cache.pod_event("ADDED", live)
         kube = Gone()
         ctl.attach(kube)  # type: ignore[arg-type]
         assert await ctl.recheck_pods() == 0, "heard of just now: not read again"
-        ctl._pod_seen[("ns", "f-0")] -= 6  # the watch has been silent for longer than the period
+        ctl.cache._pod_seen[("ns", "f-0")] -= 6  # the watch has been silent for longer than the period
         assert await ctl.recheck_pods() == 1 and kube.path == "/api/v1/namespaces/ns/pods/f-0"
-        assert "f-0" not in ctl.pods.get(("ns", "f"), {}), "gone from the cache: the run is looked at again"
+        assert "f-0" not in ctl.cache.pods.get(("ns", "f"), {}), "gone from the cache: the run is looked at again"
 
     asyncio.run(scenario())
 
@@ -163,13 +164,13 @@ def test_a_warm_report_that_arrives_during_a_reconcile_stays_for_the_next() -> N
 
     async def scenario() -> None:
         ctl = Controller(Settings())
-        ctl.leading = True
+        ctl.shell.leading = True
         running = flow(10, "Running")
         running["status"]["runs"] = [{"pod": "f-0", "trigger": "kickoff", "startedAt": "2026-11-23T00:00:00Z"}]
-        ctl.flow_event("MODIFIED", running)
+        ctl.cache.flow_event("MODIFIED", running)
         live = pod("Running", 4)
         live["metadata"]["ownerReferences"] = [{"kind": "Flow", "name": "f", "uid": "u", "controller": True}]
-        ctl.pod_event("ADDED", live)
+        ctl.cache.pod_event("ADDED", live)
 
         class Kube:
             async def get(self, path: str) -> None:  # the report's ConfigMap: the pod reports again meanwhile
@@ -182,7 +183,7 @@ def test_a_warm_report_that_arrives_during_a_reconcile_stays_for_the_next() -> N
                 return None
 
         ctl.attach(Kube())  # type: ignore[arg-type]
-        assert ctl.message_for("ns", "f", "f-0", 0) == (204, None)  # a poll: the status lacks the session
+        assert ctl.cache.message_for("ns", "f", "f-0", 0) == (204, None)  # a poll: the status lacks the session
         assert ctl._warm[("ns", "f")] is None, "read the pod's report"
         await ctl.reconcile(("ns", "f"))
         assert ctl._warm[("ns", "f")] is newer, "the report that came during the reconcile is kept for the next"
@@ -215,15 +216,15 @@ class RecordingKube:
 def test_a_kickoff_costs_its_pod_and_one_status_write_that_records_the_run_with_its_start() -> None:
     async def scenario(kube: RecordingKube) -> None:
         ctl = Controller(Settings())
-        ctl.leading = True
+        ctl.shell.leading = True
         new = flow(10, "Pending")
         del new["status"]
-        ctl.flow_event("ADDED", new)
+        ctl.cache.flow_event("ADDED", new)
         ctl.attach(kube)  # type: ignore[arg-type]
         try:
             await ctl.reconcile(("ns", "f"))
         finally:
-            await asyncio.gather(*ctl._background)
+            await ctl.writes.settled()
 
     kube = RecordingKube()
     asyncio.run(scenario(kube))
@@ -250,16 +251,16 @@ def test_a_kickoff_costs_its_pod_and_one_status_write_that_records_the_run_with_
 def test_a_pod_change_the_reconcile_does_not_read_queues_nothing() -> None:
     queued: list[Any] = []
     ctl = Controller(Settings())
-    ctl.leading = True
-    ctl.flow_event("ADDED", flow(10, "Pending"))
-    ctl._enqueue = queued.append  # type: ignore[method-assign,assignment]
-    ctl.pod_event("ADDED", pod("Pending", 11))
+    ctl.shell.leading = True
+    ctl.cache.flow_event("ADDED", flow(10, "Pending"))
+    ctl.cache._wake = queued.append
+    ctl.cache.pod_event("ADDED", pod("Pending", 11))
     assert queued == [("ns", "f")]
     bound = pod("Pending", 12)
     bound["spec"] = {"nodeName": "node-1"}  # the scheduler's binding: nothing a plan looks at
-    ctl.pod_event("MODIFIED", bound)
-    assert queued == [("ns", "f")] and ctl.pods[("ns", "f")]["f-0"].resource_version == 12
-    ctl.pod_event("MODIFIED", pod("Running", 13))
+    ctl.cache.pod_event("MODIFIED", bound)
+    assert queued == [("ns", "f")] and ctl.cache.pods[("ns", "f")]["f-0"].resource_version == 12
+    ctl.cache.pod_event("MODIFIED", pod("Running", 13))
     assert queued == [("ns", "f")] * 2, "a phase change is planned for"
 
 
@@ -280,11 +281,10 @@ def _load(reports: dict[str, bytes], message: str | None) -> Any:
     import datetime as dt
 
     from flowkube_operator.meta import PodView
+    from flowkube_operator.reports import load_report
 
-    ctl = Controller(Settings())
-    ctl.kube = _StateKube(reports)  # type: ignore[assignment]
     view = PodView(name="f-0", phase="Succeeded", created_at=dt.datetime.now(dt.UTC), exit_code=0, message=message)
-    return asyncio.run(ctl._load_report("ns", "f", "u", "f-0", view))
+    return asyncio.run(load_report(_StateKube(reports), "ns", "f", "u", "f-0", view))  # type: ignore[arg-type]
 
 
 def _report(result: str, reason: str, calls: int, **kw: Any) -> Any:
@@ -374,7 +374,7 @@ def _stop_and_expire(pods: list[dict[str, Any]], objects: dict[str, str]) -> Api
     kube = ApiServerDeletes(objects)
     ctl.kube = kube  # type: ignore[assignment]
     for running in pods:
-        ctl.pod_event("ADDED", running)
+        ctl.cache.pod_event("ADDED", running)
     asyncio.run(ctl._apply(("ns", "f"), body, p))
     return kube
 
@@ -436,13 +436,13 @@ def test_a_resume_of_a_template_flow_makes_its_pod_from_the_template_after_the_s
 
     async def scenario(kube: Kube) -> None:
         ctl = Controller(Settings())
-        ctl.leading = True
-        ctl.flow_event("ADDED", paused)
+        ctl.shell.leading = True
+        ctl.cache.flow_event("ADDED", paused)
         ctl.attach(kube)  # type: ignore[arg-type]
         try:
             await ctl.reconcile(("ns", "f"))
         finally:
-            await asyncio.gather(*ctl._background)
+            await ctl.writes.settled()
 
     kube = Kube()
     asyncio.run(scenario(kube))

@@ -295,10 +295,10 @@ def test_metrics_are_rendered_off_the_event_loop_from_a_snapshot(tmp_path: Any, 
 
     app = App(Settings(webhook_enabled=False, leader_election=False),
               tls.issue(tls.ca_from_dir(str(tmp_path)), str(tmp_path), ["127.0.0.1"], ""))
-    app.controller.flow_event("ADDED", {"metadata": {"name": "f", "namespace": "ns", "uid": "u1",
+    app.controller.cache.flow_event("ADDED", {"metadata": {"name": "f", "namespace": "ns", "uid": "u1",
                                                      "resourceVersion": "3"},
                                         "spec": {"flowRef": "a:B"}, "status": {"phase": "Running"}})
-    app.controller.leading = True  # only the leader exports the per-flow series
+    app.controller.shell.leading = True  # only the leader exports the per-flow series
     rendered_on: list[threading.Thread] = []
     render = MetricsSnapshot.render
 

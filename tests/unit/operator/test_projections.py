@@ -11,6 +11,7 @@ from flowkube_operator import projections
 from flowkube_operator.controller import Controller
 from flowkube_operator.cronflows import CronFlows
 from flowkube_operator.settings import Settings
+from flowkube_operator.shell import Writes
 from flowkube_operator.templatecache import TemplateCache
 
 BULK = "x" * 200_000  # what a tenant may put in metadata the operator never reads
@@ -31,10 +32,10 @@ def test_a_flow_with_large_managed_fields_and_last_applied_is_cached_without_the
     ctl = Controller(Settings(), listeners=[lambda k, b: heard.append(b)])
     owners = [{"apiVersion": "flowkube.io/v1alpha1", "kind": "CronFlow", "name": "nightly", "uid": "cf",
                "controller": True}]
-    ctl.flow_event("ADDED", {"apiVersion": "flowkube.io/v1alpha1", "kind": "Flow",
+    ctl.cache.flow_event("ADDED", {"apiVersion": "flowkube.io/v1alpha1", "kind": "Flow",
                              "metadata": _meta(ownerReferences=owners),
                              "spec": {"flowRef": "a:B"}, "status": {"phase": "Pending"}})
-    cached = ctl.flows[("ns", "f")][2]
+    cached = ctl.cache.flows[("ns", "f")][2]
     assert len(cached) < 2_000, "the tenant's bulk is not kept"
     kept = orjson.loads(cached)
     assert kept["metadata"]["labels"] == {"flowkube.io/cronflow": "nightly"}
@@ -53,7 +54,7 @@ def test_templates_and_cronflows_are_kept_without_metadata_the_operator_does_not
     assert resolved is not None and resolved["spec"] == {"template": {"flowRef": "a:B"}}
     assert resolved["metadata"]["uid"] == "u" and len(orjson.dumps(resolved)) < 1_000
 
-    cron = CronFlows(lambda: None, lambda: True, lambda *a: None)
+    cron = CronFlows(Writes(lambda: None, lambda: True, "test"))
     cron.event("ADDED", {"kind": "CronFlow", "metadata": _meta(), "spec": {"schedule": "@daily"}})
     assert len(orjson.dumps(cron.cronflows[("ns", "f")])) < 1_000
 
@@ -102,10 +103,10 @@ def test_the_flow_cache_keeps_each_flows_json_in_about_its_own_size() -> None:
     try:
         before, _ = tracemalloc.get_traced_memory()
         for body in bodies:
-            ctl.flow_event("ADDED", body)
+            ctl.cache.flow_event("ADDED", body)
         after, _ = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    json_bytes = sum(len(v[2]) for v in ctl.flows.values())
-    assert len(ctl.flows) == 200
+    json_bytes = sum(len(v[2]) for v in ctl.cache.flows.values())
+    assert len(ctl.cache.flows) == 200
     assert after - before < 2 * json_bytes, f"{(after - before) / 200:.0f} bytes per Flow for {json_bytes / 200:.0f}"

@@ -37,7 +37,7 @@ def test_the_composition_root_wires_the_state_api_and_the_metrics_to_the_control
     app = App(Settings(webhook_enabled=False, leader_election=False), serving(tmp_path))
     flow = {"metadata": {"name": "f", "namespace": "ns", "uid": "u1", "resourceVersion": "3"},
             "spec": {"flowRef": "a:B"}, "status": {"phase": "Running", "runs": [{"pod": "f-0"}]}}
-    app.controller.flow_event("ADDED", flow)
-    assert app.controller.active_run("ns", "f-0") == ("f", "u1", "")  # what the state API asks
+    app.controller.cache.flow_event("ADDED", flow)
+    assert app.controller.cache.active_run("ns", "f-0") == ("f", "u1", "")  # what the state API asks
     assert 'flow="f"' in app.metrics.render()  # the metrics heard the Flow
     assert app.controller.state_ca.startswith("-----BEGIN CERTIFICATE-----")  # runner pods trust this CA

@@ -454,8 +454,8 @@ def test_history_records_the_outcome_crewai_collapsed_the_answer_to() -> None:
 
 
 def test_runner_pod_is_restricted_owned_deterministic_and_carries_the_feedback() -> None:
-    from flowkube_operator.resources import runner_pod
     from flowkube_operator.settings import Settings
+    from tests.unit.operator.pods import pod_of as runner_pod
 
     body = flow(env=[{"name": "OPENAI_API_KEY", "valueFrom": {"secretKeyRef": {"name": "k", "key": "v"}}}],
                 podTemplate={"nodeSelector": {"pool": "llm"}, "metadata": {"labels": {"team": "a"}}})
@@ -521,7 +521,9 @@ def test_a_retry_carries_what_earlier_runs_spent_into_its_pod() -> None:
                                                       exit_code=3, usage=spent), at=1)
     p = step(body, at=10)
     assert p.create_pod is not None and p.create_pod.prior.total_tokens == 120
-    pod_body = resources.runner_pod(body, index=1, trigger=Trigger.RETRY, settings=Settings(), prior=p.create_pod.prior)
+    assert p.spec is not None
+    pod_body = resources.runner_pod(body, p.spec, index=1, trigger=Trigger.RETRY, settings=Settings(),
+                                   prior=p.create_pod.prior)
     env = {e["name"]: e.get("value") for e in pod_body["spec"]["containers"][0]["env"]}
     assert env["FLOWKUBE_PRIOR_TOTAL_TOKENS"] == "120" and env["FLOWKUBE_PRIOR_COST"] == "0.012"
 
@@ -531,8 +533,8 @@ def test_a_flow_cannot_reach_the_operators_runner_variables_through_env_or_envfr
     runner to a file store and an unread summary; its usage was never reported and each retry started
     with FLOWKUBE_PRIOR_TOTAL_TOKENS=0."""
     from flowkube_api import constants as k
-    from flowkube_operator.resources import runner_pod
     from flowkube_operator.settings import Settings
+    from tests.unit.operator.pods import pod_of as runner_pod
 
     body = flow(env=[{"name": "FLOWKUBE_STATE_DIR", "value": "/tmp/mine"},
                      {"name": "FLOWKUBE_TERMINATION_LOG", "value": "/tmp/summary"},
@@ -568,8 +570,9 @@ def test_a_flow_over_the_spec_bounds_fails_invalid_spec_without_a_pod() -> None:
 
 def test_the_runner_pod_policy_names_each_field_and_keeps_it_out_of_the_pod() -> None:
     """Creating a Flow is not creating a pod: the operator makes it with its own rights."""
-    from flowkube_operator.resources import pod_policy_problems, runner_pod
+    from flowkube_operator.resources import pod_policy_problems
     from flowkube_operator.settings import Settings
+    from tests.unit.operator.pods import pod_of as runner_pod
 
     spec = {"flowRef": "a:B",
             "env": [{"name": "KEY", "valueFrom": {"secretKeyRef": {"name": "db-admin", "key": "password"}}},
@@ -601,8 +604,9 @@ def test_the_runner_pod_policy_names_each_field_and_keeps_it_out_of_the_pod() ->
 
 def test_images_and_script_steps_are_the_policys_to_allow() -> None:
     """A Flow running its own code reports its own usage: the platform team decides who may."""
-    from flowkube_operator.resources import SCRIPTS_ENV, pod_policy_problems, runner_pod
+    from flowkube_operator.resources import SCRIPTS_ENV, pod_policy_problems
     from flowkube_operator.settings import Settings
+    from tests.unit.operator.pods import pod_of as runner_pod
 
     spec = {"flowRef": "a:B", "image": "evil.example.com/miner:1", "env": [{"name": SCRIPTS_ENV, "value": "true"}],
             "envFrom": [{"configMapRef": {"name": "turns-scripts-on"}}]}
@@ -623,8 +627,9 @@ def test_reserved_label_and_annotation_keys_are_refused_by_name_and_kept_off_the
     """A Flow editor who may not create pods may not set, on the pods the operator makes, the keys a
     mesh, a network plugin, AppArmor or flowkube itself act on; a Flow stored before the rule (or
     while the webhook was down) gets its pod without them."""
-    from flowkube_operator.resources import pod_policy_problems, runner_pod
+    from flowkube_operator.resources import pod_policy_problems
     from flowkube_operator.settings import Settings
+    from tests.unit.operator.pods import pod_of as runner_pod
 
     spec = {"flowRef": "a:B", "podTemplate": {"metadata": {
         "labels": {"team": "a", "istio.io/rev": "canary", "example.com/tier": "x", "flowkube.io/flow": "other",
@@ -682,8 +687,9 @@ def test_reserved_keys_in_a_template_are_refused_naming_the_templates_field() ->
 def test_enforced_env_is_refused_by_name_and_wins_in_the_pod() -> None:
     """The platform team's metering gateway: a Flow cannot point its runner elsewhere (spec.env is
     refused; a Flow admitted before keeps the enforced value in its pod), whatever the runner policy."""
-    from flowkube_operator.resources import pod_policy_problems, runner_pod
+    from flowkube_operator.resources import pod_policy_problems
     from flowkube_operator.settings import Settings
+    from tests.unit.operator.pods import pod_of as runner_pod
 
     gateway = "http://metering.llm:8080/v1"
     spec = {"flowRef": "a:B", "env": [{"name": "TOPIC", "value": "x"},

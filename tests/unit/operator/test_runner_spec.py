@@ -12,8 +12,8 @@ from flowkube_api.models import FlowSpec
 from flowkube_api.report import TokenUsage, Usage
 from flowkube_api.runspec import RunnerSpec, runner_spec_env
 from flowkube_operator.reconcile import budget_spent
-from flowkube_operator.resources import runner_pod
 from flowkube_operator.settings import Settings
+from tests.unit.operator.pods import pod_of as runner_pod
 
 
 def flow(**spec: Any) -> dict[str, Any]:

@@ -126,19 +126,19 @@ async def _reconcile(ctl: Controller, name: str) -> None:
     try:
         await ctl.reconcile(("ns", name))
     finally:
-        await asyncio.gather(*ctl._background)
+        await ctl.writes.settled()
 
 
 def test_twenty_flows_of_one_template_make_one_snapshot_before_their_status_names_it() -> None:
     store = Store()
     ctl = Controller(Settings())
-    ctl.leading = True
+    ctl.shell.leading = True
     ctl.attach(store)  # type: ignore[arg-type]
     ctl.templates.event("ADDED", TEMPLATE)
 
     async def scenario() -> None:
         for i in range(20):
-            ctl.flow_event("ADDED", _new_flow(f"f{i}"))
+            ctl.cache.flow_event("ADDED", _new_flow(f"f{i}"))
             await _reconcile(ctl, f"f{i}")
             for path, obj in store.objects.items():  # what the ControllerRevisions' watch delivers
                 if "/controllerrevisions/" in path:
@@ -154,7 +154,7 @@ def test_twenty_flows_of_one_template_make_one_snapshot_before_their_status_name
     order = [path for verb, path in store.calls if verb in ("POST", "PATCH") and not path.endswith("/events")]
     assert order[0].endswith("/controllerrevisions"), "the snapshot comes before anything names it"
     for i in range(20):
-        cached = ctl.cached_flow(("ns", f"f{i}"))
+        cached = ctl.cache.flow(("ns", f"f{i}"))
         assert cached is not None and cached["status"]["template"]["snapshot"] == name
         assert "spec" not in cached["status"]["template"]
     assert ctl.snapshots.index.refs == {("ns", name): 20} and not ctl.snapshots.index.in_flight
@@ -173,10 +173,10 @@ def test_a_squatted_snapshot_name_is_an_event_and_the_flow_does_not_run_it() -> 
     squat["metadata"]["name"] = templates.snapshot_name(data)
     store.objects[f"/apis/apps/v1/namespaces/ns/controllerrevisions/{squat['metadata']['name']}"] = squat
     ctl = Controller(Settings())
-    ctl.leading = True
+    ctl.shell.leading = True
     ctl.attach(store)  # type: ignore[arg-type]
     ctl.templates.event("ADDED", TEMPLATE)
-    ctl.flow_event("ADDED", _new_flow("f"))
+    ctl.cache.flow_event("ADDED", _new_flow("f"))
     with pytest.raises(ForeignObjectError, match="does not hold this template's snapshot"):
         asyncio.run(_reconcile(ctl, "f"))
     assert not any(verb == "PATCH" or "/pods" in path for verb, path in store.calls), "no status write, no pod"
@@ -186,13 +186,13 @@ def test_a_squatted_snapshot_name_is_an_event_and_the_flow_does_not_run_it() -> 
 def test_a_flow_whose_snapshot_was_deleted_fails_naming_it() -> None:
     store = Store()
     ctl = Controller(Settings())
-    ctl.leading = True
+    ctl.shell.leading = True
     ctl.attach(store)  # type: ignore[arg-type]
     ref = templates.snapshot_ref(templates.snapshot(TEMPLATE))
     flow = {**_new_flow("f"), "status": {"phase": "Pending", "template": ref}}
-    ctl.flow_event("ADDED", flow)
+    ctl.cache.flow_event("ADDED", flow)
     asyncio.run(_reconcile(ctl, "f"))
-    cached = ctl.cached_flow(("ns", "f"))
+    cached = ctl.cache.flow(("ns", "f"))
     assert cached is not None and cached["status"]["phase"] == "Failed"
     assert ref["snapshot"] in cached["status"]["message"] and not any("/pods" in p for _, p in store.calls)
 

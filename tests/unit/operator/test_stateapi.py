@@ -163,7 +163,8 @@ class FakeRuns:
 
 
 def api(kube: FakeKube, active: dict[tuple[str, str], tuple[str, str, str]] | None = None) -> StateApi:
-    return StateApi(lambda: kube, FakeRuns(active))  # type: ignore[arg-type,return-value]
+    runs = FakeRuns(active)
+    return StateApi(lambda: kube, runs, runs)  # type: ignore[arg-type,return-value]
 
 
 def test_only_plausible_tokens_reach_a_token_review() -> None:
@@ -211,7 +212,7 @@ def test_a_closed_runs_pod_may_write_only_its_own_report_and_the_controller_hear
     kube.flows["demo"]["status"]["runs"] = [{"pod": "demo-0", "finishedAt": "2026-11-22T00:00:00Z"},
                                             {"pod": "demo-1"}]
     runs = FakeRuns()
-    state = StateApi(lambda: kube, runs)  # type: ignore[arg-type,return-value]
+    state = StateApi(lambda: kube, runs, runs)  # type: ignore[arg-type,return-value]
     auth = {"Authorization": f"Bearer {jwt('good')}"}
     report = RunReport(pod="demo-0", trigger=Trigger.KICKOFF, result=RunResult.FAILED,
                        reason=Reason.RUN_INTERRUPTED, exit_code=3, usage=Usage(total_tokens=42, successful_requests=3))
@@ -249,7 +250,7 @@ def test_a_report_over_a_field_bound_is_refused_naming_the_field_and_not_stored(
     kube = FakeKube()
     kube.flows["demo"]["status"]["runs"] = [{"pod": "demo-0", "finishedAt": "2026-11-22T00:00:00Z"}]
     runs = FakeRuns()
-    state = StateApi(lambda: kube, runs)  # type: ignore[arg-type,return-value]
+    state = StateApi(lambda: kube, runs, runs)  # type: ignore[arg-type,return-value]
     auth = {"Authorization": f"Bearer {jwt('good')}"}
     raw = json.loads(RunReport(pod="demo-0", trigger=Trigger.KICKOFF, result=RunResult.PAUSED,
                                reason=Reason.RUN_PAUSED, exit_code=0).to_json())
@@ -412,10 +413,10 @@ def test_a_warm_pod_long_polls_for_its_next_message_and_answer() -> None:
 
     ctl = Controller(Settings())
     kube = FakeKube()
-    state = StateApi(lambda: kube, ctl)  # type: ignore[arg-type,return-value]
+    state = StateApi(lambda: kube, ctl.cache, ctl)  # type: ignore[arg-type,return-value]
     waiting: dict[str, Any] = {"phase": "AwaitingMessage", "conversation": {"sessionId": "s1", "turns": 1}}
-    ctl.flow_event("ADDED", warm_flow(10, **waiting))
-    ctl.pod_event("ADDED", {**runner_pod(), "status": {"phase": "Running"}})
+    ctl.cache.flow_event("ADDED", warm_flow(10, **waiting))
+    ctl.cache.pod_event("ADDED", {**runner_pod(), "status": {"phase": "Running"}})
     auth = {"Authorization": f"Bearer {jwt('good')}"}
 
     async def scenario() -> None:
@@ -430,19 +431,19 @@ def test_a_warm_pod_long_polls_for_its_next_message_and_answer() -> None:
             await asyncio.sleep(0)  # let the poll reach its wait (ordering only: the answer is awaited below)
             accepted = {**waiting, "conversation": {**waiting["conversation"],
                                                     "pending": {"turn": 2, "text": "hi", "sentBy": "ana"}}}
-            ctl.flow_event("MODIFIED", warm_flow(11, **accepted))  # the status write that accepted it
+            ctl.cache.flow_event("MODIFIED", warm_flow(11, **accepted))  # the status write that accepted it
             got = await asyncio.wait_for(poll, 5)
             assert got.status == 200 and await got.json() == {"turn": 2, "text": "hi", "sender": "ana"}
             stale = await client.get(c.MESSAGE_API_PREFIX + "0", params={"wait": "0"}, headers=auth)
             assert stale.status == 410  # message 1 was answered: nothing will come for it
 
             asked = {"phase": "AwaitingFeedback", "feedback": {"request": {"id": "r1", "method": "m", "message": "?"}}}
-            ctl.flow_event("MODIFIED", warm_flow(12, **asked))
+            ctl.cache.flow_event("MODIFIED", warm_flow(12, **asked))
             pending = await client.get(c.ANSWER_API_PREFIX + "r1", params={"wait": "0.1"}, headers=auth)
             assert pending.status == 204
             answered = {"phase": "Running", "feedback": {"history": [
                 {"requestId": "r1", "method": "m", "response": "yes", "respondedAt": "2026-11-23T00:00:00Z"}]}}
-            ctl.flow_event("MODIFIED", warm_flow(13, **answered))
+            ctl.cache.flow_event("MODIFIED", warm_flow(13, **answered))
             got = await client.get(c.ANSWER_API_PREFIX + "r1", params={"wait": "5"}, headers=auth)
             assert got.status == 200 and (await got.json())["text"] == "yes"
 
@@ -458,12 +459,12 @@ def test_a_warm_pod_long_polls_for_its_next_message_and_answer() -> None:
                               reason=Reason.RUN_SUCCEEDED, exit_code=0, final=True)
             put = await client.put(c.STATE_API_PREFIX + c.report_key("demo-0"), data=final.encode(), headers=auth)
             assert put.status == 503 and put.headers.get(c.HEADER_STORED) == "true"
-            ctl.leading = True
+            ctl.shell.leading = True
             put = await client.put(c.STATE_API_PREFIX + c.report_key("demo-0"), data=final.encode(), headers=auth)
-            assert put.status == 204 and ctl._warm[("ns", "demo")] == final and ctl.queue._queued
-            ctl.leading = False
+            assert put.status == 204 and ctl._warm[("ns", "demo")] == final and ctl.shell.queue._queued
+            ctl.shell.leading = False
 
-            ctl.flow_event("MODIFIED", {**warm_flow(14), "status": {"runs": [
+            ctl.cache.flow_event("MODIFIED", {**warm_flow(14), "status": {"runs": [
                 {"pod": "demo-0", "finishedAt": "2026-11-23T00:00:00Z"}]}})
             closed = await client.get(c.MESSAGE_API_PREFIX + "2", params={"wait": "5"}, headers=auth)
             assert closed.status == 410
@@ -604,7 +605,8 @@ class IssuerKube(FakeKube):
 
 
 def checked_api(kube: IssuerKube, **kw: Any) -> StateApi:
-    return StateApi(lambda: kube, FakeRuns({("ns", "demo-0"): ("demo", FLOW_UID, "pod-uid")}),  # type: ignore[arg-type,return-value]
+    runs = FakeRuns({("ns", "demo-0"): ("demo", FLOW_UID, "pod-uid")})
+    return StateApi(lambda: kube, runs, runs,  # type: ignore[arg-type,return-value]
                     issuer=IssuerKeys(lambda: kube), **kw)  # type: ignore[arg-type,return-value]
 
 

@@ -263,8 +263,8 @@ def test_a_malformed_override_names_the_model_and_the_field(prices: Any, expecte
 
 def test_the_operator_refuses_a_bad_price_at_start_up_and_hands_good_ones_to_every_runner(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from flowkube_operator.resources import runner_pod
     from flowkube_operator.settings import Settings
+    from tests.unit.operator.pods import pod_of as runner_pod
 
     monkeypatch.setenv("FLOWKUBE_RUNNER_PRICES", json.dumps({"my-llama": {"prompt": "0.2", "completion": "NaN"}}))
     with pytest.raises(ValidationError) as error:

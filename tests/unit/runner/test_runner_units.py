@@ -249,8 +249,8 @@ def test_the_runner_holds_flowkube_spec_to_the_apis_bounds() -> None:
 def test_the_runner_reads_the_spec_the_operator_writes() -> None:
     from flowkube_api.models import Budget, FlowSpec
     from flowkube_api.runspec import RunnerSpec
-    from flowkube_operator.resources import runner_pod
     from flowkube_operator.settings import Settings
+    from tests.unit.operator.pods import pod_of as runner_pod
 
     spec = {"definition": {"name": "d", "methods": {"a": {"start": True}}}, "inputs": {"x": [1, None]},
             "budget": {"maxTotalTokens": 9, "maxCost": "0.50"}, "suspend": False}
