@@ -35,17 +35,20 @@ import kopf
 from aiohttp import web
 from prometheus_client import generate_latest
 
-from flowkube_operator import selfmetrics, templatecache, tls, webhook
-from flowkube_operator.controller import Controller
-from flowkube_operator.issuerkeys import IssuerKeys
-from flowkube_operator.kube import ApiError, Kube
-from flowkube_operator.leader import LeaderElector, LeaseConfig
-from flowkube_operator.metrics import FlowMetrics, MetricsSnapshot
-from flowkube_operator.notifier import Notifier
-from flowkube_operator.reviews import MetricsAuth
+from flowkube_operator import selfmetrics
+from flowkube_operator.flows.controller import Controller
+from flowkube_operator.flows.metrics import FlowMetrics, MetricsSnapshot
+from flowkube_operator.kube import tls
+from flowkube_operator.kube.client import ApiError, Kube
+from flowkube_operator.kube.issuerkeys import IssuerKeys
+from flowkube_operator.kube.leader import LeaderElector, LeaseConfig
+from flowkube_operator.kube.reviews import MetricsAuth
+from flowkube_operator.notify.notifier import Notifier
+from flowkube_operator.serve import webhook
+from flowkube_operator.serve.stateapi import ClientLimits, StateApi
 from flowkube_operator.settings import Settings
-from flowkube_operator.stateapi import ClientLimits, StateApi
-from flowkube_operator.templatecache import TemplateKey
+from flowkube_operator.templates import cache as templatecache
+from flowkube_operator.templates.cache import TemplateKey
 
 log = logging.getLogger("flowkube.operator")
 

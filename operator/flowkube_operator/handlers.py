@@ -24,9 +24,10 @@ import kopf
 
 from flowkube_api import constants as c
 from flowkube_api import limits
-from flowkube_operator import resources, webhook
 from flowkube_operator.app import App
-from flowkube_operator.kube import Kube
+from flowkube_operator.flows import resources
+from flowkube_operator.kube.client import Kube
+from flowkube_operator.serve import webhook
 
 
 def register(app: App) -> kopf.OperatorRegistry:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from flowkube_operator.metrics import DEFAULT_LABEL_VALUES, LabelBudget
+from flowkube_operator.labels import DEFAULT_LABEL_VALUES, LabelBudget
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 

@@ -50,7 +50,7 @@ from flowkube_api.report import Usage
 from flowkube_devstack.cluster import LocalCluster
 from flowkube_devstack.operator import ChartOperator
 from flowkube_devstack.stubmodel import Rules, StubModel, ledger_usage
-from flowkube_operator.resources import CONTAINER_SECURITY
+from flowkube_operator.flows.resources import CONTAINER_SECURITY
 from tests.benchmarks.realstack import RUNNER_ENV, real_stack
 from tests.integration.realrunner import MODEL
 

@@ -28,7 +28,7 @@ import uvloop
 import yaml
 
 from flowkube_devstack.cluster import LocalCluster
-from flowkube_operator.kube import Kube
+from flowkube_operator.kube.client import Kube
 
 NS = "bench-http"
 CM = f"/api/v1/namespaces/{NS}/configmaps"

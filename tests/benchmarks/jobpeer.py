@@ -32,7 +32,7 @@ import aiohttp
 from flowkube_api import constants as c
 from flowkube_api.models import FlowSpec
 from flowkube_api.report import RunReport
-from flowkube_operator import resources
+from flowkube_operator.flows import resources
 from flowkube_operator.settings import Settings
 
 Body = dict[str, Any]

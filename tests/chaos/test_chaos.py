@@ -51,7 +51,7 @@ from flowkube_api import constants as c
 from flowkube_api.report import Usage
 from flowkube_devstack.cluster import ClusterError, LocalCluster, wait_for
 from flowkube_devstack.stubmodel import ledger_usage
-from flowkube_operator.reconcile import DISRUPTION_REASONS
+from flowkube_operator.flows.reconcile import DISRUPTION_REASONS
 from flowkube_runner.__main__ import STOP_LOG
 from tests.chaos.conftest import MODEL, ChaosStack
 

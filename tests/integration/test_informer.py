@@ -16,9 +16,9 @@ import pytest
 import yaml
 
 from flowkube_devstack.cluster import LocalCluster
-from flowkube_operator import informer as informer_mod
-from flowkube_operator.informer import Informer
-from flowkube_operator.kube import Kube
+from flowkube_operator.kube import informer as informer_mod
+from flowkube_operator.kube.client import Kube
+from flowkube_operator.kube.informer import Informer
 
 Events = list[tuple[str, str, str]]  # (type, name, resourceVersion)
 

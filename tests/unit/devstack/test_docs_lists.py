@@ -31,16 +31,24 @@ def layout_entry(text: str, package: str) -> str:
 
 
 def test_every_module_of_the_shipped_packages_is_on_the_development_pages_map() -> None:
-    """A module added, renamed or moved without the map saying where it is fails here."""
+    """A module added, renamed or moved without the map saying where it is fails here: a top-level
+    module anywhere in its package's entry; a subpackage's module (and folder) in the part of the
+    entry that its subpackage's name opens (up to the next subpackage's name)."""
     text = (REPO / "docs" / "development.md").read_text()
     for package in PACKAGES:
         entry, root = layout_entry(text, package), REPO / package
-        names = [f"{p.parent.name}/" for p in root.glob("*/__init__.py")]
-        names += [p.name for p in root.glob("*.py") if p.name != "__init__.py"]
-        if package.startswith(("api/", "operator/")):  # their subpackages' modules too
-            names += [p.name for p in root.glob("*/*.py") if p.name != "__init__.py"]
-        missing = [n for n in names if n not in entry]
+        subpackages = sorted(p.parent.name for p in root.glob("*/__init__.py"))
+        missing = [n for n in [f"{d}/" for d in subpackages] + [p.name for p in root.glob("*.py")]
+                   if n != "__init__.py" and n not in entry]
         assert not missing, f"docs/development.md's map of {package}/ does not name {missing}"
+        heads = {d: m.start() for d in subpackages if (m := re.search(rf"(?<![\w/]){d}/", entry))}
+        for d, start in heads.items():
+            ends = [i for i in heads.values() if i > start]
+            part = entry[start:min(ends, default=len(entry))]
+            inside = [p for p in (root / d).rglob("*") if p.name != "__init__.py" and "__pycache__" not in p.parts]
+            names = [f"{p.name}/" if p.is_dir() else p.name for p in inside if p.is_dir() or p.suffix == ".py"]
+            missing = [n for n in names if n not in part]
+            assert not missing, f"docs/development.md's map of {package}/{d}/ does not name {missing}"
 
 
 def test_the_architecture_page_names_every_admission_handler_and_every_watched_kind() -> None:
@@ -52,7 +60,7 @@ def test_the_architecture_page_names_every_admission_handler_and_every_watched_k
     assert len(ids) == 6, ids
     missing = [i for i in ids if f"`{i}`" not in text]
     assert not missing, f"docs/architecture.md does not name the admission handlers {missing}"
-    sources = "\n".join(p.read_text() for p in (REPO / "operator" / "flowkube_operator").glob("*.py"))
+    sources = "\n".join(p.read_text() for p in (REPO / "operator" / "flowkube_operator").rglob("*.py"))
     kinds = set(re.findall(r'"(Pod|Secret|Node|ServiceCIDR)"', sources)) | {
         "Flow", "FlowTemplate", "ClusterFlowTemplate", "CronFlow", "ControllerRevision"}
     missing = [k for k in sorted(kinds) if k not in text.split("**What the operator itself does per event.**")[1][:900]]

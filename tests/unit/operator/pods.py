@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from flowkube_api.models import FlowSpec
-from flowkube_operator.resources import runner_pod
+from flowkube_operator.flows.resources import runner_pod
 
 
 def pod_of(flow: dict[str, Any], **kwargs: Any) -> dict[str, Any]:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from flowkube_operator.controller import Controller
+from flowkube_operator.flows.controller import Controller
+from flowkube_operator.kube.workqueue import WorkQueue, merge_patch
 from flowkube_operator.settings import Settings
-from flowkube_operator.workqueue import WorkQueue, merge_patch
 
 
 def pod(phase: str, rv: int) -> dict[str, Any]:
@@ -199,7 +199,7 @@ class RecordingKube:
         self.create_error = create_error
 
     async def create(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        from flowkube_operator.kube import ApiError
+        from flowkube_operator.kube.client import ApiError
 
         self.calls.append(("POST", path, body))
         if self.create_error is not None and path.endswith("/pods"):
@@ -280,8 +280,8 @@ class _StateKube:
 def _load(reports: dict[str, bytes], message: str | None) -> Any:
     import datetime as dt
 
+    from flowkube_operator.flows.reports import load_report
     from flowkube_operator.meta import PodView
-    from flowkube_operator.reports import load_report
 
     view = PodView(name="f-0", phase="Succeeded", created_at=dt.datetime.now(dt.UTC), exit_code=0, message=message)
     return asyncio.run(load_report(_StateKube(reports), "ns", "f", "u", "f-0", view))  # type: ignore[arg-type]
@@ -339,7 +339,7 @@ class ApiServerDeletes:
         self.sent: list[tuple[str, Any]] = []
 
     async def request(self, method: str, path: str, body: Any = None, **_: Any) -> Any:
-        from flowkube_operator.kube import ApiError
+        from flowkube_operator.kube.client import ApiError
 
         assert method == "DELETE"
         self.sent.append((path, body))
@@ -351,7 +351,7 @@ class ApiServerDeletes:
         del self.objects[path]
 
     async def delete(self, path: str, body: Any = None) -> None:
-        from flowkube_operator.kube import Kube
+        from flowkube_operator.kube.client import Kube
 
         await Kube.delete(self, path, body)  # type: ignore[arg-type]
 
@@ -360,8 +360,8 @@ def _stop_and_expire(pods: list[dict[str, Any]], objects: dict[str, str]) -> Api
     """Apply, with the pod cache holding ``pods`` at delete time, the plan a reconcile made when it
     saw runner pod f-0 with uid pod-uid-old running in a finished Flow (stop it) past its TTL."""
     from flowkube_api.models import FlowStatus
+    from flowkube_operator.flows.reconcile import plan
     from flowkube_operator.meta import PodView
-    from flowkube_operator.reconcile import plan
 
     body = flow(4, "Succeeded")
     body["spec"]["ttlSecondsAfterFinished"] = 0

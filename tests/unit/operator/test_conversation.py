@@ -7,8 +7,8 @@ from typing import Any
 
 from flowkube_api.constants import Phase, Reason, RunResult, Trigger
 from flowkube_api.report import FeedbackRequest, RunReport, TurnReport
-from flowkube_operator.reconcile import Plan
-from flowkube_operator.webhook import review_status_write
+from flowkube_operator.flows.reconcile import Plan
+from flowkube_operator.serve.webhook import review_status_write
 
 from .test_reconcile import cond, flow, pod, report, step, usage
 

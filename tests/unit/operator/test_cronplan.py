@@ -7,8 +7,8 @@ from typing import Any
 
 from flowkube_api import cron
 from flowkube_api.models import Usage
-from flowkube_operator.cronflows import Clock
-from flowkube_operator.cronplan import Child, CronPlan, plan
+from flowkube_operator.cron.controller import Clock
+from flowkube_operator.cron.plan import Child, CronPlan, plan
 
 T0 = dt.datetime(2026, 11, 27, 2, 0, tzinfo=dt.UTC)  # a scheduled time of "0 * * * *"
 HOUR = dt.timedelta(hours=1)

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from flowkube_operator.http1 import Pool, ProtocolError
+from flowkube_operator.kube.http1 import Pool, ProtocolError
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -192,7 +192,7 @@ def test_an_answer_that_is_not_http_is_an_error_and_its_connection_is_dropped() 
 def test_an_answer_over_max_body_is_cut_off_as_it_comes_by_length_or_chunks() -> None:
     """A list page of huge objects: refused once its Content-Length, or its chunks so far, say it is
     over the bound, with no more of it read; the connection is not reused."""
-    from flowkube_operator.http1 import TooLargeError
+    from flowkube_operator.kube.http1 import TooLargeError
 
     async def go() -> list[object]:
         async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -9,9 +9,9 @@ from typing import Any
 
 import orjson
 
-from flowkube_operator import informer
-from flowkube_operator.http1 import TooLargeError
-from flowkube_operator.informer import FIRST_PAGE, PAGE, PAGE_BYTES, Informer
+from flowkube_operator.kube import informer
+from flowkube_operator.kube.http1 import TooLargeError
+from flowkube_operator.kube.informer import FIRST_PAGE, PAGE, PAGE_BYTES, Informer
 
 
 def obj(name: str, size: int, labels: dict[str, str] | None = None) -> dict[str, Any]:

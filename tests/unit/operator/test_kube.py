@@ -12,8 +12,8 @@ import kopf
 import pytest
 from aiohttp import web
 
-from flowkube_operator import kube as kube_mod
-from flowkube_operator.kube import ApiError, Kube
+from flowkube_operator.kube import client as kube_mod
+from flowkube_operator.kube.client import ApiError, Kube
 
 
 @contextlib.asynccontextmanager

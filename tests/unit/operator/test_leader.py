@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from flowkube_operator.kube import ApiError
-from flowkube_operator.leader import LeaderElector, LeaseConfig, micro_time
+from flowkube_operator.kube.client import ApiError
+from flowkube_operator.kube.leader import LeaderElector, LeaseConfig, micro_time
 
 Body = dict[str, Any]
 PATH = "/apis/coordination.k8s.io/v1/namespaces/ns/leases/op"

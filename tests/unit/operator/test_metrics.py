@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from flowkube_operator.metrics import FlowMetrics
+from flowkube_operator.flows.metrics import FlowMetrics
 
 
 def body(name: str, phase: str = "Succeeded", tokens: tuple[int, int] = (10, 5), model: str = "gpt-4o",
@@ -193,7 +193,8 @@ def test_a_cronflow_label_on_a_flow_no_cronflow_owns_is_not_a_label_value() -> N
 def test_thousands_of_names_created_and_deleted_leave_at_most_the_documented_series(per_flow: bool) -> None:
     """A tenant making up definition, cronflow and model names by the thousand, with Flows it then
     deletes, moves its own namespace's series into ``other``; the spend stays counted, once."""
-    from flowkube_operator.metrics import OTHER, flow_series_budget, namespace_series_budget
+    from flowkube_operator.flows.metrics import flow_series_budget, namespace_series_budget
+    from flowkube_operator.labels import OTHER
 
     m = FlowMetrics(per_flow=per_flow, label_values=20)
     m.update(("team-b", "steady"), body("steady", ns="team-b"))
@@ -288,9 +289,9 @@ def test_metrics_are_rendered_off_the_event_loop_from_a_snapshot(tmp_path: Any, 
 
     from aiohttp.test_utils import TestClient, TestServer
 
-    from flowkube_operator import tls
     from flowkube_operator.app import App
-    from flowkube_operator.metrics import MetricsSnapshot
+    from flowkube_operator.flows.metrics import MetricsSnapshot
+    from flowkube_operator.kube import tls
     from flowkube_operator.settings import Settings
 
     app = App(Settings(webhook_enabled=False, leader_election=False),

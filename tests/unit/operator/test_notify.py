@@ -19,9 +19,10 @@ from aiohttp import web
 
 from flowkube_api.constants import NotificationEvent as E
 from flowkube_api.models import FlowStatus
-from flowkube_operator import notify, tls
-from flowkube_operator.notifier import Notifier
-from flowkube_operator.notify import Outcome, Policy, Sink
+from flowkube_operator.kube import tls
+from flowkube_operator.notify import notices as notify
+from flowkube_operator.notify.notices import Outcome, Policy, Sink
+from flowkube_operator.notify.notifier import Notifier
 from flowkube_operator.settings import Settings
 
 NOW = dt.datetime(2026, 11, 27, 12, 0, tzinfo=dt.UTC)
@@ -431,7 +432,7 @@ def test_hosts_that_only_become_addresses_later_are_refused_too() -> None:
     """Full-width digits and ideographic dots are names to urlsplit, and 127.0.0.1 to yarl and aiohttp:
     refused as not ASCII. Every address connected to is checked again in the connector (IP literals
     too), and NAT64 or 6to4 forms of a denied IPv4 address are denied."""
-    from flowkube_operator.notifier import PolicyConnector, RefusedError
+    from flowkube_operator.notify.notifier import PolicyConnector, RefusedError
 
     async def go() -> None:
         async with receiving([]) as (r, port):

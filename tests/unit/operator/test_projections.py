@@ -8,11 +8,11 @@ from typing import Any
 import orjson
 
 from flowkube_operator import projections
-from flowkube_operator.controller import Controller
-from flowkube_operator.cronflows import CronFlows
+from flowkube_operator.cron.controller import CronFlows
+from flowkube_operator.flows.controller import Controller
+from flowkube_operator.kube.shell import Writes
 from flowkube_operator.settings import Settings
-from flowkube_operator.shell import Writes
-from flowkube_operator.templatecache import TemplateCache
+from flowkube_operator.templates.cache import TemplateCache
 
 BULK = "x" * 200_000  # what a tenant may put in metadata the operator never reads
 
@@ -65,7 +65,7 @@ def test_a_flow_without_labels_or_annotations_keeps_none() -> None:
 
 
 def test_the_template_cache_keeps_metadata_and_a_bounded_lru_of_specs_read_again_on_a_miss() -> None:
-    from flowkube_operator import templatecache
+    from flowkube_operator.templates import cache as templatecache
 
     reads: list[str] = []
 

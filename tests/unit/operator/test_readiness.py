@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flowkube_operator import tls
 from flowkube_operator.app import App
+from flowkube_operator.kube import tls
 from flowkube_operator.settings import Settings
 
 

@@ -10,8 +10,8 @@ import pytest
 
 from flowkube_api.constants import Phase, Reason, RunResult, Trigger
 from flowkube_api.report import FeedbackRequest, RunReport, TokenUsage, Usage
+from flowkube_operator.flows.reconcile import Plan, Taken, plan
 from flowkube_operator.meta import PodView
-from flowkube_operator.reconcile import Plan, Taken, plan
 
 T0 = dt.datetime(2026, 11, 22, 12, 0, 0, tzinfo=dt.UTC)
 
@@ -396,7 +396,7 @@ def test_a_pod_that_will_not_stop_at_the_deadline_ends_its_run_anyway() -> None:
 
 
 def test_a_closed_runs_pod_that_kept_going_counts_its_late_calls_once() -> None:
-    from flowkube_operator.reconcile import late_pods
+    from flowkube_operator.flows.reconcile import late_pods
 
     body = flow(activeDeadlineSeconds=10)
     step(body)
@@ -511,7 +511,7 @@ def test_a_money_budget_stops_the_flow_before_another_run() -> None:
 
 
 def test_a_retry_carries_what_earlier_runs_spent_into_its_pod() -> None:
-    from flowkube_operator import resources
+    from flowkube_operator.flows import resources
     from flowkube_operator.settings import Settings
 
     body = flow(budget={"maxCost": "1"}, retries={"limit": 1, "backoffSeconds": 0})
@@ -570,7 +570,7 @@ def test_a_flow_over_the_spec_bounds_fails_invalid_spec_without_a_pod() -> None:
 
 def test_the_runner_pod_policy_names_each_field_and_keeps_it_out_of_the_pod() -> None:
     """Creating a Flow is not creating a pod: the operator makes it with its own rights."""
-    from flowkube_operator.resources import pod_policy_problems
+    from flowkube_operator.flows.resources import pod_policy_problems
     from flowkube_operator.settings import Settings
     from tests.unit.operator.pods import pod_of as runner_pod
 
@@ -604,7 +604,7 @@ def test_the_runner_pod_policy_names_each_field_and_keeps_it_out_of_the_pod() ->
 
 def test_images_and_script_steps_are_the_policys_to_allow() -> None:
     """A Flow running its own code reports its own usage: the platform team decides who may."""
-    from flowkube_operator.resources import SCRIPTS_ENV, pod_policy_problems
+    from flowkube_operator.flows.resources import SCRIPTS_ENV, pod_policy_problems
     from flowkube_operator.settings import Settings
     from tests.unit.operator.pods import pod_of as runner_pod
 
@@ -627,7 +627,7 @@ def test_reserved_label_and_annotation_keys_are_refused_by_name_and_kept_off_the
     """A Flow editor who may not create pods may not set, on the pods the operator makes, the keys a
     mesh, a network plugin, AppArmor or flowkube itself act on; a Flow stored before the rule (or
     while the webhook was down) gets its pod without them."""
-    from flowkube_operator.resources import pod_policy_problems
+    from flowkube_operator.flows.resources import pod_policy_problems
     from flowkube_operator.settings import Settings
     from tests.unit.operator.pods import pod_of as runner_pod
 
@@ -687,7 +687,7 @@ def test_reserved_keys_in_a_template_are_refused_naming_the_templates_field() ->
 def test_enforced_env_is_refused_by_name_and_wins_in_the_pod() -> None:
     """The platform team's metering gateway: a Flow cannot point its runner elsewhere (spec.env is
     refused; a Flow admitted before keeps the enforced value in its pod), whatever the runner policy."""
-    from flowkube_operator.resources import pod_policy_problems
+    from flowkube_operator.flows.resources import pod_policy_problems
     from flowkube_operator.settings import Settings
     from tests.unit.operator.pods import pod_of as runner_pod
 
@@ -712,7 +712,7 @@ def test_enforced_env_is_refused_by_name_and_wins_in_the_pod() -> None:
 
 
 def test_a_final_report_ends_the_run_before_its_pod_has_and_the_pods_end_changes_nothing() -> None:
-    from flowkube_operator.reconcile import late_pods
+    from flowkube_operator.flows.reconcile import late_pods
 
     body = flow()
     step(body)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from flowkube_operator.reviews import MetricsAuth, VerdictCache
+from flowkube_operator.kube.reviews import MetricsAuth, VerdictCache
 
 
 class ReviewKube:

@@ -11,7 +11,7 @@ from flowkube_api.limits import spec_problem
 from flowkube_api.models import FlowSpec
 from flowkube_api.report import TokenUsage, Usage
 from flowkube_api.runspec import RunnerSpec, runner_spec_env
-from flowkube_operator.reconcile import budget_spent
+from flowkube_operator.flows.reconcile import budget_spent
 from flowkube_operator.settings import Settings
 from tests.unit.operator.pods import pod_of as runner_pod
 

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from flowkube_api import templates
-from flowkube_operator.controller import Controller, ForeignObjectError
+from flowkube_operator.flows.controller import Controller, ForeignObjectError
 from flowkube_operator.settings import Settings
-from flowkube_operator.snapshots import Index, SpecCache, collectable, footprint
+from flowkube_operator.templates.snapshots import Index, SpecCache, collectable, footprint
 
 TEMPLATE = {"apiVersion": "flowkube.io/v1alpha1", "kind": "FlowTemplate",
             "metadata": {"name": "article", "namespace": "ns", "uid": "t1", "generation": 3, "resourceVersion": "9"},
@@ -198,7 +198,7 @@ def test_a_flow_whose_snapshot_was_deleted_fails_naming_it() -> None:
 
 
 def test_a_take_during_a_sweeps_delete_waits_for_it_and_makes_the_snapshot_anew() -> None:
-    from flowkube_operator.snapshots import Snapshots
+    from flowkube_operator.templates.snapshots import Snapshots
 
     data = templates.snapshot(TEMPLATE)
     obj = templates.snapshot_object("ns", data)

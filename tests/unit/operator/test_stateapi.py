@@ -22,10 +22,10 @@ from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
 from flowkube_api import constants as c
 from flowkube_api.constants import Reason, RunResult, Trigger
 from flowkube_api.report import RunReport, Usage
-from flowkube_operator import issuerkeys, tls
-from flowkube_operator.issuerkeys import IssuerKeys
-from flowkube_operator.kube import ApiError
-from flowkube_operator.stateapi import (
+from flowkube_operator.kube import issuerkeys, tls
+from flowkube_operator.kube.client import ApiError
+from flowkube_operator.kube.issuerkeys import IssuerKeys
+from flowkube_operator.serve.stateapi import (
     Caller,
     ClientLimits,
     StateApi,
@@ -408,7 +408,7 @@ def warm_flow(rv: int, **status: Any) -> dict[str, Any]:
 def test_a_warm_pod_long_polls_for_its_next_message_and_answer() -> None:
     from aiohttp.test_utils import TestClient, TestServer
 
-    from flowkube_operator.controller import Controller
+    from flowkube_operator.flows.controller import Controller
     from flowkube_operator.settings import Settings
 
     ctl = Controller(Settings())
@@ -495,7 +495,7 @@ def test_a_flood_of_refused_tokens_never_evicts_a_running_pods_token() -> None:
 def test_one_pod_has_at_most_a_few_requests_in_flight() -> None:
     from aiohttp.test_utils import TestClient, TestServer
 
-    from flowkube_operator import stateapi
+    from flowkube_operator.serve import stateapi
 
     kube = FakeKube()
     state = api(kube, {("ns", "demo-0"): ("demo", FLOW_UID, "pod-uid")})

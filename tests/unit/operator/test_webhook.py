@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from flowkube_operator.webhook import Validator, review_status_write
+from flowkube_operator.serve.webhook import Validator, review_status_write
 
 PENDING = {"status": {"phase": "AwaitingFeedback", "feedback": {"request": {"id": "r1", "method": "review"}}}}
 
@@ -115,7 +115,7 @@ def test_a_second_answer_before_the_first_is_applied_is_refused_and_names_the_fi
 # -- templates ---------------------------------------------------------------------------------------
 
 def test_a_flow_of_a_template_is_checked_against_the_template_or_the_copy_its_status_took() -> None:
-    from flowkube_operator.webhook import template_problem, template_spec_problem
+    from flowkube_operator.serve.webhook import template_problem, template_spec_problem
 
     tspec = {"parameters": [{"name": "topic", "required": True, "type": "string"}],
              "template": {"flowRef": "pkg.mod:Article"}}
@@ -164,7 +164,7 @@ def test_a_flow_of_a_template_is_checked_against_the_template_or_the_copy_its_st
 
 
 def test_a_template_too_big_to_copy_into_its_flows_status_is_refused() -> None:
-    from flowkube_operator.webhook import template_spec_problem
+    from flowkube_operator.serve.webhook import template_spec_problem
 
     big = {"parameters": [{"name": "n", "default": "x" * (300 * 1024)}], "template": {"flowRef": "a:B"}}
     problem = template_spec_problem(big)
@@ -183,7 +183,7 @@ def _admission_server(body_seconds: float) -> tuple[Any, list[int]]:
     function that allows everything and records the size of each review it decoded."""
     from aiohttp import web
 
-    from flowkube_operator.webhook import FlowkubeWebhookServer
+    from flowkube_operator.serve.webhook import FlowkubeWebhookServer
 
     server = FlowkubeWebhookServer(body_seconds=body_seconds)
     decoded: list[int] = []
@@ -248,7 +248,7 @@ def test_a_stalled_chunked_review_neither_holds_a_large_one_up_nor_stays_open_pa
 
 
 def test_the_byte_budget_serves_in_order_and_keeps_room_beyond_one_clients_share() -> None:
-    from flowkube_operator.webhook import ByteBudget
+    from flowkube_operator.serve.webhook import ByteBudget
 
     async def scenario() -> None:
         budget = ByteBudget(total=10, per_client=6)

@@ -25,20 +25,22 @@ from flowkube_api.base import now as now_utc
 from flowkube_api.base import parse_time
 from flowkube_api.models import TemplateStatus
 from flowkube_api.report import RunReport
-from flowkube_operator import notify, resources, selfmetrics
-from flowkube_operator.cache import FlowCache, FlowListener, Key
-from flowkube_operator.cronflows import Clock, CronFlows
-from flowkube_operator.informer import Informer
-from flowkube_operator.kube import ApiError, Kube, collection_path, delete_namesake_garbage, flow_path, ns_path
+from flowkube_operator import selfmetrics
+from flowkube_operator.cron.controller import Clock, CronFlows
+from flowkube_operator.flows import resources
+from flowkube_operator.flows.cache import FlowCache, FlowListener, Key
+from flowkube_operator.flows.reconcile import Plan, RunIntent, Taken, late_pods, plan
+from flowkube_operator.flows.reports import active_report, load_report
+from flowkube_operator.kube.client import ApiError, Kube, collection_path, delete_namesake_garbage, flow_path, ns_path
+from flowkube_operator.kube.informer import Informer
+from flowkube_operator.kube.shell import RetryLater, Shell, Writes
+from flowkube_operator.kube.workqueue import NotLeadingError
 from flowkube_operator.meta import owner_uid
-from flowkube_operator.notifier import Notifier
-from flowkube_operator.reconcile import Plan, RunIntent, Taken, late_pods, plan
-from flowkube_operator.reports import active_report, load_report
+from flowkube_operator.notify import notices
+from flowkube_operator.notify.notifier import Notifier
 from flowkube_operator.settings import Settings
-from flowkube_operator.shell import RetryLater, Shell, Writes
-from flowkube_operator.snapshots import SnapshotMismatchError, Snapshots
-from flowkube_operator.templatecache import TemplateCache
-from flowkube_operator.workqueue import NotLeadingError
+from flowkube_operator.templates.cache import TemplateCache
+from flowkube_operator.templates.snapshots import SnapshotMismatchError, Snapshots
 
 __all__ = ["Controller", "ForeignObjectError", "NotLeadingError"]
 
@@ -238,7 +240,7 @@ class Controller:
                 self.notifier.recorded(key, taken_outcomes)  # nowhere to record them any more
             return
         # Only this Flow's: an earlier Flow of the same name, deleted while a delivery ran, is not this one.
-        delivered = [o for o in taken_outcomes if notify.of_flow(o.notice_id, body)]
+        delivered = [o for o in taken_outcomes if notices.of_flow(o.notice_id, body)]
         uid = body["metadata"]["uid"]
         # Pods of an earlier Flow with the same name are not this Flow's, however named.
         pods = {n: v for n, v in self.cache.pods.get(key, {}).items() if v.owner_uid == uid}
@@ -267,8 +269,8 @@ class Controller:
             report = await load_report(kube, *key, uid, active, pods.get(active))
             p = plan(body, pods, report, backoff_cap=cap, report_checked=True, late=late, template=template_or_taken)
         if delivered:
-            current = [n.id for n in notify.notices({"metadata": body["metadata"], "status": p.status.dump()})]
-            p.events += notify.record(p.status, delivered, current)
+            current = [n.id for n in notices.notices({"metadata": body["metadata"], "status": p.status.dump()})]
+            p.events += notices.record(p.status, delivered, current)
         body = await self._take_and_apply(key, body, p)
         self._forget_late(key, taken)
         if self.notifier is not None:

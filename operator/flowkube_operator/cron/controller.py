@@ -20,11 +20,11 @@ from typing import Any
 from flowkube_api import constants as c
 from flowkube_api import cron
 from flowkube_operator import projections
-from flowkube_operator.cronplan import Child, CronPlan, plan
-from flowkube_operator.informer import Informer
-from flowkube_operator.kube import ApiError, Kube, flow_path, ns_path
+from flowkube_operator.cron.plan import Child, CronPlan, plan
+from flowkube_operator.kube.client import ApiError, Kube, flow_path, ns_path
+from flowkube_operator.kube.informer import Informer
+from flowkube_operator.kube.shell import Shell, Writes
 from flowkube_operator.meta import owner_uid
-from flowkube_operator.shell import Shell, Writes
 
 Body = dict[str, Any]
 Key = tuple[str, str]

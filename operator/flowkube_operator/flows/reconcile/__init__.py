@@ -23,7 +23,7 @@ The package, one concern per module, each building on the ones before it:
 - `runs`: the active run followed to its end, and what comes next;
 - here: `plan()` and `Reconciler`, the order of one reconcile.
 
-The inbox rules (when an answer or a message is refused) are in `flowkube_operator.refusals`, shared
+The inbox rules (when an answer or a message is refused) are in `flowkube_operator.flows.refusals`, shared
 with the admission webhook; the conditions every plan ends with in `conditions`; pod views in
 `meta`. All of it is pure (an import-linter contract in pyproject.toml keeps kopf, aiohttp and the
 I/O modules out); `controller` reads the world and applies the plan.
@@ -40,9 +40,8 @@ from flowkube_api.base import now as now_utc
 from flowkube_api.base import parse_time
 from flowkube_api.constants import Phase, Reason
 from flowkube_api.report import RunReport
-from flowkube_operator.conditions import describe
-from flowkube_operator.meta import Doomed, PodView
-from flowkube_operator.reconcile.rules import (
+from flowkube_operator.flows.conditions import describe
+from flowkube_operator.flows.reconcile.rules import (
     DISRUPTION_REASONS,
     PERMANENT_REASONS,
     POD_FIRST_TRIGGERS,
@@ -54,10 +53,11 @@ from flowkube_operator.reconcile.rules import (
     total_usage,
     trailing_failures,
 )
-from flowkube_operator.reconcile.runs import RunSteps
-from flowkube_operator.reconcile.state import NeedReport, Plan, RunIntent, Taken
-from flowkube_operator.refusals import validate_message, validate_response
-from flowkube_operator.resources import definition_name
+from flowkube_operator.flows.reconcile.runs import RunSteps
+from flowkube_operator.flows.reconcile.state import NeedReport, Plan, RunIntent, Taken
+from flowkube_operator.flows.refusals import validate_message, validate_response
+from flowkube_operator.flows.resources import definition_name
+from flowkube_operator.meta import Doomed, PodView
 
 __all__ = [
     "DISRUPTION_REASONS", "PERMANENT_REASONS", "POD_FIRST_TRIGGERS", "REPORTS_KEPT", "STOP_GRACE_SECONDS",

@@ -11,9 +11,9 @@ from flowkube_api.models import (
     Run,
 )
 from flowkube_api.report import Usage
-from flowkube_operator.reconcile.conversation import ConversationSteps
-from flowkube_operator.reconcile.feedback import FeedbackSteps
-from flowkube_operator.reconcile.rules import _more
+from flowkube_operator.flows.reconcile.conversation import ConversationSteps
+from flowkube_operator.flows.reconcile.feedback import FeedbackSteps
+from flowkube_operator.flows.reconcile.rules import _more
 
 Body = dict[str, Any]
 

@@ -34,7 +34,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 
-from flowkube_operator.kube import ApiError, Kube
+from flowkube_operator.kube.client import ApiError, Kube
 
 log = logging.getLogger("flowkube.issuerkeys")
 

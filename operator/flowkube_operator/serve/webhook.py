@@ -22,9 +22,9 @@ from aiohttp import web
 
 from flowkube_api import cron, limits, templates
 from flowkube_api.models import ConversationStatus, FeedbackRequest
-from flowkube_operator.kube import Kube
-from flowkube_operator.refusals import validate_message, validate_response
-from flowkube_operator.templatecache import TemplateKey
+from flowkube_operator.flows.refusals import validate_message, validate_response
+from flowkube_operator.kube.client import Kube
+from flowkube_operator.templates.cache import TemplateKey
 
 Body = Mapping[str, Any]
 log = logging.getLogger("flowkube.webhook")

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from flowkube_operator.kube import ApiError, Kube
+from flowkube_operator.kube.client import ApiError, Kube
 
 log = logging.getLogger("flowkube.reviews")
 

@@ -43,11 +43,13 @@ from pydantic import ValidationError
 
 from flowkube_api import constants as c
 from flowkube_api.report import ReportTooLarge, RunReport
-from flowkube_operator import resources, reviews, selfmetrics
-from flowkube_operator.issuerkeys import IssuerKeys, TokenRefused
-from flowkube_operator.kube import ApiError, Kube, delete_namesake_garbage, flow_path, ns_path
+from flowkube_operator import selfmetrics
+from flowkube_operator.flows import resources
+from flowkube_operator.kube import reviews
+from flowkube_operator.kube.client import ApiError, Kube, delete_namesake_garbage, flow_path, ns_path
+from flowkube_operator.kube.issuerkeys import IssuerKeys, TokenRefused
+from flowkube_operator.kube.reviews import VerdictCache
 from flowkube_operator.meta import owner_uid
-from flowkube_operator.reviews import VerdictCache
 
 Body = dict[str, Any]
 log = logging.getLogger("flowkube.state")

@@ -17,8 +17,8 @@ from flowkube_api.models import (
     Run,
 )
 from flowkube_api.report import TurnReport, excerpt
-from flowkube_operator.reconcile.state import FlowState
-from flowkube_operator.refusals import validate_message
+from flowkube_operator.flows.reconcile.state import FlowState
+from flowkube_operator.flows.refusals import validate_message
 
 Body = dict[str, Any]
 

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from flowkube_api import constants as c
 from flowkube_api.report import RunReport
-from flowkube_operator.kube import Kube, ns_path
+from flowkube_operator.kube.client import Kube, ns_path
 from flowkube_operator.meta import PodView, owner_uid
 
 Body = dict[str, Any]

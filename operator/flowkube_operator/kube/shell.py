@@ -20,9 +20,9 @@ from typing import Any
 
 from flowkube_api import constants as c
 from flowkube_operator import selfmetrics
-from flowkube_operator.kube import ApiError, Kube, delete_if_same, ns_path
+from flowkube_operator.kube.client import ApiError, Kube, delete_if_same, ns_path
+from flowkube_operator.kube.workqueue import Key, NotLeadingError, WorkQueue, merge_patch
 from flowkube_operator.meta import Doomed
-from flowkube_operator.workqueue import Key, NotLeadingError, WorkQueue, merge_patch
 
 Body = dict[str, Any]
 log = logging.getLogger("flowkube.shell")

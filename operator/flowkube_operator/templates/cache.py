@@ -20,9 +20,9 @@ from typing import Any
 from flowkube_api import constants as c
 from flowkube_api.templates import template_key
 from flowkube_operator import projections
-from flowkube_operator.informer import Informer
-from flowkube_operator.kube import Kube
-from flowkube_operator.snapshots import SpecCache
+from flowkube_operator.kube.client import Kube
+from flowkube_operator.kube.informer import Informer
+from flowkube_operator.templates.snapshots import SpecCache
 
 Body = dict[str, Any]
 TemplateKey = tuple[str, str, str]  # (kind, namespace or "", name)

@@ -24,7 +24,8 @@ import kopf
 import orjson
 
 from flowkube_api import constants as c
-from flowkube_operator import http1, selfmetrics
+from flowkube_operator import selfmetrics
+from flowkube_operator.kube import http1
 from flowkube_operator.meta import orphaned_by_namesake
 
 Body = dict[str, Any]

@@ -14,8 +14,8 @@ from flowkube_api.models import (
     Run,
 )
 from flowkube_api.report import RunReport, excerpt
-from flowkube_operator.reconcile.state import FlowState
-from flowkube_operator.refusals import validate_response
+from flowkube_operator.flows.reconcile.state import FlowState
+from flowkube_operator.flows.refusals import validate_response
 
 Body = dict[str, Any]
 

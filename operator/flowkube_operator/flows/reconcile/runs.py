@@ -13,8 +13,7 @@ from flowkube_api.models import (
     Run,
 )
 from flowkube_api.report import RunReport, Usage, excerpt
-from flowkube_operator.meta import Doomed, PodView
-from flowkube_operator.reconcile.rules import (
+from flowkube_operator.flows.reconcile.rules import (
     DISRUPTION_REASONS,
     PERMANENT_REASONS,
     POD_FIRST_TRIGGERS,
@@ -24,8 +23,9 @@ from flowkube_operator.reconcile.rules import (
     running_seconds,
     trailing_failures,
 )
-from flowkube_operator.reconcile.state import NeedReport
-from flowkube_operator.reconcile.warm import WarmSteps
+from flowkube_operator.flows.reconcile.state import NeedReport
+from flowkube_operator.flows.reconcile.warm import WarmSteps
+from flowkube_operator.meta import Doomed, PodView
 
 Body = dict[str, Any]
 

@@ -25,10 +25,11 @@ from aiohttp.abc import ResolveResult
 
 from flowkube_api import constants as c
 from flowkube_api.base import now as now_utc
-from flowkube_operator import notify, selfmetrics
-from flowkube_operator.informer import Informer
-from flowkube_operator.kube import Kube, ns_path
-from flowkube_operator.notify import Notice, Outcome, Policy, SecretView, Sink
+from flowkube_operator import selfmetrics
+from flowkube_operator.kube.client import Kube, ns_path
+from flowkube_operator.kube.informer import Informer
+from flowkube_operator.notify import notices
+from flowkube_operator.notify.notices import Notice, Outcome, Policy, SecretView, Sink
 from flowkube_operator.settings import Settings
 
 Body = dict[str, Any]
@@ -82,10 +83,10 @@ class PolicyConnector(aiohttp.TCPConnector):
 
 
 class Secrets:
-    """The Secrets labelled flowkube.io/notifications, by namespace, as kept (`notify.project`: the
+    """The Secrets labelled flowkube.io/notifications, by namespace, as kept (`notices.project`: the
     bounded values a sink can use, made as each event comes in; the rest of the object is dropped at
-    once). A reconcile looks at its own namespace's only. At most notify.SECRETS_PER_NAMESPACE are kept
-    per namespace; the others are markers of their name (`notify.crowded`)."""
+    once). A reconcile looks at its own namespace's only. At most notices.SECRETS_PER_NAMESPACE are kept
+    per namespace; the others are markers of their name (`notices.crowded`)."""
 
     def __init__(self, changed: Callable[[str], None] = lambda _ns: None) -> None:
         self.by_namespace: dict[str, dict[str, SecretView]] = {}
@@ -108,12 +109,12 @@ class Secrets:
                 self.by_namespace.pop(ns, None)
                 self._kept.pop(ns, None)
             return
-        if self._kept.get(ns, 0) >= notify.SECRETS_PER_NAMESPACE:
-            view = notify.crowded(ns, name)
+        if self._kept.get(ns, 0) >= notices.SECRETS_PER_NAMESPACE:
+            view = notices.crowded(ns, name)
             log.warning("%s", view.refused)
         else:
             data = body.get("data")
-            view = notify.project(name, str(label), data if isinstance(data, dict) else {})
+            view = notices.project(name, str(label), data if isinstance(data, dict) else {})
             self._kept[ns] = self._kept.get(ns, 0) + 1
             if view.oversized:
                 log.warning("notification Secret %s/%s: keys %s are over their bounds and not kept", ns, name,
@@ -200,7 +201,7 @@ class Notifier:
 
     def _cluster_event(self, kind: str, etype: str, obj: Body) -> None:
         key = (kind, (obj.get("metadata") or {}).get("name", ""))
-        ranges = () if etype == "DELETED" else tuple(sorted(set(notify.cluster_ranges(kind, obj))))
+        ranges = () if etype == "DELETED" else tuple(sorted(set(notices.cluster_ranges(kind, obj))))
         if self._ranges.get(key, ()) == ranges:
             return  # a node's heartbeat, its images: nothing denied changed
         if ranges:
@@ -239,9 +240,9 @@ class Notifier:
         under way, and not ended and waiting to be recorded."""
         if not self.ready():
             return  # every Flow is offered again once it is (Controller._offer_when_ready)
-        sinks = notify.sinks_of(flow.get("spec") or {}, self.secrets.defaults(key[0]))
+        sinks = notices.sinks_of(flow.get("spec") or {}, self.secrets.defaults(key[0]))
         done = self._done.get(key, {})
-        for sink, notice in notify.due(flow, sinks, self.settings.console_url):
+        for sink, notice in notices.due(flow, sinks, self.settings.console_url):
             job = (sink.name, notice.id)
             if (key, job) in self._tasks or job in done:
                 continue
@@ -287,11 +288,11 @@ class Notifier:
 
     async def _deliver(self, key: Key, sink: Sink, notice: Notice) -> None:
         started, attempts = time.monotonic(), 0
-        payload, content_type = notify.body(sink, notice)
+        payload, content_type = notices.body(sink, notice)
         while True:
             attempts += 1
             code, reason, message, again, asked = await self._attempt(key[0], sink, notice, payload, content_type)
-            wait = max(notify.backoff(attempts), asked)
+            wait = max(notices.backoff(attempts), asked)
             if again and time.monotonic() - started + wait <= self.settings.notifications_retry_seconds:
                 log.info("notification %s to %s/%s sink %s: %s (attempt %d); trying again in %.0fs",
                          notice.type, *key, sink.name, message, attempts, wait)
@@ -318,9 +319,9 @@ class Notifier:
 
     def _still_current(self, key: Key, notice: Notice) -> bool:
         flow = self.flow_of(key)
-        if flow is None or not notify.of_flow(notice.id, flow):
+        if flow is None or not notices.of_flow(notice.id, flow):
             return False
-        return any(n.id == notice.id for n in notify.notices(flow))
+        return any(n.id == notice.id for n in notices.notices(flow))
 
     async def _attempt(self, namespace: str, sink: Sink, notice: Notice, payload: bytes,
                        content_type: str) -> Attempt:
@@ -331,10 +332,10 @@ class Notifier:
         except UndeliverableError as e:
             return Attempt(None, e.reason, e.message, e.again)
         headers = {"Content-Type": content_type, "User-Agent": "flowkube-operator",
-                   notify.EVENT_ID_HEADER: notice.id}
+                   notices.EVENT_ID_HEADER: notice.id}
         key = secret.data.get(sink.signing_key_key)
         if key:
-            headers[notify.SIGNATURE_HEADER] = notify.sign(key, payload, int(time.time()))
+            headers[notices.SIGNATURE_HEADER] = notices.sign(key, payload, int(time.time()))
         per_host = self._per_host.setdefault(hostport, asyncio.Semaphore(self.settings.notifications_per_host))
         per_ns = self._per_namespace.setdefault(namespace, asyncio.Semaphore(self.settings.notifications_per_namespace))
         try:
@@ -353,7 +354,7 @@ class Notifier:
         try:
             async with self._client().post(url, data=payload, headers=headers, ssl=tls,
                                            allow_redirects=False) as resp:
-                code, asked = resp.status, notify.retry_after(resp.headers.get("Retry-After"))
+                code, asked = resp.status, notices.retry_after(resp.headers.get("Retry-After"))
                 resp.close()  # its body is not read
         except RefusedError as e:
             return Attempt(None, "Refused", str(e), False)
@@ -368,12 +369,12 @@ class Notifier:
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as e:
             # An error's text may quote the URL (a Secret's value): it is cut out.
             text = f"{type(e).__name__}: {e}".replace(url, "<the Secret's URL>")
-            return Attempt(None, "Unreachable", text[:notify.MESSAGE_LIMIT], True)
+            return Attempt(None, "Unreachable", text[:notices.MESSAGE_LIMIT], True)
         if 200 <= code < 300:
             return Attempt(code, "Delivered", f"{code}", False)
         if 300 <= code < 400:
             return Attempt(code, "Rejected", f"{code}: redirects are not followed", False)
-        return Attempt(code, "Rejected", f"{code} {_phrase(code)}", notify.retryable(code), asked)
+        return Attempt(code, "Rejected", f"{code} {_phrase(code)}", notices.retryable(code), asked)
 
     def _target(self, namespace: str, sink: Sink) -> tuple[str, SecretView, ssl.SSLContext | bool, str]:
         """(URL, Secret, TLS, host:port) of the sink, or UndeliverableError. The URL itself is never
@@ -390,9 +391,9 @@ class Notifier:
         raw_url = secret.data.get(sink.url_key)
         if not raw_url:
             raise UndeliverableError("Misconfigured", secret.missing(sink.secret, sink.url_key), again=True)
-        if len(raw_url) > notify.VALUE_BYTES or len(secret.data.get(sink.signing_key_key, b"")) > notify.VALUE_BYTES:
+        if len(raw_url) > notices.VALUE_BYTES or len(secret.data.get(sink.signing_key_key, b"")) > notices.VALUE_BYTES:
             raise UndeliverableError("Misconfigured", f"key {sink.url_key} or {sink.signing_key_key} of Secret "
-                                     f"{sink.secret} is over {notify.VALUE_BYTES} bytes")
+                                     f"{sink.secret} is over {notices.VALUE_BYTES} bytes")
         url = raw_url.decode(errors="replace").strip()
         try:
             parts = urlsplit(url)
@@ -403,7 +404,7 @@ class Notifier:
                 or not parts.hostname.isascii()):
             raise UndeliverableError("Misconfigured", f"key {sink.url_key} of Secret {sink.secret} is not an "
                                      "http(s) URL with an ASCII host name")
-        numeric = notify.numeric_host_problem(parts.hostname)
+        numeric = notices.numeric_host_problem(parts.hostname)
         if numeric:
             raise UndeliverableError("Misconfigured", f"the host of key {sink.url_key} of Secret {sink.secret} "
                                      f"{numeric}")

@@ -22,7 +22,8 @@ from typing import Any
 
 from flowkube_api.base import parse_time
 from flowkube_api.constants import CRONFLOW_KIND, GROUP, LABEL_CRONFLOW, Phase, Trigger
-from flowkube_operator.resources import definition_name
+from flowkube_operator.flows.resources import definition_name
+from flowkube_operator.labels import DEFAULT_LABEL_VALUES, OTHER, LabelBudget
 
 Body = dict[str, Any]
 Key = tuple[str, str]
@@ -62,32 +63,6 @@ ROLLUP_COUNTERS = frozenset({"flowkube_flow_tokens_total", "flowkube_flow_llm_re
                              "flowkube_flow_runs_total", "flowkube_flow_cost_usd_total",
                              "flowkube_flow_unpriced_tokens_total", "flowkube_namespace_cost_usd_total",
                              "flowkube_flow_turns_total"})
-
-
-OTHER = "other"  # the value that every label value past its namespace's budget is folded into
-LABEL_VALUE_LIMIT = 256  # characters of a tenant-chosen label value; a longer one is folded into OTHER
-
-
-class LabelBudget:
-    """The tenant-chosen label values each namespace may use: the first ``limit`` of each kind
-    (``group``: a (definition, template, cronflow) combination; ``model``), in the order the Flows are
-    folded in (on a restart, the cache's first list, which the API server returns by name). A value
-    once admitted stays for the life of the process, so a series never changes its labels."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._seen: dict[tuple[str, str], set[str]] = {}
-
-    def value(self, namespace: str, kind: str, value: str, *parts: str) -> str:
-        """``value`` if it is (or now becomes) one of the namespace's ``kind``, else ``OTHER``; a
-        combination passes its ``parts``, each of which must be within ``LABEL_VALUE_LIMIT``."""
-        seen = self._seen.setdefault((namespace, kind), set())
-        if value in seen:
-            return value
-        if len(seen) >= self.limit or max(len(part) for part in parts or (value,)) > LABEL_VALUE_LIMIT:
-            return OTHER
-        seen.add(value)
-        return value
 
 
 def _escape(v: str) -> str:
@@ -202,7 +177,6 @@ def _family_of(sample: str) -> str:
     return sample
 
 
-DEFAULT_LABEL_VALUES = 20
 _WAIT_SAMPLES = len(WAIT_BUCKETS) + 3  # the buckets, +Inf, _sum and _count
 
 

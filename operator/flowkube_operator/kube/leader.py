@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from flowkube_operator.kube import ApiError, ns_path
+from flowkube_operator.kube.client import ApiError, ns_path
 
 Body = dict[str, Any]
 log = logging.getLogger("flowkube.leader")

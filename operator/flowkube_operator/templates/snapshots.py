@@ -29,8 +29,8 @@ from typing import Any
 
 from flowkube_api import constants as c
 from flowkube_api import templates
-from flowkube_operator.informer import Informer
-from flowkube_operator.kube import ApiError, Kube, delete_if_same, ns_path
+from flowkube_operator.kube.client import ApiError, Kube, delete_if_same, ns_path
+from flowkube_operator.kube.informer import Informer
 
 Body = dict[str, Any]
 SnapKey = tuple[str, str]  # (namespace, snapshot name)

@@ -42,8 +42,8 @@ from typing import Any
 
 from flowkube_api import constants as c
 from flowkube_operator import selfmetrics
-from flowkube_operator.http1 import TooLargeError
-from flowkube_operator.kube import ApiError, Kube
+from flowkube_operator.kube.client import ApiError, Kube
+from flowkube_operator.kube.http1 import TooLargeError
 
 Body = dict[str, Any]
 Key = tuple[str, str]

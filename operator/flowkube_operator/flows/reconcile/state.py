@@ -24,8 +24,8 @@ from flowkube_api.report import RunReport, TokenUsage, excerpt
 from flowkube_api.runspec import spec_error_text
 from flowkube_api.templates import describe_ref, effective_spec, snapshot, snapshot_object, snapshot_ref, taken_spec
 from flowkube_api.templates import problems as template_problems
+from flowkube_operator.flows.reconcile.rules import POD_FIRST_TRIGGERS, budget_spent, running_seconds, total_usage
 from flowkube_operator.meta import Doomed, PodView
-from flowkube_operator.reconcile.rules import POD_FIRST_TRIGGERS, budget_spent, running_seconds, total_usage
 
 Body = dict[str, Any]
 

@@ -18,8 +18,8 @@ import orjson
 
 from flowkube_api import constants as c
 from flowkube_operator import projections, selfmetrics
-from flowkube_operator.informer import Informer
-from flowkube_operator.kube import Kube, flow_path, ns_path
+from flowkube_operator.kube.client import Kube, flow_path, ns_path
+from flowkube_operator.kube.informer import Informer
 from flowkube_operator.meta import PodView
 
 Body = dict[str, Any]

@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from flowkube_operator.kube import ApiError, Kube, ns_path
+from flowkube_operator.kube.client import ApiError, Kube, ns_path
 
 CA_CERT, CA_KEY = "ca.crt", "ca.key"
 

@@ -1,0 +1,1 @@
+"""CronFlows: the pure plan of one CronFlow (`plan`) and its controller (`controller`)."""

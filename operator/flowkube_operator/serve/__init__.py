@@ -1,0 +1,2 @@
+"""The operator's servers for others: the state API runner pods use (`stateapi`) and the admission
+webhooks (`webhook`)."""

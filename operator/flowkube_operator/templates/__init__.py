@@ -1,0 +1,2 @@
+"""FlowTemplates and ClusterFlowTemplates: the template cache (`cache`) and the snapshots Flows take
+(`snapshots`)."""
