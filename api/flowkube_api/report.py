@@ -19,7 +19,7 @@ import zlib
 from decimal import Decimal
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from flowkube_api.base import Model, Money, Time
 from flowkube_api.constants import EXCERPT_LIMIT, Reason, RunResult, Trigger
@@ -133,6 +133,15 @@ class Usage(TokenUsage):
         added = TokenUsage(**extra)
         model = next(iter(self.by_model)) if len(self.by_model) == 1 else "unknown"
         return self.plus(Usage(**added.model_dump(), by_model={model: added}))
+
+    @classmethod
+    def read(cls, raw: Any) -> Usage:
+        """``status.usage`` (or a run's) as a reader gets it back from a Flow: what does not validate
+        (an object written by something else than the operator) reads as no usage, never an error."""
+        try:
+            return cls.model_validate(raw or {})
+        except ValidationError:
+            return cls()
 
 
 class FeedbackRequest(Model):

@@ -64,6 +64,7 @@ def templates() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.PackageLoader("flowkube_console", "templates"),
                              autoescape=True, trim_blocks=True, lstrip_blocks=True)
     env.globals["age"] = views.age
+    env.globals["cost_text"] = views.cost_text
     env.filters["q"] = lambda s: quote(str(s), safe="")
     return env
 

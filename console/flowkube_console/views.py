@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from flowkube_api import templates
+from flowkube_api.base import money_text
 from flowkube_api.constants import Phase
+from flowkube_api.report import TokenUsage, Usage
 
 Body = dict[str, Any]
 SHOWN_LIMIT = 65536  # characters of one text shown on a page; the rest is cut with a note
@@ -62,14 +63,15 @@ def shown(text: Any, limit: int = SHOWN_LIMIT) -> Shown:
     return Shown(s, 0) if len(s) <= limit else Shown(s[:limit], len(s) - limit)
 
 
+def cost_text(u: TokenUsage) -> str:
+    """The cost as the status writes it (exact; "" when nothing was priced)."""
+    return money_text(u.cost) if u.cost else ""
+
+
 def _usage(st: Body) -> tuple[int, str]:
-    """Total tokens, and the cost as the status writes it (exact; "" when nothing was priced)."""
-    u = st.get("usage") or {}
-    try:
-        cost = Decimal(str(u.get("cost") or "0"))
-    except InvalidOperation:
-        cost = Decimal(0)
-    return int(u.get("totalTokens") or 0), (str(u.get("cost")) if cost else "")
+    """Total tokens, and the cost (`cost_text`) of a Flow's or a run's ``usage``."""
+    u = Usage.read(st.get("usage"))
+    return u.total_tokens, cost_text(u)
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,8 +179,8 @@ class Detail:
     transcript: list[Body]
     conditions: list[Body]
     runs: list[RunRow]
-    by_model: list[tuple[str, Body]]
-    usage: Body
+    by_model: list[tuple[str, TokenUsage]]
+    usage: Usage
     pending_message: Body | None = None
     queued_message: Body | None = None
     template_note: str = ""  # why the inputs shown lack the template's part (its snapshot could not be read)
@@ -222,14 +224,14 @@ def detail(flow: Body, template_spec: Body | None = None, template_note: str = "
                            result=str(r.get("result") or ("Running" if not r.get("finishedAt") else "")),
                            reason=str(r.get("reason") or ""), message=line(r.get("message"), 400),
                            tokens=tokens, cost=cost))
-    usage = st.get("usage") or {}
+    usage = Usage.read(st.get("usage"))
     return Detail(
         summary=s, inputs=shown(_pretty(spec.get("inputs"))), request=req,
         request_output=shown((req or {}).get("output")), result=shown((st.get("result") or {}).get("output")),
         history=list(reversed(fb.get("history") or [])), conversation=conv,
         transcript=list((conv or {}).get("messages") or []),
         conditions=list(st.get("conditions") or []), runs=runs,
-        by_model=sorted((usage.get("byModel") or {}).items()), usage=usage,
+        by_model=sorted(usage.by_model.items()), usage=usage,
         pending_message=(conv or {}).get("pending"), queued_message=(conv or {}).get("inbox"),
         template_note=template_note,
     )

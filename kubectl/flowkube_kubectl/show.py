@@ -5,9 +5,8 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from flowkube_api.constants import (
-    Phase,
-)
+from flowkube_api.constants import Phase
+from flowkube_api.usagecounts import usage_counts
 
 
 def short(text: str, width: int = 100) -> str:
@@ -60,15 +59,15 @@ def describe(flow: dict[str, Any]) -> str:
     if runs:
         lines.append("\nRuns:")
         for r in runs:
-            tokens = (r.get("usage") or {}).get("totalTokens", 0)
+            tokens = usage_counts(r.get("usage")).total_tokens
             lines.append(f"  {r['pod']:<30} {r['trigger']:<8} {r.get('result', 'Running'):<10} "
                          f"{tokens:>8} tokens  {r.get('reason', '')}")
-    usage = st.get("usage") or {}
-    if usage:
-        lines.append(f"\nUsage: {usage.get('totalTokens', 0)} tokens ({usage.get('promptTokens', 0)} prompt, "
-                     f"{usage.get('completionTokens', 0)} completion), {usage.get('successfulRequests', 0)} requests")
-        for model, u in sorted((usage.get("byModel") or {}).items()):
-            lines.append(f"  {model}: {u.get('totalTokens', 0)} tokens, {u.get('successfulRequests', 0)} requests")
+    if st.get("usage"):
+        usage = usage_counts(st["usage"])
+        lines.append(f"\nUsage: {usage.total_tokens} tokens ({usage.prompt_tokens} prompt, "
+                     f"{usage.completion_tokens} completion), {usage.successful_requests} requests")
+        for model, u in sorted(usage.by_model.items()):
+            lines.append(f"  {model}: {u.total_tokens} tokens, {u.successful_requests} requests")
     for h in (st.get("feedback") or {}).get("history") or []:
         who = f" by {h['respondedBy']}" if h.get("respondedBy") else ""
         what = "timed out" if h.get("timedOut") else repr(h.get("response"))
@@ -113,8 +112,9 @@ def flow_table(flows: list[dict[str, Any]], all_namespaces: bool, now: datetime)
     rows = [["NAMESPACE"] * all_namespaces + ["NAME", "PHASE", "DEFINITION", "TOKENS", "AGE"]]
     for f in flows:
         st, meta = f.get("status") or {}, f["metadata"]
+        tokens = str(usage_counts(st["usage"]).total_tokens) if st.get("usage") else ""
         rows.append([meta.get("namespace", "")] * all_namespaces
-                    + [meta["name"], st.get("phase") or Phase.PENDING, st.get("definition") or "",
-                       str((st.get("usage") or {}).get("totalTokens", "")), _age(meta.get("creationTimestamp"), now)])
+                    + [meta["name"], st.get("phase") or Phase.PENDING, st.get("definition") or "", tokens,
+                       _age(meta.get("creationTimestamp"), now)])
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     return "\n".join("   ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows)

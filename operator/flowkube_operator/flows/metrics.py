@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
-from decimal import Decimal
 from typing import Any
 
 from flowkube_api.base import parse_time
 from flowkube_api.constants import CRONFLOW_KIND, GROUP, LABEL_CRONFLOW, Phase, Trigger
+from flowkube_api.report import Usage
 from flowkube_operator.flows.resources import definition_name
 from flowkube_operator.labels import DEFAULT_LABEL_VALUES, OTHER, LabelBudget
 
@@ -29,12 +29,12 @@ Body = dict[str, Any]
 Key = tuple[str, str]
 Labels = tuple[tuple[str, str], ...]
 
-TOKEN_TYPES = {
-    "prompt": "promptTokens",
-    "completion": "completionTokens",
-    "cached_prompt": "cachedPromptTokens",
-    "reasoning": "reasoningTokens",
-    "cache_creation": "cacheCreationTokens",
+TOKEN_TYPES = {  # the `type` label's values, and the `Usage` fields they count
+    "prompt": "prompt_tokens",
+    "completion": "completion_tokens",
+    "cached_prompt": "cached_prompt_tokens",
+    "reasoning": "reasoning_tokens",
+    "cache_creation": "cache_creation_tokens",
 }
 WAIT_BUCKETS = (1.0, 5.0, 15.0, 30.0, 60.0, 300.0, 900.0, 1800.0, 3600.0, 7200.0, 21600.0, 86400.0)
 
@@ -118,18 +118,18 @@ def _names(body: Body, budget: LabelBudget) -> tuple[str, Labels]:
     return definition, of_template
 
 
-def _usage(out: dict[tuple[str, Labels], float], ns: str, base: Labels, of_definition: Labels, usage: Body,
+def _usage(out: dict[tuple[str, Labels], float], ns: str, base: Labels, of_definition: Labels, usage: Usage,
            budget: LabelBudget) -> None:
     """The usage families, by model; models past the namespace's budget are summed under ``other``."""
-    for name, u in sorted((usage.get("byModel") or {}).items()):
+    for name, u in sorted(usage.by_model.items()):
         model = budget.value(ns, "model", name)
-        cost = float(Decimal(u.get("cost") or 0))
+        cost = float(u.cost)
         values: list[tuple[tuple[str, Labels], float]] = [
-            (("flowkube_flow_tokens_total", (*base, ("model", model), ("type", tname))), u.get(field, 0))
+            (("flowkube_flow_tokens_total", (*base, ("model", model), ("type", tname))), getattr(u, field))
             for tname, field in TOKEN_TYPES.items()]
-        values += [(("flowkube_flow_llm_requests_total", (*base, ("model", model))), u.get("successfulRequests", 0)),
+        values += [(("flowkube_flow_llm_requests_total", (*base, ("model", model))), u.successful_requests),
                    (("flowkube_flow_cost_usd_total", (*base, ("model", model))), cost),
-                   (("flowkube_flow_unpriced_tokens_total", (*base, ("model", model))), u.get("unpricedTokens", 0)),
+                   (("flowkube_flow_unpriced_tokens_total", (*base, ("model", model))), u.unpriced_tokens),
                    (("flowkube_namespace_cost_usd_total", (*of_definition, ("model", model))), cost)]
         for sample, v in values:
             out[sample] = out.get(sample, 0) + v
@@ -142,7 +142,8 @@ def contributions(body: Body, budget: LabelBudget) -> dict[tuple[str, Labels], f
     definition, of_template = _names(body, budget)
     base = (("namespace", ns), ("flow", name), ("definition", definition), *of_template)
     out: dict[tuple[str, Labels], float] = {}
-    _usage(out, ns, base, (("namespace", ns), ("definition", definition), *of_template), st.get("usage") or {}, budget)
+    usage = Usage.read(st.get("usage"))
+    _usage(out, ns, base, (("namespace", ns), ("definition", definition), *of_template), usage, budget)
     counts = dict.fromkeys(_TRIGGERS, 0)
     for r in st.get("runs") or []:
         counts[r.get("trigger", "kickoff")] = counts.get(r.get("trigger", "kickoff"), 0) + 1

@@ -149,3 +149,17 @@ def test_what_a_runner_encodes_is_never_refused_for_its_text_or_its_number_of_mo
     assert decoded.usage.by_model[OTHER_MODEL].total_tokens == 2 * (100 - MODELS_LIMIT + 1)
     assert sum(u.total_tokens for u in decoded.usage.by_model.values()) == 200
     assert RunReport.model_validate_json(report.termination_summary()).usage.total_tokens == 200
+
+
+def test_the_plugins_standard_library_reader_reads_what_the_usage_model_writes() -> None:
+    """kubectl's reader (no pydantic) and the model agree on every name they share."""
+    from flowkube_api.report import TokenUsage, Usage
+    from flowkube_api.usagecounts import UsageCounts, usage_counts
+
+    one = TokenUsage(total_tokens=7, prompt_tokens=5, completion_tokens=2, successful_requests=1)
+    written = Usage(total_tokens=7, prompt_tokens=5, completion_tokens=2, successful_requests=1,
+                    by_model={"gpt-4o-mini": one}).model_dump(mode="json", by_alias=True)
+    counts = UsageCounts(total_tokens=7, prompt_tokens=5, completion_tokens=2, successful_requests=1)
+    assert usage_counts(written) == UsageCounts(**{**vars(counts), "by_model": {"gpt-4o-mini": counts}})
+    assert usage_counts({"totalTokens": -3, "promptTokens": "9", "byModel": []}) == UsageCounts()
+    assert Usage.read({"totalTokens": -3}) == Usage() and Usage.read(None) == Usage()
