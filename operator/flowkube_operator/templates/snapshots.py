@@ -1,6 +1,6 @@
 """Template snapshots: the ControllerRevisions that store a template once per generation.
 
-A Flow of a template takes it at its first reconcile (`reconcile.state.FlowState._take_template`);
+A Flow of a template takes it at its first reconcile (`flows.reconcile.state.FlowState.take_template`);
 what it took is stored once per (namespace, template uid, generation) as an immutable
 `apps/v1 ControllerRevision` named by a hash of its content (`flowkube_api.templates.snapshot_name`),
 and `status.template` names it. This module is the operator's side of them:

@@ -13,18 +13,21 @@ by such a start whose write was lost, and is adopted. A resume or a turn moves a
 message out of an inbox, so the run is recorded first and its pod created after: the pod can only
 carry what the status records (an "AlreadyExists" answer means the pod is already there).
 
-The package, one concern per module, each building on the ones before it:
+The package, one concern per module; each concern is an object over the one `FlowState` of the
+reconcile, given the concerns it calls (composed, not inherited):
 
 - `rules`: the arithmetic of runs (usage, the budget, time run, backoff) and which ends are final;
 - `state`: what one reconcile works on (`FlowState`), what it produces (`Plan`, `RunIntent`), and the
   moves every concern makes (start a run, stop a pod, end the flow);
-- `feedback` and `conversation`: a pause for a person and its answer; a session and its messages;
-- `warm`: a pod that stays up for the next message or the answer, and its warm reports;
-- `runs`: the active run followed to its end, and what comes next;
-- here: `plan()` and `Reconciler`, the order of one reconcile.
+- `feedback` and `conversation` (`Feedback`, `Conversation`): a pause for a person and its answer; a
+  session and its messages;
+- `warm` (`Warm`): a pod that stays up for the next message or the answer, and its warm reports;
+- `runs` (`Runs`): how the active run ends, and what follows a failure or a disruption;
+- here: `plan()` and `Reconciler`, the order of one reconcile and its phase switch (`_follow`: where
+  the active run's pod stands; `_next`: what the Flow waits for, or which run starts next).
 
-The inbox rules (when an answer or a message is refused) are in `flowkube_operator.flows.refusals`, shared
-with the admission webhook; the conditions every plan ends with in `conditions`; pod views in
+The inbox rules (when an answer or a message is refused) are in `flowkube_operator.flows.refusals`,
+shared with the admission webhook; the conditions every plan ends with in `conditions`; pod views in
 `meta`. All of it is pure (an import-linter contract in pyproject.toml keeps kopf, aiohttp and the
 I/O modules out); `controller` reads the world and applies the plan.
 """
@@ -38,9 +41,12 @@ from typing import Any
 from flowkube_api import constants as c
 from flowkube_api.base import now as now_utc
 from flowkube_api.base import parse_time
-from flowkube_api.constants import Phase, Reason
+from flowkube_api.constants import Phase, Reason, RunResult, Trigger
+from flowkube_api.models import Run
 from flowkube_api.report import RunReport
 from flowkube_operator.flows.conditions import describe
+from flowkube_operator.flows.reconcile.conversation import Conversation
+from flowkube_operator.flows.reconcile.feedback import Feedback
 from flowkube_operator.flows.reconcile.rules import (
     DISRUPTION_REASONS,
     PERMANENT_REASONS,
@@ -53,8 +59,9 @@ from flowkube_operator.flows.reconcile.rules import (
     total_usage,
     trailing_failures,
 )
-from flowkube_operator.flows.reconcile.runs import RunSteps
-from flowkube_operator.flows.reconcile.state import NeedReport, Plan, RunIntent, Taken
+from flowkube_operator.flows.reconcile.runs import Runs
+from flowkube_operator.flows.reconcile.state import FlowState, NeedReport, Plan, RunIntent, Taken
+from flowkube_operator.flows.reconcile.warm import Warm
 from flowkube_operator.flows.refusals import validate_message, validate_response
 from flowkube_operator.flows.resources import definition_name
 from flowkube_operator.meta import Doomed, PodView
@@ -80,8 +87,8 @@ def plan(flow: Body, pods: dict[str, PodView], report: RunReport | None = None, 
     not taken one yet names, None when it is not there; for a Flow that took one already, a `Taken`:
     what the caller read (the spec of the snapshot its status.template names, or why it cannot be had).
     """
-    return Reconciler(flow, pods, report, now or now_utc(), backoff_cap, report_checked, late or {},
-                      template).run()
+    return Reconciler(FlowState(flow, pods, report, now or now_utc(), backoff_cap, report_checked, late or {},
+                                template)).run()
 
 
 def late_pods(status: Body, pods: Mapping[str, PodView]) -> list[str]:
@@ -100,102 +107,161 @@ def late_pods(status: Body, pods: Mapping[str, PodView]) -> list[str]:
     return out
 
 
-class Reconciler(RunSteps):
+class Reconciler:
     """The order of one reconcile: late reports first, then the active run, then what comes next,
-    then the endings (TTL, old reports) and the conditions."""
+    then the endings (TTL, old reports) and the conditions. The phase switch is here: `_follow` (a
+    run is active: where its pod stands) and `_next` (none is: what the Flow waits for, or the next
+    run). The concerns it calls are composed over one `FlowState`, each in its own module."""
+
+    def __init__(self, s: FlowState) -> None:
+        self.s = s
+        self.feedback = Feedback(s)
+        self.conversation = Conversation(s)
+        self.warm = Warm(s, self.feedback, self.conversation)
+        self.runs = Runs(s, self.feedback, self.conversation)
 
     def run(self) -> Plan:
         try:
             return self._run()
         except NeedReport:
-            return Plan(status=self.old, need_report=True)
+            return Plan(status=self.s.old, need_report=True)
 
     def _run(self) -> Plan:
-        st = self.st
-        st.observed_generation = self.meta.get("generation")
-        if (self.own_spec.get("templateRef") and st.template is None and st.phase not in c.TERMINAL_PHASES
-                and not self._take_template()):
+        s = self.s
+        st = s.st
+        st.observed_generation = s.meta.get("generation")
+        if (s.own_spec.get("templateRef") and st.template is None and st.phase not in c.TERMINAL_PHASES
+                and not s.take_template()):
             self._finish()
-            return self.plan
-        if self.taken_problem is not None and st.phase not in c.TERMINAL_PHASES:
+            return s.plan
+        if s.taken_problem is not None and st.phase not in c.TERMINAL_PHASES:
             # Never run anything but what it took: the Flow fails, naming the snapshot.
-            self._terminal(Phase.FAILED, Reason.TEMPLATE_SNAPSHOT_UNUSABLE, self.taken_problem)
-            for name in list(self.pods):
-                self._stop_pod(name)
+            s.terminal(Phase.FAILED, Reason.TEMPLATE_SNAPSHOT_UNUSABLE, s.taken_problem)
+            for name in list(s.pods):
+                s.stop_pod(name)
             self._finish()
-            return self.plan
-        if self.taken_problem is None:  # (an ended Flow whose snapshot is gone keeps the name it had)
-            st.definition = definition_name(self.spec.model_dump(by_alias=True, exclude_none=True))
-        st.started_at = st.started_at or self.now
-        self._fold_late_reports()
-        if self.fb.request is None:
-            self._refuse_stray_response()  # answered before anything asked: never applied to a later request
-        self._refuse_untimely_message()
+            return s.plan
+        if s.taken_problem is None:  # (an ended Flow whose snapshot is gone keeps the name it had)
+            st.definition = definition_name(s.spec.model_dump(by_alias=True, exclude_none=True))
+        st.started_at = st.started_at or s.now
+        self.runs.fold_late_reports()
+        if s.fb.request is None:
+            self.feedback.refuse_stray_response()  # answered before anything asked: never applied to a later request
+        self.conversation.refuse_untimely_message()
         reported = self._lingering_after_report()
         if st.phase in c.TERMINAL_PHASES:
             # A runner pod still alive after the end (the operator stopped between the final status
             # write and the delete) is stopped now: nothing it does can count any more. A pod whose
             # run ended on its final report is ending by itself.
-            self.plan.delete_pods += [Doomed(n, v.uid) for n, v in self.pods.items()
-                                      if not v.terminated and not v.deleting and n not in reported]
+            s.plan.delete_pods += [Doomed(n, v.uid) for n, v in s.pods.items()
+                                   if not v.terminated and not v.deleting and n not in reported]
             self._expire()
         else:
-            active = self.runs[-1] if self.runs and self.runs[-1].finished_at is None else None
+            active = s.runs[-1] if s.runs and s.runs[-1].finished_at is None else None
             if active is not None:
                 self._follow(active)
-            if st.phase not in c.TERMINAL_PHASES and (not self.runs or self.runs[-1].finished_at):
+            if st.phase not in c.TERMINAL_PHASES and (not s.runs or s.runs[-1].finished_at):
                 self._next()
         self._finish()
-        return self.plan
+        return s.plan
+
+    def _follow(self, run: Run) -> None:
+        """The active run: its pod is still to be made, gone, ended, waiting warm, or running."""
+        s = self.s
+        pod = s.pods.get(run.pod)
+        if pod is not None and run.started_at is None:
+            run.started_at = pod.created_at or s.now
+        if pod is None and run.started_at is None:
+            # Recorded but never seen: the pod was not created yet (or the cache lags). Ensure it;
+            # the record holds everything it carries, so its startedAt comes in the same write.
+            s.plan.create_pod = s.intent(len(s.runs) - 1, run.trigger, first=True)
+            s.st.phase = Phase.PENDING
+        elif pod is None:
+            self.runs.follow_gone(run)
+        elif pod.terminated:
+            self.runs.follow_ended(run, pod)
+        elif (final := self.runs.final_report(run)) is not None:
+            self.runs.follow_reported(run, final)
+        elif not self.warm.follow(run):
+            self.runs.follow_running(run, pod)
+
+    def _next(self) -> None:
+        """No run is active: adopt a pod made by a lost start, wait, or start the next run."""
+        s = self.s
+        if self.runs.adopt():
+            return
+        if s.spec.suspend:
+            if s.fb.request is None:
+                s.st.phase = Phase.SUSPENDED
+        elif s.fb.request is not None:
+            self.feedback.await_answer()
+        elif not s.runs:
+            s.start(Trigger.KICKOFF)
+        elif s.runs[-1].result == RunResult.FAILED:
+            self.runs.retry(s.runs[-1])
+        elif s.runs[-1].result == RunResult.PAUSED:
+            # Paused run whose request was already answered: a resume run is recorded right away, so
+            # this only happens when its warm pod ended before taking the answer (resume now) or the
+            # resume was refused (nothing to do until a new answer).
+            if s.resume_now:
+                s.start(Trigger.RESUME)
+            else:
+                s.st.phase = Phase.AWAITING_FEEDBACK
+        elif s.conv is not None and s.conv.session_id:
+            self.conversation.await_message()
 
     def _lingering_after_report(self) -> set[str]:
         """Pods whose run ended on their final report: each is ending by itself, and is stopped only
         if it is still running STOP_GRACE_SECONDS later (it hangs on its way out)."""
+        s = self.s
         pods = set()
-        for r in self.runs:
-            pod = self.pods.get(r.pod)
+        for r in s.runs:
+            pod = s.pods.get(r.pod)
             if not r.closed_on_report or r.finished_at is None or pod is None or pod.terminated or pod.deleting:
                 continue
             pods.add(r.pod)
-            left = (r.finished_at - self.now).total_seconds() + STOP_GRACE_SECONDS
+            left = (r.finished_at - s.now).total_seconds() + STOP_GRACE_SECONDS
             if left <= 0:
-                self.plan.delete_pods.append(Doomed(r.pod, pod.uid))
+                s.plan.delete_pods.append(Doomed(r.pod, pod.uid))
             else:
-                self.plan.later(left)
+                s.plan.later(left)
         return pods
 
     def _expire(self) -> None:
-        ttl = self.spec.ttl_seconds_after_finished
-        finished = self.st.finished_at
+        s = self.s
+        ttl = s.spec.ttl_seconds_after_finished
+        finished = s.st.finished_at
         if ttl is None or finished is None:
             return
-        left = (finished + dt.timedelta(seconds=ttl) - self.now).total_seconds()
+        left = (finished + dt.timedelta(seconds=ttl) - s.now).total_seconds()
         if left <= 0:
-            self.plan.delete_flow = Doomed(self.meta.get("name", ""), self.meta.get("uid", ""))
+            s.plan.delete_flow = Doomed(s.meta.get("name", ""), s.meta.get("uid", ""))
         else:
-            self.plan.later(left)
+            s.plan.later(left)
 
     def _prune_reports(self) -> None:
         """Old runs' reports, once a new run starts at a multiple of REPORTS_KEPT: only closed runs
         whose pods are gone or ended (a late report of theirs was folded when their pod ended)."""
-        intent, n = self.plan.create_pod, len(self.runs)
+        s = self.s
+        intent, n = s.plan.create_pod, len(s.runs)
         if intent is None or intent.index != n - 1 or n < 2 * REPORTS_KEPT or intent.index % REPORTS_KEPT:
             return
-        for r in self.runs[n - 2 * REPORTS_KEPT - 1:n - REPORTS_KEPT - 1]:
-            pod = self.pods.get(r.pod)
+        for r in s.runs[n - 2 * REPORTS_KEPT - 1:n - REPORTS_KEPT - 1]:
+            pod = s.pods.get(r.pod)
             if r.finished_at is not None and (pod is None or pod.terminated):
-                self.plan.prune_reports.append(r.pod)
+                s.plan.prune_reports.append(r.pod)
 
     def _finish(self) -> None:
+        s = self.s
         self._prune_reports()
-        st = self.st
-        st.runs = self.runs or None
-        usage = total_usage(self.runs)
-        st.usage = usage if self.runs else st.usage
-        st.feedback = self.fb if (self.fb.request or self.fb.history or self.fb.response) else None
+        st = s.st
+        st.runs = s.runs or None
+        usage = total_usage(s.runs)
+        st.usage = usage if s.runs else st.usage
+        st.feedback = s.fb if (s.fb.request or s.fb.history or s.fb.response) else None
         if st.phase is None:
             st.phase = Phase.PENDING
         if st.conversation is not None and st.conversation.session_id is None and st.conversation.inbox is None:
             st.conversation = None  # only a refused message's inbox was there
-        describe(st, self.old, self.failure, self.refusal, message_refusal=self.message_refusal,
-                 generation=self.meta.get("generation"), now=self.now)
+        describe(st, s.old, s.failure, s.refusal, message_refusal=s.message_refusal,
+                 generation=s.meta.get("generation"), now=s.now)

@@ -13,6 +13,8 @@ from flowkube_api.models import (
     Run,
 )
 from flowkube_api.report import RunReport, Usage, excerpt
+from flowkube_operator.flows.reconcile.conversation import Conversation
+from flowkube_operator.flows.reconcile.feedback import Feedback
 from flowkube_operator.flows.reconcile.rules import (
     DISRUPTION_REASONS,
     PERMANENT_REASONS,
@@ -23,63 +25,49 @@ from flowkube_operator.flows.reconcile.rules import (
     running_seconds,
     trailing_failures,
 )
-from flowkube_operator.flows.reconcile.state import NeedReport
-from flowkube_operator.flows.reconcile.warm import WarmSteps
+from flowkube_operator.flows.reconcile.state import FlowState, NeedReport
 from flowkube_operator.meta import Doomed, PodView
 
 Body = dict[str, Any]
 
 
-class RunSteps(WarmSteps):
-    def _fold_late_reports(self) -> None:
+class Runs:
+    """The runs of one reconcile's Flow: how the active one ends, and what follows a failure."""
+
+    def __init__(self, s: FlowState, feedback: Feedback, conversation: Conversation) -> None:
+        self.s, self.feedback, self.conversation = s, feedback, conversation
+
+    def fold_late_reports(self) -> None:
         """A closed run's pod that kept going reports what it did after the close: those calls were
         answered and billed, so they count, once, in that run's entry (a run's reports are
         cumulative, so the latest replaces the entry's usage). Its end is when its pod ended, unless
         it was closed on its final report: then the pod's end changes nothing, but a report written
         after the final one (which the runner never writes) still counts, whoever wrote it."""
-        for run in self.runs:
-            if run.finished_at is None or run.pod not in self.late:
+        s = self.s
+        for run in s.runs:
+            if run.finished_at is None or run.pod not in s.late:
                 continue
-            rep, pod = self.late[run.pod], self.pods.get(run.pod)
+            rep, pod = s.late[run.pod], s.pods.get(run.pod)
             counted = run.usage or Usage()
             if rep is not None and rep.pod == run.pod and _more(rep.usage, counted):
                 added = rep.usage.total_tokens - counted.total_tokens
                 run.usage = rep.usage
-                self.plan.event(Reason.LATE_REPORT, f"run {run.pod} reported {added} more tokens after it was "
-                                f"closed; they count in its entry")
+                s.plan.event(Reason.LATE_REPORT, f"run {run.pod} reported {added} more tokens after it was "
+                             f"closed; they count in its entry")
             if (pod is not None and pod.terminated and pod.finished_at and pod.finished_at > run.finished_at
                     and not run.closed_on_report):
                 run.finished_at = pod.finished_at
 
-    def _follow(self, run: Run) -> None:
-        """The active run: its pod is still to be made, gone, ended, waiting warm, or running."""
-        pod = self.pods.get(run.pod)
-        if pod is not None and run.started_at is None:
-            run.started_at = pod.created_at or self.now
-        if pod is None and run.started_at is None:
-            # Recorded but never seen: the pod was not created yet (or the cache lags). Ensure it;
-            # the record holds everything it carries, so its startedAt comes in the same write.
-            self.plan.create_pod = self._intent(len(self.runs) - 1, run.trigger, first=True)
-            self.st.phase = Phase.PENDING
-        elif pod is None:
-            self._follow_gone(run)
-        elif pod.terminated:
-            self._follow_ended(run, pod)
-        elif (final := self._final_report(run)) is not None:
-            self._follow_reported(run, final)
-        elif not self._follow_warm(run):
-            self._follow_running(run, pod)
-
-    def _final_report(self, run: Run) -> RunReport | None:
+    def final_report(self, run: Run) -> RunReport | None:
         """The run's final report, when the state API handed it over before the pod ended and it
         says the run succeeded or paused. A failure waits for the pod's end, which says whose it was
         (a disruption, the deadline) and how it exited."""
-        rep = self.report
+        rep = self.s.report
         if rep is None or rep.pod != run.pod or not rep.final or rep.warm or rep.result == RunResult.FAILED:
             return None
         return rep
 
-    def _follow_reported(self, run: Run, final: RunReport) -> None:
+    def follow_reported(self, run: Run, final: RunReport) -> None:
         """The pod wrote its final report and is ending: the run ends now, as the report says (its
         exit code is the one the runner exits with). The pod's end, a second or two later, changes
         nothing (``closed_on_report``)."""
@@ -90,19 +78,21 @@ class RunSteps(WarmSteps):
     def _over_deadline(self, ended: dt.datetime | None) -> float | None:
         """Seconds past activeDeadlineSeconds (None without one), judged at the moment the run ended
         if it did (``ended``), not when we look."""
-        limit = self.spec.active_deadline_seconds
-        return None if limit is None else running_seconds(self.runs, ended or self.now) - limit
+        s = self.s
+        limit = s.spec.active_deadline_seconds
+        return None if limit is None else running_seconds(s.runs, ended or s.now) - limit
 
     def _end_at_deadline(self, run: Run, exit_code: int | None, finished_at: dt.datetime | None) -> None:
         """Over the deadline, and the pod stopped (or will not stop): the run ends only now, so the
         report read has every LLM call the pod completed before it was stopped."""
-        self._stop_pod(run.pod)
+        s = self.s
+        s.stop_pod(run.pod)
         run.exit_code = exit_code
         self._end_run(run, self._report_of(run), RunResult.FAILED, Reason.DEADLINE_EXCEEDED,
-                      f"the flow ran longer than activeDeadlineSeconds={self.spec.active_deadline_seconds}",
+                      f"the flow ran longer than activeDeadlineSeconds={s.spec.active_deadline_seconds}",
                       finished_at=finished_at)
 
-    def _follow_gone(self, run: Run) -> None:
+    def follow_gone(self, run: Run) -> None:
         """The pod is gone without our seeing it end: it may have left its final report."""
         rep = self._report_of(run)
         final = rep if rep is not None and rep.reason != Reason.RUN_INTERRUPTED else None
@@ -119,25 +109,26 @@ class RunSteps(WarmSteps):
             self._end_run(run, rep, RunResult.FAILED, Reason.POD_DELETED,
                           f"runner pod {run.pod} disappeared before it finished")
 
-    def _follow_ended(self, run: Run, pod: PodView) -> None:
+    def follow_ended(self, run: Run, pod: PodView) -> None:
         over = self._over_deadline(pod.finished_at)
         if over is not None and over >= 0 and pod.exit_code != 0:
             self._end_at_deadline(run, pod.exit_code, pod.finished_at)
         else:
             self._end_from_pod(run, pod)
 
-    def _follow_running(self, run: Run, pod: PodView) -> None:
-        self.st.phase = Phase.RUNNING if pod.phase == "Running" else Phase.PENDING
-        if pod.waiting is not None and self.st.phase == Phase.PENDING:
+    def follow_running(self, run: Run, pod: PodView) -> None:
+        s = self.s
+        s.st.phase = Phase.RUNNING if pod.phase == "Running" else Phase.PENDING
+        if pod.waiting is not None and s.st.phase == Phase.PENDING:
             # Not scheduled, or its image or a Secret it needs is missing: say so in Kubernetes'
             # words, where `kubectl get flows` shows it (the pod's own Events have the details).
             reason, why = pod.waiting
             message = excerpt(f"runner pod {pod.name} is waiting ({reason}): {why}", 1024)
             if reason == Reason.INVALID_IMAGE_NAME:  # the pod's image cannot change: it would wait forever
-                self._stop_pod(run.pod)
+                s.stop_pod(run.pod)
                 self._end_run(run, None, RunResult.FAILED, Reason.INVALID_IMAGE_NAME, message)
                 return
-            self.failure = (reason, message)
+            s.failure = (reason, message)
         over = self._over_deadline(None)
         if over is None:
             return
@@ -145,20 +136,21 @@ class RunSteps(WarmSteps):
             self._end_at_deadline(run, pod.exit_code, pod.finished_at)
         elif over >= 0:  # stop the pod; the run ends when it has stopped (_follow_ended)
             if not pod.deleting:
-                self.plan.delete_pods.append(Doomed(run.pod, pod.uid))
-            self.plan.later(STOP_GRACE_SECONDS - over + 0.5)
+                s.plan.delete_pods.append(Doomed(run.pod, pod.uid))
+            s.plan.later(STOP_GRACE_SECONDS - over + 0.5)
         else:
-            self.plan.later(-over)
+            s.plan.later(-over)
 
     def _report_of(self, run: Run) -> RunReport | None:
         """The run's report, when it ends without its pod telling (deleted, or over the deadline):
         the tokens of the LLM calls it made are in its interim report and must still count."""
-        if not self.report_checked:
+        s = self.s
+        if not s.report_checked:
             raise NeedReport
-        return self.report if self.report is not None and self.report.pod == run.pod else None
+        return s.report if s.report is not None and s.report.pod == run.pod else None
 
     def _end_from_pod(self, run: Run, pod: PodView) -> None:
-        rep = self.report
+        rep = self.s.report
         reason: Reason | str
         if pod.reason == "DeadlineExceeded":
             # Killed by its activeDeadlineSeconds: whatever the interim report says, that is why.
@@ -190,29 +182,30 @@ class RunSteps(WarmSteps):
 
     def _end_run(self, run: Run, rep: RunReport | None, result: RunResult, reason: Reason | str,
                  message: str, finished_at: dt.datetime | None = None) -> None:
-        if self._waiting_warm(run):
-            self._add_warm_wait(run, finished_at or self.now)
+        s = self.s
+        if s.waiting_warm(run):
+            s.add_warm_wait(run, finished_at or s.now)
         run.result, run.reason, run.message = result, str(reason), excerpt(message, 1024)
         if rep is not None:
             run.usage = rep.usage  # every LLM call the run made counts, however it ended
             if rep.flow_id:
-                self.st.flow_id = rep.flow_id
-            self._note_applied(rep)
-        run.finished_at = finished_at or self.now
+                s.st.flow_id = rep.flow_id
+            self.feedback.note_applied(rep)
+        run.finished_at = finished_at or s.now
         if run.started_at is None:
             run.started_at = run.finished_at
         if result == RunResult.SUCCEEDED and rep is not None and rep.conversation is not None:
-            self._turn_done(rep.conversation.model_copy(), rep.output)
+            self.conversation.turn_done(rep.conversation.model_copy(), rep.output)
         elif result == RunResult.SUCCEEDED:
-            self.st.result = Result(output=rep.output if rep else None)
-            self._terminal(Phase.SUCCEEDED, Reason.RUN_SUCCEEDED, "the flow finished")
-            self.plan.event(Reason.RUN_SUCCEEDED, f"run {run.pod} succeeded; the flow finished")
+            s.st.result = Result(output=rep.output if rep else None)
+            s.terminal(Phase.SUCCEEDED, Reason.RUN_SUCCEEDED, "the flow finished")
+            s.plan.event(Reason.RUN_SUCCEEDED, f"run {run.pod} succeeded; the flow finished")
         elif result == RunResult.PAUSED and rep is not None and rep.feedback_request is not None:
-            if self._answered(rep.feedback_request.id):
+            if self.feedback.answered(rep.feedback_request.id):
                 # Its warm pod waited for the answer and ended before it took it: a new pod resumes.
-                self.resume_now = True
+                s.resume_now = True
             else:
-                self._feedback_requested(rep.feedback_request)
+                self.feedback.requested(rep.feedback_request)
         else:
             if result != RunResult.FAILED:  # Paused without a request: nothing could ever resume it
                 run.result, reason = RunResult.FAILED, Reason.INTERNAL_ERROR
@@ -220,79 +213,59 @@ class RunSteps(WarmSteps):
             self._after_failure(run, reason, message)
 
     def _after_failure(self, run: Run, reason: Reason | str, message: str) -> None:
+        s = self.s
         if reason in DISRUPTION_REASONS:
             self._after_disruption(run, message)
             return
         permanent = reason in PERMANENT_REASONS or run.exit_code == c.EXIT_PERMANENT
-        limit = self.spec.retries.limit if self.spec.retries else 0
-        failures = trailing_failures(self.runs)
-        self.plan.event(str(reason), f"run {run.pod} failed: {excerpt(message, 512)}", warning=True)
+        limit = s.spec.retries.limit if s.spec.retries else 0
+        failures = trailing_failures(s.runs)
+        s.plan.event(str(reason), f"run {run.pod} failed: {excerpt(message, 512)}", warning=True)
         if permanent:
-            self._terminal(Phase.FAILED, reason, message)
+            s.terminal(Phase.FAILED, reason, message)
         elif failures > limit:
             why = f"{failures} failed run(s), retries.limit={limit}; last: {message}"
-            self._terminal(Phase.FAILED, Reason.RETRIES_EXHAUSTED, why)
+            s.terminal(Phase.FAILED, Reason.RETRIES_EXHAUSTED, why)
         else:
-            self.st.phase = Phase.PENDING
+            s.st.phase = Phase.PENDING
 
     def _after_disruption(self, run: Run, message: str) -> None:
-        limit = self.spec.retries.disruption_limit if self.spec.retries else c.DEFAULT_DISRUPTION_LIMIT
-        lost = sum(1 for r in self.runs if r.reason in DISRUPTION_REASONS)
+        s = self.s
+        limit = s.spec.retries.disruption_limit if s.spec.retries else c.DEFAULT_DISRUPTION_LIMIT
+        lost = sum(1 for r in s.runs if r.reason in DISRUPTION_REASONS)
         if lost > limit:
             why = f"{lost} runner pods lost to disruptions, retries.disruptionLimit={limit}; last: {message}"
-            self._terminal(Phase.FAILED, Reason.DISRUPTIONS_EXHAUSTED, why)
+            s.terminal(Phase.FAILED, Reason.DISRUPTIONS_EXHAUSTED, why)
             return
-        self.plan.event(Reason.DISRUPTED, f"{excerpt(message, 512)}; replacing it ({lost} of "
-                        f"retries.disruptionLimit={limit}; retries.limit is not used)", warning=True)
-        self.st.phase = Phase.PENDING
+        s.plan.event(Reason.DISRUPTED, f"{excerpt(message, 512)}; replacing it ({lost} of "
+                     f"retries.disruptionLimit={limit}; retries.limit is not used)", warning=True)
+        s.st.phase = Phase.PENDING
 
-    def _next(self) -> None:
-        """No run is active: adopt a pod made by a lost start, wait, or start the next run."""
-        if self._adopt():
-            return
-        if self.spec.suspend:
-            if self.fb.request is None:
-                self.st.phase = Phase.SUSPENDED
-        elif self.fb.request is not None:
-            self._await_feedback()
-        elif not self.runs:
-            self._start(Trigger.KICKOFF)
-        elif self.runs[-1].result == RunResult.FAILED:
-            self._retry(self.runs[-1])
-        elif self.runs[-1].result == RunResult.PAUSED:
-            # Paused run whose request was already answered: a resume run is recorded right away, so
-            # this only happens when its warm pod ended before taking the answer (resume now) or the
-            # resume was refused (nothing to do until a new answer).
-            if self.resume_now:
-                self._start(Trigger.RESUME)
-            else:
-                self.st.phase = Phase.AWAITING_FEEDBACK
-        elif self.conv is not None and self.conv.session_id:
-            self._await_message()
-
-    def _retry(self, last: Run) -> None:
+    def retry(self, last: Run) -> None:
         """The last run failed: a replacement at once after a disruption (like a Job's pod lost to
         one), a retry once the backoff has passed after a failure."""
+        s = self.s
         if last.reason not in DISRUPTION_REASONS:
-            due = last.finished_at or self.now
-            wait = backoff_seconds(self.spec, trailing_failures(self.runs), self.backoff_cap)
-            left = (due + dt.timedelta(seconds=wait) - self.now).total_seconds()
+            due = last.finished_at or s.now
+            wait = backoff_seconds(s.spec, trailing_failures(s.runs), s.backoff_cap)
+            left = (due + dt.timedelta(seconds=wait) - s.now).total_seconds()
             if left > 0:
-                self.st.phase = Phase.PENDING
-                self.plan.later(left)
-                self.failure = (Reason.RETRY_BACKOFF, f"retrying in {left:.0f}s after: {last.message}")
+                s.st.phase = Phase.PENDING
+                s.plan.later(left)
+                s.failure = (Reason.RETRY_BACKOFF, f"retrying in {left:.0f}s after: {last.message}")
                 return
-        self._start(Trigger.RETRY)
+        s.start(Trigger.RETRY)
 
-    def _adopt(self) -> bool:
+    def adopt(self) -> bool:
         """A pod under the next run's name exists, made by a start whose status write was lost (the
         operator stopped, or the Flow changed under it): record it as that run, started when it was."""
-        name = c.run_pod_name(str(self.meta.get("name")), len(self.runs))
-        pod = self.pods.get(name)
+        s = self.s
+        name = c.run_pod_name(str(s.meta.get("name")), len(s.runs))
+        pod = s.pods.get(name)
         if pod is None or pod.trigger not in POD_FIRST_TRIGGERS:
             return False
-        self.runs.append(Run(pod=name, trigger=Trigger(pod.trigger), started_at=pod.created_at or self.now))
-        self.st.phase = Phase.RUNNING if pod.phase == "Running" else Phase.PENDING
+        s.runs.append(Run(pod=name, trigger=Trigger(pod.trigger), started_at=pod.created_at or s.now))
+        s.st.phase = Phase.RUNNING if pod.phase == "Running" else Phase.PENDING
         if pod.terminated:
-            self.plan.later(0)  # follow it to its end with its report, in the next reconcile
+            s.plan.later(0)  # follow it to its end with its report, in the next reconcile
         return True

@@ -96,7 +96,7 @@ class NeedReport(Exception):
 class FlowState:
     """One reconcile's view of one Flow, and the moves every concern makes: start a run, stop a pod,
     end the flow, keep a warm pod's waiting time. The concerns (feedback, conversation, warm, runs)
-    build on it, each in its own module; `reconcile.plan` runs them."""
+    each hold it, in their own modules; `reconcile.plan` runs them."""
 
     def __init__(self, flow: Body, pods: dict[str, PodView], report: RunReport | None,
                  now: dt.datetime, backoff_cap: int, report_checked: bool,
@@ -143,7 +143,7 @@ class FlowState:
             return spec, None
         return None, taken.problem or f"template snapshot {status_template.get('snapshot')!r} was not read"
 
-    def _take_template(self) -> bool:
+    def take_template(self) -> bool:
         """A Flow of a template that has not taken it yet takes it now: its spec goes into
         status.template (a later change of the template changes nothing here) and the Flow runs it.
         False while the template is not there (the Flow waits: a watch event brings it), and when the
@@ -160,7 +160,7 @@ class FlowState:
         data = snapshot(self.template)
         too_big = template_problem(data["spec"], what)
         if too_big:  # admitted while the webhook was off: its copy would not fit
-            self._terminal(Phase.FAILED, Reason.INVALID_SPEC, too_big)
+            self.terminal(Phase.FAILED, Reason.INVALID_SPEC, too_big)
             return False
         # Stored once per generation (a snapshot all its Flows name), made before the status write.
         ref = snapshot_ref(data)
@@ -169,31 +169,31 @@ class FlowState:
         self.template_spec = self.plan.template_spec = data["spec"]
         effective, problems = template_problems(self.template, str(self.meta.get("namespace") or ""), self.own_spec)
         if problems:
-            self._terminal(Phase.FAILED, Reason.INVALID_INPUTS, "; ".join(problems))
+            self.terminal(Phase.FAILED, Reason.INVALID_INPUTS, "; ".join(problems))
             return False
         try:
             self.spec = self.plan.spec = FlowSpec.model_validate(effective)
         except ValidationError as e:
-            self._terminal(Phase.FAILED, Reason.INVALID_SPEC, f"{what}: {spec_error_text(e)}")
+            self.terminal(Phase.FAILED, Reason.INVALID_SPEC, f"{what}: {spec_error_text(e)}")
             return False
         self.plan.event(Reason.TEMPLATE_RESOLVED, f"runs {what} (generation {self.st.template.generation})")
         return True
 
-    def _start(self, trigger: Trigger) -> None:
+    def start(self, trigger: Trigger) -> None:
         spent = budget_spent(self.spec, total_usage(self.runs))
         if spent is not None:
-            self._terminal(Phase.FAILED, Reason.BUDGET_EXCEEDED, spent)
+            self.terminal(Phase.FAILED, Reason.BUDGET_EXCEEDED, spent)
             return
         too_big = spec_problem(self.spec.model_dump(mode="json", by_alias=True, exclude_none=True))
         if too_big is not None:  # admitted while the webhook was off: no pod that could not start
-            self._terminal(Phase.FAILED, Reason.INVALID_SPEC, too_big)
+            self.terminal(Phase.FAILED, Reason.INVALID_SPEC, too_big)
             return
         index = len(self.runs)
         self.runs.append(Run(pod=c.run_pod_name(str(self.meta.get("name")), index), trigger=trigger))
-        self.plan.create_pod = self._intent(index, trigger, first=trigger in POD_FIRST_TRIGGERS)
+        self.plan.create_pod = self.intent(index, trigger, first=trigger in POD_FIRST_TRIGGERS)
         self.st.phase = Phase.PENDING
 
-    def _intent(self, index: int, trigger: Trigger, *, first: bool) -> RunIntent:
+    def intent(self, index: int, trigger: Trigger, *, first: bool) -> RunIntent:
         feedback = None
         # A retry of a failed resume carries the same answer: the runner applies it if the request
         # is still pending in the saved state, and ignores it if the flow had already moved on.
@@ -231,13 +231,13 @@ class FlowState:
             return conv_spec.keep_warm_seconds
         return c.DEFAULT_KEEP_WARM_SECONDS
 
-    def _stop_pod(self, name: str) -> None:
+    def stop_pod(self, name: str) -> None:
         """Delete a runner pod that still runs (once: not one already stopping)."""
         pod = self.pods.get(name)
         if pod is not None and not pod.terminated and not pod.deleting:
             self.plan.delete_pods.append(Doomed(name, pod.uid))
 
-    def _waiting_warm(self, run: Run) -> bool:
+    def waiting_warm(self, run: Run) -> bool:
         """Is ``run`` (active) a warm pod waiting for a message or an answer? Status alone says so: a
         cold run is never active while a request pends, nor while an open session has nothing pending."""
         if run.finished_at is not None:
@@ -247,23 +247,23 @@ class FlowState:
         conv = self.conv
         return conv is not None and bool(conv.session_id) and conv.pending is None and not conv.ended
 
-    def _add_warm_wait(self, run: Run, until: dt.datetime, since: dt.datetime | None = None) -> None:
+    def add_warm_wait(self, run: Run, until: dt.datetime, since: dt.datetime | None = None) -> None:
         if since is None:
             since = self.fb.request.requested_at if self.fb.request is not None else (
                 self.conv.idle_since if self.conv is not None else None)
         if since is not None and until > since:
             run.warm_seconds = round((run.warm_seconds or 0.0) + (until - since).total_seconds(), 3)
 
-    def _close_warm(self, run: Run, message: str, result: RunResult = RunResult.SUCCEEDED) -> None:
+    def close_warm(self, run: Run, message: str, result: RunResult = RunResult.SUCCEEDED) -> None:
         """End a warm run nobody will answer any more, and stop its pod."""
-        if self._waiting_warm(run):
-            self._add_warm_wait(run, self.now)
+        if self.waiting_warm(run):
+            self.add_warm_wait(run, self.now)
         reason = Reason.RUN_PAUSED if result == RunResult.PAUSED else Reason.RUN_SUCCEEDED
         run.result, run.reason, run.message = result, str(reason), message
         run.finished_at = self.now
-        self._stop_pod(run.pod)
+        self.stop_pod(run.pod)
 
-    def _terminal(self, phase: Phase, reason: Reason | str, message: str) -> None:
+    def terminal(self, phase: Phase, reason: Reason | str, message: str) -> None:
         self.st.phase = phase
         self.st.finished_at = self.st.finished_at or self.now
         self.failure = (reason, message)  # the Succeeded condition's reason and message
