@@ -45,7 +45,8 @@ from flowkube_operator.kube.leader import LeaderElector, LeaseConfig
 from flowkube_operator.kube.reviews import MetricsAuth
 from flowkube_operator.notify.notifier import Notifier
 from flowkube_operator.serve import webhook
-from flowkube_operator.serve.stateapi import ClientLimits, StateApi
+from flowkube_operator.serve.stateapi import StateApi
+from flowkube_operator.serve.stateauth import ClientLimits
 from flowkube_operator.settings import Settings
 from flowkube_operator.templates import cache as templatecache
 from flowkube_operator.templates.cache import TemplateKey

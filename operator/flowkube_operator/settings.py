@@ -13,7 +13,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from flowkube_api import constants as c
 from flowkube_api.prices import PriceOverrides
-from flowkube_operator.notify.notices import DEFAULT_DENIED, Policy
+from flowkube_operator.notify.policy import DEFAULT_DENIED, Policy
 
 # Label and annotation key prefixes (domains, with their subdomains) other controllers act on for a pod.
 RESERVED_METADATA_PREFIXES = (

@@ -1,6 +1,7 @@
 """Notifications, the pure part: which events a Flow's status holds for which sink, the bodies sent
 (CloudEvents 1.0, Slack), the signature, the retry schedule, the destination policy, and how a
-delivery is recorded in ``status.notifications``. The sending is `notifier`'s.
+delivery is recorded in ``status.notifications``. The bodies and their signature are `bodies`', where the
+operator may send `policy`'s, the sending `notifier`'s.
 
 Events are read off the status, level-based, like everything else the operator does: a Flow that
 waits for an answer *has* a FeedbackRequested event (its id names the request), whoever looks. Each
@@ -15,15 +16,10 @@ from __future__ import annotations
 import base64
 import binascii
 import datetime as dt
-import hashlib
-import hmac
-import ipaddress
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
-
-import orjson
 
 from flowkube_api import constants as c
 from flowkube_api.base import parse_time
@@ -32,11 +28,7 @@ from flowkube_api.constants import Phase, Reason
 from flowkube_api.models import FlowStatus, NotificationRecord
 
 Body = dict[str, Any]
-IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
-SIGNATURE_HEADER = "X-Flowkube-Signature"
-EVENT_ID_HEADER = "X-Flowkube-Event-Id"
 TEXT_LIMIT = 3000  # characters of one text in a body (Slack's limit for a section's text)
 MESSAGE_LIMIT = 1024  # characters of status.notifications[].message
 
@@ -289,107 +281,6 @@ def due(flow: Body, sinks: Sequence[Sink], console_url: str = "") -> list[tuple[
     return out
 
 
-# -- bodies -----------------------------------------------------------------------------------------------
-
-TITLES = {
-    E.FEEDBACK_REQUESTED: "needs feedback", E.MESSAGE_AWAITED: "waits for a message",
-    E.FEEDBACK_TIMED_OUT: "stopped waiting for feedback", E.SUCCEEDED: "succeeded", E.FAILED: "failed",
-    E.BUDGET_EXCEEDED: "ran out of budget",
-}
-
-
-def _rfc3339(t: dt.datetime | None) -> str | None:
-    return t.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ") if t else None
-
-
-def cloudevent(n: Notice) -> bytes:
-    """CloudEvents 1.0, structured mode (Content-Type application/cloudevents+json)."""
-    subject = n.id.split("/", 2)[1] if n.id.count("/") >= 2 else None
-    event: Body = {
-        "specversion": "1.0", "id": n.id, "type": f"io.flowkube.flow.{n.type}",
-        "source": f"/apis/{c.API_VERSION}/namespaces/{n.namespace}/flows/{n.flow}",
-        "subject": subject, "time": _rfc3339(n.time), "datacontenttype": "application/json", "data": n.data,
-    }
-    return orjson.dumps({k: v for k, v in event.items() if v is not None})
-
-
-def mrkdwn_escape(text: str) -> str:
-    """Slack's three control characters: with them escaped, no text can make a link or a mention."""
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-
-
-def slack(n: Notice) -> bytes:
-    """A Slack incoming-webhook body. Every text a flow (or its model) wrote is plain_text, which
-    Slack renders as it is: no links, no mentions, no formatting."""
-    d = n.data
-    flow = f"{n.namespace}/{n.flow}"
-    title = f"Flow {flow} {TITLES[n.type]}"
-    blocks: list[Body] = [{"type": "header", "text": {"type": "plain_text", "text": _cut(title, 150)}}]
-
-    def text(t: str) -> None:
-        if t:
-            blocks.append({"type": "section", "text": {"type": "plain_text", "text": _cut(t), "emoji": False}})
-
-    facts = [f"definition: {d['flow'].get('definition') or '-'}"]
-    req = d.get("request") or {}
-    if n.type == E.FEEDBACK_REQUESTED:
-        text(req.get("message") or "")
-        text(req.get("output") or "")
-        if req.get("outcomes"):
-            facts.append("outcomes: " + ", ".join(str(o) for o in req["outcomes"]))
-        if req.get("deadline"):
-            facts.append(f"deadline: {req['deadline']}")
-        facts.append(f"method: {req.get('method')}")
-    elif n.type == E.FEEDBACK_TIMED_OUT:
-        facts.append(f"request {req.get('id')} ({req.get('method')}): outcome {req.get('outcome') or 'none'}")
-    elif n.type == E.MESSAGE_AWAITED:
-        text((d.get("conversation") or {}).get("lastReply") or "")
-    elif n.type == E.SUCCEEDED:
-        text(d.get("output") or "")
-    else:
-        text(d.get("message") or "")
-        facts.append(f"reason: {d.get('reason') or '-'}")
-    facts.append(f"tokens: {d['usage'].get('totalTokens', 0)}")
-    blocks.append({"type": "context", "elements": [{"type": "plain_text", "text": _cut(" · ".join(facts), 2000)}]})
-    if d.get("consoleUrl"):
-        waits = n.type in (E.FEEDBACK_REQUESTED, E.MESSAGE_AWAITED)
-        label = "Answer in the console" if waits else "Open in the console"
-        blocks.append({"type": "actions", "elements": [
-            {"type": "button", "text": {"type": "plain_text", "text": label}, "url": d["consoleUrl"]}]})
-    return orjson.dumps({"text": mrkdwn_escape(title), "blocks": blocks})
-
-
-def body(sink: Sink, n: Notice) -> tuple[bytes, str]:
-    """(the body, its Content-Type) in the sink's format."""
-    if sink.format == "slack":
-        return slack(n), "application/json"
-    return cloudevent(n), "application/cloudevents+json"
-
-
-# -- signatures -------------------------------------------------------------------------------------------
-
-
-def sign(key: bytes, payload: bytes, timestamp: int) -> str:
-    """``t=<unix seconds>,v1=<hex HMAC-SHA256 of "<t>." + body>``: the timestamp is signed with the body,
-    so a receiver that refuses old timestamps refuses replays."""
-    mac = hmac.new(key, str(timestamp).encode() + b"." + payload, hashlib.sha256).hexdigest()
-    return f"t={timestamp},v1={mac}"
-
-
-def verify(key: bytes, payload: bytes, header: str, now: float, tolerance: float = 300.0) -> bool:
-    """The receiver's check, as docs/api.md writes it: the signature over the raw body, and a timestamp
-    no further than ``tolerance`` seconds from the receiver's clock."""
-    parts = dict(p.split("=", 1) for p in header.split(",") if "=" in p)
-    try:
-        t = int(parts.get("t", ""))
-    except ValueError:
-        return False
-    if abs(now - t) > tolerance:
-        return False
-    expected = sign(key, payload, t).split("v1=", 1)[1]
-    return hmac.compare_digest(expected, parts.get("v1", ""))
-
-
 # -- retries ----------------------------------------------------------------------------------------------
 
 BACKOFF_FIRST = 1.0
@@ -413,97 +304,6 @@ def retry_after(value: str | None, cap: float = BACKOFF_CAP) -> float:
 def retryable(code: int | None) -> bool:
     """A timeout or a connection error (None), a 5xx, 408 or 429 is tried again; any other answer is final."""
     return code is None or code >= 500 or code in (408, 429)
-
-
-# -- where the operator may send --------------------------------------------------------------------------
-
-# Never a receiver, whatever a Flow's Secret says: this host, link-local (cloud metadata endpoints
-# live there), unspecified, multicast and reserved addresses. Only `allowedCIDRs` lets one through.
-ALWAYS_DENIED = tuple(ipaddress.ip_network(n) for n in (
-    "0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4", "240.0.0.0/4",
-    "::/128", "::1/128", "fe80::/10", "ff00::/8",
-))
-# Denied by default (`notifications.deniedCIDRs`): the private ranges, where a cluster's pods,
-# Services and nodes live, and other private networks a tenant should not reach through the operator.
-DEFAULT_DENIED = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "fc00::/7")
-
-
-@dataclass(frozen=True)
-class Policy:
-    allowed: tuple[IPNetwork, ...] = ()
-    denied: tuple[IPNetwork, ...] = tuple(ipaddress.ip_network(n) for n in DEFAULT_DENIED)
-
-    @classmethod
-    def of(cls, allowed: Iterable[str], denied: Iterable[str]) -> Policy:
-        return cls(tuple(ipaddress.ip_network(n, strict=False) for n in allowed),
-                   tuple(ipaddress.ip_network(n, strict=False) for n in denied))
-
-    def denying(self, cidrs: Iterable[str]) -> Policy:
-        """This policy, denying ``cidrs`` too (the cluster's own ranges, as the API server tells them)."""
-        more = []
-        for n in cidrs:
-            try:
-                more.append(ipaddress.ip_network(n, strict=False))
-            except ValueError:
-                continue
-        return Policy(self.allowed, self.denied + tuple(n for n in more if n not in self.denied))
-
-    def refusal(self, address: str) -> str | None:
-        """Why the operator may not connect to ``address`` (an IP), or None when it may."""
-        try:
-            ip: IPAddress = ipaddress.ip_address(address.split("%", 1)[0])
-        except ValueError:
-            return f"{address!r} is not an IP address"
-        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-            ip = ip.ipv4_mapped
-        if any(ip in n for n in self.allowed if n.version == ip.version):
-            return None
-        for addr in (ip, *_embedded_ipv4(ip)):  # NAT64 and 6to4 addresses lead to an IPv4 one: check it too
-            for nets, why in ((ALWAYS_DENIED, "never allowed"),
-                              (self.denied, "denied (notifications.deniedCIDRs, or the cluster's own ranges)")):
-                for net in nets:
-                    if net.version == addr.version and addr in net:
-                        return f"{ip} is in {net}, {why} (notifications.allowedCIDRs allows a range)"
-        return None
-
-
-def cluster_ranges(kind: str, obj: Body) -> list[str]:
-    """What an object of the cluster says is the cluster's, to deny: a ServiceCIDR's ranges; a Node's
-    pod CIDRs and its InternalIP and ExternalIP addresses (its NodePorts and kubelet listen there)."""
-    spec = obj.get("spec") or {}
-    if kind == "ServiceCIDR":
-        return [str(n) for n in spec.get("cidrs") or []]
-    out = [str(n) for n in spec.get("podCIDRs") or []]
-    out += [str(a.get("address")) for a in (obj.get("status") or {}).get("addresses") or []
-            if isinstance(a, dict) and a.get("type") in ("InternalIP", "ExternalIP") and a.get("address")]
-    return out
-
-
-def numeric_host_problem(host: str) -> str | None:
-    """A host that is a number to some parser (``2130706433``, ``0x7f.1``, ``127.1``: 127.0.0.1 to the C
-    library) and not a dotted-quad IPv4 address: the HTTP client refuses it when it connects, so it is
-    refused here first, as the Secret's mistake (an IPv6 literal, with colons, is an address as it is)."""
-    last = host.rstrip(".").rsplit(".", 1)[-1].lower()
-    hexadecimal = last.startswith("0x") and all(ch in "0123456789abcdef" for ch in last[2:])
-    if ":" in host or not (last.isdigit() or hexadecimal):
-        return None
-    try:
-        ipaddress.IPv4Address(host)
-    except ValueError:
-        return "is a number that is not a dotted-quad IPv4 address"
-    return None
-
-
-NAT64 = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48"))
-
-
-def _embedded_ipv4(ip: IPAddress) -> list[ipaddress.IPv4Address]:
-    if not isinstance(ip, ipaddress.IPv6Address):
-        return []
-    out = [ip.sixtofour] if ip.sixtofour is not None else []
-    if any(ip in n for n in NAT64):
-        out.append(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
-    return out
 
 
 # -- the record in status ---------------------------------------------------------------------------------

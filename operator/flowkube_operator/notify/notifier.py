@@ -28,8 +28,9 @@ from flowkube_api.base import now as now_utc
 from flowkube_operator import selfmetrics
 from flowkube_operator.kube.client import Kube, ns_path
 from flowkube_operator.kube.informer import Informer
-from flowkube_operator.notify import notices
-from flowkube_operator.notify.notices import Notice, Outcome, Policy, SecretView, Sink
+from flowkube_operator.notify import bodies, notices, policy
+from flowkube_operator.notify.notices import Notice, Outcome, SecretView, Sink
+from flowkube_operator.notify.policy import Policy
 from flowkube_operator.settings import Settings
 
 Body = dict[str, Any]
@@ -201,7 +202,7 @@ class Notifier:
 
     def _cluster_event(self, kind: str, etype: str, obj: Body) -> None:
         key = (kind, (obj.get("metadata") or {}).get("name", ""))
-        ranges = () if etype == "DELETED" else tuple(sorted(set(notices.cluster_ranges(kind, obj))))
+        ranges = () if etype == "DELETED" else tuple(sorted(set(policy.cluster_ranges(kind, obj))))
         if self._ranges.get(key, ()) == ranges:
             return  # a node's heartbeat, its images: nothing denied changed
         if ranges:
@@ -288,7 +289,7 @@ class Notifier:
 
     async def _deliver(self, key: Key, sink: Sink, notice: Notice) -> None:
         started, attempts = time.monotonic(), 0
-        payload, content_type = notices.body(sink, notice)
+        payload, content_type = bodies.body(sink, notice)
         while True:
             attempts += 1
             code, reason, message, again, asked = await self._attempt(key[0], sink, notice, payload, content_type)
@@ -332,10 +333,10 @@ class Notifier:
         except UndeliverableError as e:
             return Attempt(None, e.reason, e.message, e.again)
         headers = {"Content-Type": content_type, "User-Agent": "flowkube-operator",
-                   notices.EVENT_ID_HEADER: notice.id}
+                   bodies.EVENT_ID_HEADER: notice.id}
         key = secret.data.get(sink.signing_key_key)
         if key:
-            headers[notices.SIGNATURE_HEADER] = notices.sign(key, payload, int(time.time()))
+            headers[bodies.SIGNATURE_HEADER] = bodies.sign(key, payload, int(time.time()))
         per_host = self._per_host.setdefault(hostport, asyncio.Semaphore(self.settings.notifications_per_host))
         per_ns = self._per_namespace.setdefault(namespace, asyncio.Semaphore(self.settings.notifications_per_namespace))
         try:
@@ -404,7 +405,7 @@ class Notifier:
                 or not parts.hostname.isascii()):
             raise UndeliverableError("Misconfigured", f"key {sink.url_key} of Secret {sink.secret} is not an "
                                      "http(s) URL with an ASCII host name")
-        numeric = notices.numeric_host_problem(parts.hostname)
+        numeric = policy.numeric_host_problem(parts.hostname)
         if numeric:
             raise UndeliverableError("Misconfigured", f"the host of key {sink.url_key} of Secret {sink.secret} "
                                      f"{numeric}")

@@ -20,9 +20,11 @@ from aiohttp import web
 from flowkube_api.constants import NotificationEvent as E
 from flowkube_api.models import FlowStatus
 from flowkube_operator.kube import tls
+from flowkube_operator.notify import bodies, policy
 from flowkube_operator.notify import notices as notify
-from flowkube_operator.notify.notices import Outcome, Policy, Sink
+from flowkube_operator.notify.notices import Outcome, Sink
 from flowkube_operator.notify.notifier import Notifier
+from flowkube_operator.notify.policy import Policy
 from flowkube_operator.settings import Settings
 
 NOW = dt.datetime(2026, 11, 27, 12, 0, tzinfo=dt.UTC)
@@ -101,7 +103,7 @@ def test_spec_sinks_replace_namespace_defaults_of_the_same_name() -> None:
 
 def test_cloudevent_attributes() -> None:
     (n,) = notify.notices(paused())
-    body, ctype = notify.body(SINK, n)
+    body, ctype = bodies.body(SINK, n)
     ev = json.loads(body)
     assert ctype == "application/cloudevents+json"
     assert {k: ev[k] for k in ("specversion", "id", "type", "source", "subject", "time", "datacontenttype")} == {
@@ -114,7 +116,7 @@ def test_cloudevent_attributes() -> None:
 
 def test_slack_blocks_carry_flow_text_as_plain_text_only() -> None:
     (n,) = notify.notices(paused(), "https://console.example")
-    body, ctype = notify.body(Sink("s", "s", format="slack"), n)
+    body, ctype = bodies.body(Sink("s", "s", format="slack"), n)
     msg = json.loads(body)
     assert ctype == "application/json"
     assert msg["text"] == "Flow team/review needs feedback"
@@ -125,19 +127,19 @@ def test_slack_blocks_carry_flow_text_as_plain_text_only() -> None:
     assert "outcomes: approved, rejected" in ctx["elements"][0]["text"]
     (actions,) = [b for b in msg["blocks"] if b["type"] == "actions"]
     assert actions["elements"][0]["url"] == "https://console.example/flows/team/review"
-    assert notify.mrkdwn_escape(HOSTILE).count("<") == 0
+    assert bodies.mrkdwn_escape(HOSTILE).count("<") == 0
 
 
 def test_signature_recipe() -> None:
     key, payload = b"s3cret", b'{"id":"x"}'
-    header = notify.sign(key, payload, 1_700_000_000)
+    header = bodies.sign(key, payload, 1_700_000_000)
     assert header.startswith("t=1700000000,v1=")
-    assert notify.verify(key, payload, header, now=1_700_000_100)
-    assert not notify.verify(key, payload + b" ", header, now=1_700_000_100)  # the body changed
-    assert not notify.verify(b"other", payload, header, now=1_700_000_100)
-    assert not notify.verify(key, payload, header, now=1_700_000_000 + 301)  # a replay, too late
+    assert bodies.verify(key, payload, header, now=1_700_000_100)
+    assert not bodies.verify(key, payload + b" ", header, now=1_700_000_100)  # the body changed
+    assert not bodies.verify(b"other", payload, header, now=1_700_000_100)
+    assert not bodies.verify(key, payload, header, now=1_700_000_000 + 301)  # a replay, too late
     forged = header.replace("t=1700000000", "t=1700000300")  # a fresh timestamp on an old signature
-    assert not notify.verify(key, payload, forged, now=1_700_000_300)
+    assert not bodies.verify(key, payload, forged, now=1_700_000_300)
 
 
 def documented_recipe() -> Callable[[bytes, bytes, str], bool]:
@@ -153,9 +155,9 @@ def documented_recipe() -> Callable[[bytes, bytes, str], bool]:
 def test_the_documented_recipe_verifies_what_the_operator_signs() -> None:
     verified = documented_recipe()
     payload = b'{"id":"u-1/r1/FeedbackRequested"}'
-    assert verified(b"k", payload, notify.sign(b"k", payload, int(time.time())))
-    assert not verified(b"k", payload + b"x", notify.sign(b"k", payload, int(time.time())))
-    assert not verified(b"k", payload, notify.sign(b"k", payload, int(time.time()) - 600))
+    assert verified(b"k", payload, bodies.sign(b"k", payload, int(time.time())))
+    assert not verified(b"k", payload + b"x", bodies.sign(b"k", payload, int(time.time())))
+    assert not verified(b"k", payload, bodies.sign(b"k", payload, int(time.time()) - 600))
 
 
 def test_retry_schedule() -> None:
@@ -177,7 +179,7 @@ def test_policy_refuses_this_host_link_local_and_cluster_ranges_by_default(addre
 
 def test_policy_allows_public_addresses_and_the_allowed_list() -> None:
     assert Policy().refusal("93.184.216.34") is None and Policy().refusal("2606:2800:220:1::1") is None
-    p = Policy.of(["10.96.0.10/32"], notify.DEFAULT_DENIED)
+    p = Policy.of(["10.96.0.10/32"], policy.DEFAULT_DENIED)
     assert p.refusal("10.96.0.10") is None and p.refusal("10.96.0.11")
     with pytest.raises(ValueError, match="bogus"):
         Settings(notifications_allowed_cidrs="10.0.0.0/8,bogus")
@@ -257,7 +259,7 @@ def test_500_three_times_then_200_is_delivered_once_with_four_attempts_signed() 
             assert len(r.seen) == 4
             headers, body = r.seen[-1]
             assert headers["X-Flowkube-Event-Id"] == "u-1/r1/FeedbackRequested"
-            assert notify.verify(b"k", body, headers["X-Flowkube-Signature"], now=time.time())
+            assert bodies.verify(b"k", body, headers["X-Flowkube-Signature"], now=time.time())
     run(go)
 
 
@@ -424,8 +426,8 @@ def test_a_number_for_a_host_is_misconfigured_at_once_not_retried() -> None:
             assert (o.reason, o.attempts, o.delivered) == ("Misconfigured", 1, False), o
             assert "SECRET" not in o.message and "dotted-quad" in o.message
     run(go)
-    assert notify.numeric_host_problem("8.8.8.8") is None and notify.numeric_host_problem("example.com") is None
-    assert notify.numeric_host_problem("host.1a") is None  # a name
+    assert policy.numeric_host_problem("8.8.8.8") is None and policy.numeric_host_problem("example.com") is None
+    assert policy.numeric_host_problem("host.1a") is None  # a name
 
 
 def test_hosts_that_only_become_addresses_later_are_refused_too() -> None:

@@ -25,10 +25,10 @@ from flowkube_api.report import RunReport, Usage
 from flowkube_operator.kube import issuerkeys, tls
 from flowkube_operator.kube.client import ApiError
 from flowkube_operator.kube.issuerkeys import IssuerKeys
-from flowkube_operator.serve.stateapi import (
+from flowkube_operator.serve.stateapi import StateApi
+from flowkube_operator.serve.stateauth import (
     Caller,
     ClientLimits,
-    StateApi,
     StateError,
     Target,
     caller_from_review,
@@ -180,26 +180,26 @@ def test_a_token_is_accepted_while_its_pod_is_a_run_of_the_flow_and_late_once_th
     state = api(kube, active)
 
     async def scenario() -> None:
-        assert await state.authenticate(f"Bearer {jwt('good')}") == POD
-        assert await state.authenticate(f"Bearer {jwt('good')}") == POD
+        assert await state.auth.authenticate(f"Bearer {jwt('good')}") == POD
+        assert await state.auth.authenticate(f"Bearer {jwt('good')}") == POD
         assert [m for m, _ in kube.calls] == ["POST"]  # one review, and the controller's caches
         active.clear()  # the run ended: the Flow's status recorded it finished; its pod still runs
         kube.flows["demo"]["status"]["runs"][0]["finishedAt"] = "2026-11-22T00:00:00Z"
-        late = await state.authenticate(f"Bearer {jwt('good')}")
+        late = await state.auth.authenticate(f"Bearer {jwt('good')}")
         assert late == Target(**{**POD.__dict__, "late": True})
         kube.flows["demo"]["status"]["runs"] = [{"pod": "demo-1"}]  # a run this pod never was
-        state._tokens.clear()
+        state.auth._tokens.clear()
         with pytest.raises(StateError) as refused:
-            await state.authenticate(f"Bearer {jwt('good')}")
+            await state.auth.authenticate(f"Bearer {jwt('good')}")
         assert refused.value.status == 403
         calls = len(kube.calls)
         with pytest.raises(StateError):
-            await state.authenticate(f"Bearer {jwt('good')}")
+            await state.auth.authenticate(f"Bearer {jwt('good')}")
         assert len(kube.calls) == calls  # a refusal is remembered briefly: no review storm
         for header, status in (("", 401), ("Basic x", 401), ("Bearer junk", 401), (f"Bearer {jwt('forged')}", 401),
                                (f"Bearer {jwt('other-pod')}", 403)):
             with pytest.raises(StateError) as e:
-                await state.authenticate(header)
+                await state.auth.authenticate(header)
             assert e.value.status == status, header
 
     asyncio.run(scenario())
@@ -279,7 +279,7 @@ def test_a_restarted_operator_asks_the_api_server_about_a_pod_it_has_not_seen() 
     state = api(kube)  # empty caches
 
     async def scenario() -> None:
-        assert await state.authenticate(f"Bearer {jwt('good')}") == POD
+        assert await state.auth.authenticate(f"Bearer {jwt('good')}") == POD
         assert ("GET", "/api/v1/namespaces/ns/pods/demo-0") in kube.calls
 
     asyncio.run(scenario())
@@ -292,10 +292,10 @@ def test_a_pod_made_before_its_run_is_recorded_is_told_to_retry_not_refused() ->
 
     async def scenario() -> None:
         with pytest.raises(StateError) as early:
-            await state.authenticate(f"Bearer {jwt('good')}")
+            await state.auth.authenticate(f"Bearer {jwt('good')}")
         assert early.value.status == 503 and "not recorded yet" in str(early.value)
         kube.flows["demo"]["status"]["runs"] = [{"pod": "demo-0"}]  # recorded: no refusal was remembered
-        assert await state.authenticate(f"Bearer {jwt('good')}") == POD
+        assert await state.auth.authenticate(f"Bearer {jwt('good')}") == POD
 
     asyncio.run(scenario())
 
@@ -477,17 +477,17 @@ def test_a_flood_of_refused_tokens_never_evicts_a_running_pods_token() -> None:
     cleared with the good entries in it, sending every runner back to a TokenReview."""
     kube = FakeKube()
     state = api(kube, {("ns", "demo-0"): ("demo", FLOW_UID, "pod-uid")})
-    state._tokens.limit = state._refused.limit = 50
+    state.auth._tokens.limit = state.auth._refused.limit = 50
 
     async def scenario() -> None:
-        assert await state.authenticate(f"Bearer {jwt('good')}") == POD
+        assert await state.auth.authenticate(f"Bearer {jwt('good')}") == POD
         for i in range(200):
             with pytest.raises(StateError):
-                await state.authenticate(f"Bearer {jwt(f'forged-{i}')}")
+                await state.auth.authenticate(f"Bearer {jwt(f'forged-{i}')}")
         reviews = len(kube.calls)
-        assert await state.authenticate(f"Bearer {jwt('good')}") == POD
+        assert await state.auth.authenticate(f"Bearer {jwt('good')}") == POD
         assert len(kube.calls) == reviews  # still cached: no TokenReview for the runner
-        assert len(state._refused) <= 50
+        assert len(state.auth._refused) <= 50
 
     asyncio.run(scenario())
 
@@ -627,12 +627,12 @@ def test_a_token_the_issuer_did_not_sign_or_that_expired_is_refused_without_a_to
     async def scenario() -> None:
         for why, token in refused.items():
             with pytest.raises(StateError) as e:
-                await state.authenticate(f"Bearer {token}")
+                await state.auth.authenticate(f"Bearer {token}")
             assert e.value.status == 401, why
         assert kube.token_reviews == 0
         assert "expired" in str(await _refusal(state, refused["expired"]))
-        assert await state.authenticate(f"Bearer {good_rsa}") == POD
-        assert await state.authenticate(f"Bearer {good_ec}") == POD
+        assert await state.auth.authenticate(f"Bearer {good_rsa}") == POD
+        assert await state.auth.authenticate(f"Bearer {good_ec}") == POD
         assert kube.token_reviews == 2  # a signed token still gets its TokenReview (is its pod alive?)
 
     asyncio.run(scenario())
@@ -640,7 +640,7 @@ def test_a_token_the_issuer_did_not_sign_or_that_expired_is_refused_without_a_to
 
 async def _refusal(state: StateApi, token: str) -> StateError:
     with pytest.raises(StateError) as e:
-        await state.authenticate(f"Bearer {token}")
+        await state.auth.authenticate(f"Bearer {token}")
     return e.value
 
 
