@@ -49,6 +49,7 @@ from flowkube_operator.serve.stateauth import (
     StateAuth,
     StateError,
     Target,
+    client,
 )
 
 Body = dict[str, Any]
@@ -98,12 +99,6 @@ class StateApi:
         # entries go first past CM_UIDS_KEPT: a Flow's is looked up again when it is needed.
         self._cm_uids: dict[str, str] = {}
 
-    def _client(self) -> Kube:
-        kube = self._kube()
-        if kube is None:
-            raise StateError(503, "the operator is starting; retry")
-        return kube
-
     # -- the Flow's state ConfigMap ------------------------------------------------------------------
 
     def forget_flow(self, flow_uid: str) -> None:
@@ -119,10 +114,10 @@ class StateApi:
         """The Flow's state ConfigMap; None if absent. One left by an earlier Flow of the same
         name (garbage collection is asynchronous) is not this Flow's: a conflict, retried."""
         path = ns_path(t.namespace, "configmaps", c.state_configmap_name(t.flow))
-        cm = await self._client().get(path)
+        cm = await client(self._kube).get(path)
         if cm is None:
             return None
-        if await delete_namesake_garbage(self._client(), path, cm, t.flow, t.flow_uid):
+        if await delete_namesake_garbage(client(self._kube), path, cm, t.flow, t.flow_uid):
             return None
         if owner_uid(cm["metadata"]) != t.flow_uid:
             raise StateError(409, f"configmap {c.state_configmap_name(t.flow)} still belongs to an earlier "
@@ -136,7 +131,7 @@ class StateApi:
         return base64.b64decode(value) if value is not None else None
 
     async def put(self, t: Target, key: str, value: bytes) -> None:
-        kube = self._client()
+        kube = client(self._kube)
         data = {key: base64.b64encode(value).decode("ascii")}
         path = ns_path(t.namespace, "configmaps", c.state_configmap_name(t.flow))
         for _ in range(3):

@@ -174,6 +174,14 @@ def plausible(token: str) -> bool:
     return c.STATE_AUDIENCE in audiences and isinstance(pod, dict)
 
 
+def client(kube: Callable[[], Kube | None]) -> Kube:
+    """The API client of the latest login; 503 while the operator has none yet."""
+    found = kube()
+    if found is None:
+        raise StateError(503, "the operator is starting; retry")
+    return found
+
+
 class ActiveRuns(Protocol):
     def active_run(self, namespace: str, pod: str) -> tuple[str, str, str] | None:
         """(flow name, flow uid, the pod's uid if its watch event has been seen, else "") when the
@@ -197,12 +205,6 @@ class StateAuth:
         self._tokens: VerdictCache[Target] = VerdictCache(reviews.ACCEPTED_SECONDS)
         self._refused: VerdictCache[StateError] = VerdictCache(reviews.REFUSED_SECONDS)
         self._reviews = asyncio.Semaphore(token_reviews)  # the state API's own: not the reconcile's
-
-    def _client(self) -> Kube:
-        kube = self._kube()
-        if kube is None:
-            raise StateError(503, "the operator is starting; retry")
-        return kube
 
     def _running(self, t: Target) -> bool:
         """Is t's pod (still) the running attempt of its Flow?"""
@@ -238,7 +240,7 @@ class StateAuth:
         return target
 
     async def _authorize(self, token: str) -> Target:
-        kube = self._client()
+        kube = client(self._kube)
         async with self._reviews:
             try:
                 review = await kube.request("POST", "/apis/authentication.k8s.io/v1/tokenreviews", {
