@@ -10,13 +10,11 @@ imports them (and with them crewAI, seconds of imports) only when it starts.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import functools
 import gc
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -31,57 +29,15 @@ from .config import Feedback, Message, RunnerConfig
 from .engine.api import Ending, InvalidFlow, InvalidInputs
 from .engine.pricing import Pricer
 from .engine.state import StateDocument
-from .store import Inbox, MessageGone, StateCorrupt, StateStore, StateTooLarge, StoreError
+from .failures import RunFailure, chain, fallback_failure, is_api_error, is_connection_error, known_failure, permanent
+from .store import Inbox, StateCorrupt, StateStore
+from .waiting import answered_and_open, paused_on, release_memory, wait_warm
 
 if TYPE_CHECKING:
     from .engine.session import FlowSession
     from .engine.usage import UsageRecorder
 
 log = logging.getLogger("flowkube_runner")
-
-
-class RunFailure(Exception):
-    def __init__(self, reason: c.Reason, message: str, *, permanent: bool) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.permanent = permanent
-
-
-def _permanent(reason: c.Reason, message: str) -> RunFailure:
-    return RunFailure(reason, message, permanent=True)
-
-
-def _chain(error: BaseException) -> Iterator[BaseException]:
-    seen: set[int] = set()
-    current: BaseException | None = error
-    pending: list[BaseException] = []
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        yield current
-        for linked in (current.__cause__, current.__context__):
-            if linked is not None:
-                pending.append(linked)
-        current = pending.pop(0) if pending else None
-
-
-_CONNECTION_ERRORS = {
-    ("openai", "APIConnectionError"),
-    ("openai", "APITimeoutError"),
-    ("httpx", "TransportError"),
-    ("httpcore", "ConnectError"),
-}
-
-
-def _is_connection_error(error: BaseException) -> bool:
-    for cls in type(error).__mro__:
-        if (cls.__module__.split(".")[0], cls.__name__) in _CONNECTION_ERRORS:
-            return True
-    return isinstance(error, ConnectionError)
-
-
-def _is_api_error(error: BaseException) -> bool:
-    providers = ("openai", "anthropic", "litellm")
-    return any(cls.__module__.split(".")[0] in providers for cls in type(error).__mro__)
 
 
 INTERRUPTED_MESSAGE = "the runner stopped before finishing"
@@ -190,19 +146,19 @@ class _Run:
     def resume(self, session: FlowSession, document: StateDocument) -> Ending:
         pending = document.pending
         if pending is None:
-            raise _permanent(c.Reason.STATE_CORRUPT, "resume requested but the state has no pending feedback request")
+            raise permanent(c.Reason.STATE_CORRUPT, "resume requested but the state has no pending feedback request")
         feedback = self.config.feedback
         if feedback is None:
-            raise _permanent(c.Reason.INTERNAL_ERROR, f"resume requested without {c.ENV_FEEDBACK}")
+            raise permanent(c.Reason.INTERNAL_ERROR, f"resume requested without {c.ENV_FEEDBACK}")
         if feedback.request_id and feedback.request_id != pending.request_id:
-            raise _permanent(
+            raise permanent(
                 c.Reason.FEEDBACK_REFUSED,
                 f"feedback is for request {feedback.request_id!r}, but {pending.request_id!r} is pending",
             )
         text = feedback.text
         if feedback.timed_out:
             if not pending.default_outcome:
-                raise _permanent(
+                raise permanent(
                     c.Reason.FEEDBACK_TIMED_OUT,
                     f"feedback request {pending.request_id} timed out and step "
                     f"{pending.method!r} has no default outcome",
@@ -210,7 +166,7 @@ class _Run:
             # crewAI resolves empty feedback to the step's default outcome without asking a model.
             text = ""
         if feedback.outcome is not None and (not pending.emit or feedback.outcome not in pending.emit):
-            raise _permanent(
+            raise permanent(
                 c.Reason.FEEDBACK_REFUSED,
                 f"outcome {feedback.outcome!r} is not one of the step's outcomes {pending.emit}",
             )
@@ -243,7 +199,7 @@ class _Run:
         message = self.config.message
         if message is None:
             if self.config.spec.inputs:
-                raise _permanent(c.Reason.INVALID_INPUTS, "a conversation takes no spec.inputs: its input is "
+                raise permanent(c.Reason.INVALID_INPUTS, "a conversation takes no spec.inputs: its input is "
                                  "the messages sent to it")
             return session.open_conversation(document)
         if document is not None and document.pending is not None:
@@ -287,9 +243,9 @@ class _Run:
         try:
             document = StateDocument.load(self.store)
         except StateCorrupt as e:
-            raise _permanent(c.Reason.STATE_CORRUPT, str(e)) from e
+            raise permanent(c.Reason.STATE_CORRUPT, str(e)) from e
         if document is None and trigger is c.Trigger.RESUME:
-            raise _permanent(c.Reason.STATE_CORRUPT, f"resume requested but state key {c.STATE_KEY} is missing")
+            raise permanent(c.Reason.STATE_CORRUPT, f"resume requested but state key {c.STATE_KEY} is missing")
         return document
 
     def drive(self) -> Ending:
@@ -301,7 +257,7 @@ class _Run:
         session.load(definition=spec.definition_document(), flow_ref=spec.flow_ref)
         if self.recorder.budget_already_spent():
             self.recorder.exceeded = True
-            raise _permanent(c.Reason.BUDGET_EXCEEDED, self.recorder.budget_message())
+            raise permanent(c.Reason.BUDGET_EXCEEDED, self.recorder.budget_message())
         self._refuse_if_stopped()
         with self.recorder.recording():
             if session.is_conversation():
@@ -318,40 +274,23 @@ class _Run:
                 return self.resume(session, document)
             return self.retry(session, document)
 
-    def _known_failure(self, cause: BaseException) -> RunFailure | None:
-        """What the runner's own exceptions, and the engine's and the store's, mean for the run."""
-        if isinstance(cause, RunFailure):
-            return cause
-        if isinstance(cause, InvalidFlow):
-            inline = self.config.spec.definition is not None
-            return _permanent(c.Reason.INVALID_DEFINITION if inline else c.Reason.INVALID_FLOW_REF, str(cause))
-        if isinstance(cause, InvalidInputs):
-            return _permanent(c.Reason.INVALID_INPUTS, str(cause))
-        if isinstance(cause, StateTooLarge):
-            return _permanent(c.Reason.STATE_TOO_LARGE, str(cause))
-        if isinstance(cause, StateCorrupt):
-            return _permanent(c.Reason.STATE_CORRUPT, str(cause))
-        if isinstance(cause, StoreError):
-            return RunFailure(c.Reason.INTERNAL_ERROR, f"state store: {cause}", permanent=False)
-        return None
-
     def classify(self, error: BaseException) -> RunFailure:
         if self.recorder.exceeded:
-            return _permanent(c.Reason.BUDGET_EXCEEDED, self.recorder.budget_message())
-        causes = [*_chain(error)]
+            return permanent(c.Reason.BUDGET_EXCEEDED, self.recorder.budget_message())
+        causes = [*chain(error)]
         storage_failure = self.session.storage_failure if self.session is not None else None
         if storage_failure is not None:
             causes.insert(0, storage_failure)
         for cause in causes:
-            if (known := self._known_failure(cause)) is not None:
+            if (known := known_failure(cause, self.config.spec.definition is not None)) is not None:
                 return known
         if self.recorder.stopped:  # the stop refused a model call: that is why the flow ended here
             return RunFailure(c.Reason.RUN_INTERRUPTED, STOPPED_MESSAGE, permanent=False)
         for cause in causes:
-            if _is_connection_error(cause):
+            if is_connection_error(cause):
                 return RunFailure(c.Reason.MODEL_UNREACHABLE, f"model connection lost: {cause}", permanent=False)
         for cause in causes:
-            if _is_api_error(cause):
+            if is_api_error(cause):
                 return RunFailure(c.Reason.FLOW_ERROR, f"model API error: {cause}", permanent=False)
         return RunFailure(c.Reason.FLOW_ERROR, f"{type(error).__name__}: {error}", permanent=False)
 
@@ -405,13 +344,13 @@ def _attempt(template: RunReport, run: _Run | None, step: Callable[[], Ending] |
         ending = step()
         usage = run.recorder.usage()
         if run.recorder.exceeded:
-            raise _permanent(c.Reason.BUDGET_EXCEEDED, run.recorder.budget_message())
+            raise permanent(c.Reason.BUDGET_EXCEEDED, run.recorder.budget_message())
         report.usage = usage
         _record_ending(report, ending, run)
     except BaseException as error:
         if isinstance(error, KeyboardInterrupt | SystemExit):
             raise
-        failure = run.classify(error) if run is not None else _fallback_failure(error)
+        failure = run.classify(error) if run is not None else fallback_failure(error)
         if run is not None:
             report.usage = _safe_usage(run)
         expected = isinstance(error, RunFailure | InvalidFlow | InvalidInputs)  # no traceback for the flow's own faults
@@ -439,12 +378,12 @@ def _stay_warm(run: _Run, template: RunReport, report: RunReport, inbox: Inbox) 
     while not (run.stop is not None and run.stop.is_set()):
         step: Callable[[], Ending]
         poll: Callable[[float], dict[str, Any] | None]
-        if _answered_and_open(report) and run.config.keep_warm_seconds > 0:
+        if answered_and_open(report) and run.config.keep_warm_seconds > 0:
             assert report.conversation is not None
             after = report.conversation.turn
             what, window = f"message {after + 1}", run.config.keep_warm_seconds
             poll = functools.partial(inbox.next_message, after)
-        elif _paused_on(report) and run.config.feedback_keep_warm_seconds > 0:
+        elif paused_on(report) and run.config.feedback_keep_warm_seconds > 0:
             assert report.feedback_request is not None
             request = report.feedback_request.id
             what, window = f"the answer to {request}", run.config.feedback_keep_warm_seconds
@@ -456,9 +395,9 @@ def _stay_warm(run: _Run, template: RunReport, report: RunReport, inbox: Inbox) 
         except Exception as e:
             log.warning("could not say the run waits (%s); the pod ends and the answer starts another", e)
             return report
-        _release_memory()
+        release_memory()
         log.info("waiting up to %.0fs for %s", window, what)
-        found = _wait_warm(poll, window, run.stop)
+        found = wait_warm(poll, window, run.stop)
         if found is None:
             return report
         try:
@@ -477,66 +416,6 @@ def _stay_warm(run: _Run, template: RunReport, report: RunReport, inbox: Inbox) 
         log.info("%s taken (warm)", what)
         report = _attempt(template, run, step)
     return report
-
-
-def _release_memory() -> None:
-    """Between two answers, give back what the step freed: a turn serialises the whole transcript
-    several times (crewAI's saves, the state commit), and glibc keeps those freed pages otherwise, so
-    a warm pod's resident memory would climb with the transcript many times over (1 ms)."""
-    with contextlib.suppress(OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def _answered_and_open(report: RunReport) -> bool:
-    turn = report.conversation
-    return (report.result == c.RunResult.SUCCEEDED and report.exit_code == c.EXIT_OK
-            and turn is not None and not turn.ended)
-
-
-def _paused_on(report: RunReport) -> bool:
-    return report.result == c.RunResult.PAUSED and report.feedback_request is not None
-
-
-def _poll(poll: Callable[[float], dict[str, Any] | None], wait: float) -> tuple[threading.Event, list[Any]]:
-    """One long poll in its own thread: (set when it answered, [its answer or exception])."""
-    done, box = threading.Event(), list[Any]()
-
-    def run() -> None:
-        try:
-            box.append(poll(wait))
-        except BaseException as e:  # handed to the waiting thread
-            box.append(e)
-        finally:
-            done.set()
-
-    threading.Thread(target=run, daemon=True, name="warm-poll").start()
-    return done, box
-
-
-def _wait_warm(poll: Callable[[float], dict[str, Any] | None], window: float,
-               stop: threading.Event | None) -> dict[str, Any] | None:
-    """What the pod waits for, or None when the window passed, the operator said nothing will come,
-    or the pod is being stopped (SIGTERM ends the wait at once: each poll runs in its own thread)."""
-    deadline = time.monotonic() + window
-    stopping = stop or threading.Event()
-    while not stopping.is_set():
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return None
-        done, box = _poll(poll, min(float(c.MESSAGE_POLL_SECONDS), left))
-        while not done.wait(0.2):  # SIGTERM sets `stop`, which cannot wake a wait on `done`: look every 0.2 s
-            if stopping.is_set():
-                return None
-        found = box[0] if box else None
-        if isinstance(found, MessageGone):
-            log.info("nothing more will come to this pod: %s", found)
-            return None
-        if isinstance(found, BaseException):
-            log.warning("waiting failed; the pod ends (the answer starts another): %s", found)
-            return None
-        if found is not None:
-            return dict(found)
-    return None
 
 
 def _record_ending(report: RunReport, ending: Ending, run: _Run) -> None:
@@ -558,12 +437,6 @@ def _record_ending(report: RunReport, ending: Ending, run: _Run) -> None:
             "; the conversation ended" if t.ended else "")
         reply = excerpt(t.reply) if t.reply is not None else None
         report.conversation = TurnReport(session_id=t.session_id, turn=t.turn, ended=t.ended, reply=reply)
-
-
-def _fallback_failure(error: BaseException) -> RunFailure:
-    if isinstance(error, RunFailure):
-        return error
-    return RunFailure(c.Reason.INTERNAL_ERROR, f"{type(error).__name__}: {error}", permanent=False)
 
 
 def _safe_usage(run: _Run) -> Usage:
