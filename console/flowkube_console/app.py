@@ -3,7 +3,8 @@
 Every page is rendered by Jinja2 with autoescaping on: whatever a flow produced is text on the page,
 never markup. The Content-Security-Policy allows scripts, styles and connections from the console
 itself only (one small script, no inline code), so even a template mistake could not run a flow's
-script. See docs/console.md.
+script (`signin.HEADERS`). Who may see it, and signing in, are `signin`'s; what every handler uses
+(the app's keys, `render`), `pages`'. See docs/console.md.
 """
 
 from __future__ import annotations
@@ -13,243 +14,55 @@ import contextlib
 import hashlib
 import logging
 import re
-import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from datetime import UTC, datetime
 from importlib import resources
 from typing import Any
-from urllib.parse import quote, unquote, urlencode, urlsplit
+from urllib.parse import quote, urlencode
 
-import aiohttp
-import jinja2
 import orjson
 from aiohttp import web
 
 from flowkube_api.inbox import feedback_patch, message_patch
 from flowkube_console import views
-from flowkube_console.auth import Auth, Credential, is_tls, same_origin
+from flowkube_console.auth import Auth
 from flowkube_console.kube import ApiError, Kube, flows_path
 from flowkube_console.live import Feeds
+from flowkube_console.pages import (
+    AUTH,
+    CACHE,
+    FEEDS,
+    KUBE,
+    SETTINGS,
+    STREAMS,
+    TEMPLATES,
+    USER,
+    cached,
+    cred_of,
+    render,
+    templates,
+)
 from flowkube_console.settings import Settings
+from flowkube_console.signin import HEADERS, launch, login, login_page, logout, security, signed_in
 
 log = logging.getLogger("flowkube.console")
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
-       "form-action 'self'; frame-ancestors 'none'; base-uri 'none'")
-HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", "Referrer-Policy": "same-origin",
-           "X-Frame-Options": "DENY", "Cache-Control": "no-store"}
 KEEPALIVE_SECONDS = 15.0
 STREAM_LIMIT = 16  # live pages (event streams) one person may hold open
 DEBOUNCE_SECONDS = 0.1  # a live list re-renders at most this often, however many Flows change
 LINE_BREAK = re.compile(r"\r\n|\r|\n")
 FORM_LIMIT = 1 << 20  # bytes of a posted form (a 64 Ki-character message, URL-encoded, fits)
 SENT = {"answer": "your answer", "message": "your message"}
-LOGIN_COOKIE = "flowkube_login"  # the sign-in page's nonce, until the browser signs in
-PUBLIC = frozenset({"/login", "/healthz", "/auth/local", "/favicon.ico"})
-
-SETTINGS: web.AppKey[Settings] = web.AppKey("settings", Settings)
-KUBE: web.AppKey[Kube] = web.AppKey("kube", Kube)
-FEEDS: web.AppKey[Feeds] = web.AppKey("feeds", Feeds)
-AUTH: web.AppKey[Auth] = web.AppKey("auth", Auth)
-TEMPLATES: web.AppKey[jinja2.Environment] = web.AppKey("templates", jinja2.Environment)
-CACHE: web.AppKey[dict[tuple[str, ...], tuple[float, Any]]] = web.AppKey("cache", dict)
-STREAMS: web.AppKey[dict[str, int]] = web.AppKey("streams", dict)
-CRED: web.RequestKey[Credential] = web.RequestKey("credential", Credential)
-USER: web.RequestKey[str] = web.RequestKey("user", str)
-
-
-def templates() -> jinja2.Environment:
-    env = jinja2.Environment(loader=jinja2.PackageLoader("flowkube_console", "templates"),
-                             autoescape=True, trim_blocks=True, lstrip_blocks=True)
-    env.globals["age"] = views.age
-    env.globals["cost_text"] = views.cost_text
-    env.filters["q"] = lambda s: quote(str(s), safe="")
-    return env
-
-
-def render(request: web.Request, name: str, status: int = 200, **context: Any) -> web.Response:
-    cred = request.get(CRED)
-    context.setdefault("user", request.get(USER, ""))
-    context.setdefault("csrf", request.app[AUTH].csrf(cred.key) if cred else "")
-    context.setdefault("now", datetime.now(UTC))
-    context.setdefault("signed_in_via", cred.via if cred else "")
-    html = request.app[TEMPLATES].get_template(name).render(**context)
-    return web.Response(text=html, content_type="text/html", status=status)
-
-
-# ------------------------------------------------------------------------------------- middlewares
-
-
-@web.middleware
-async def security(request: web.Request, handler: Handler) -> web.StreamResponse:
-    settings = request.app[SETTINGS]
-    if settings.mode == "local" and request.host.rsplit(":", 1)[0] not in ("127.0.0.1", "localhost", "[::1]"):
-        return web.Response(status=421, text="this console answers only on its loopback address")
-    if request.method == "POST" and not same_origin(request):
-        return web.Response(status=403, text="refused: the form was posted from another site")
-    started = time.perf_counter()
-    try:
-        response = await handler(request)
-    except web.HTTPException as e:
-        _harden(request, e)
-        raise
-    except (OSError, TimeoutError, aiohttp.ClientError) as e:
-        log.warning("%s %s: the API server did not answer: %s", request.method, request.path, e)
-        response = web.Response(status=502, text=f"the API server did not answer: {e}")
-    except ApiError as e:
-        status = e.status if e.status in (401, 403, 404, 409, 422, 429, 503) else 502
-        response = web.Response(status=status, text=f"the API server said: {e.message}")
-    _harden(request, response)
-    if not response.prepared:  # a stream (server-sent events) has sent its headers already
-        response.headers["Server-Timing"] = f"app;dur={(time.perf_counter() - started) * 1000:.1f}"
-    return response
-
-
-def _harden(request: web.Request, response: web.StreamResponse) -> None:
-    for k, v in HEADERS.items():
-        response.headers.setdefault(k, v)
-    if is_tls(request):
-        response.headers.setdefault("Strict-Transport-Security", "max-age=31536000")
-
-
-@web.middleware
-async def signed_in(request: web.Request, handler: Handler) -> web.StreamResponse:
-    if request.path in PUBLIC or request.path.startswith("/static/"):
-        return await handler(request)
-    auth = request.app[AUTH]
-    cred = auth.credential(request)
-    if cred is None:
-        if request.method == "GET" and not request.path.startswith("/events/"):
-            # Not a redirect: a page that goes on to sign-in by itself. A link from another site (a
-            # notification in a chat) is a navigation the browser holds the SameSite=Strict session cookie
-            # back from, and a redirect would stay "from another site"; the sign-in page asked for by
-            # this page is this site's own request, carries the cookie, and sends a signed-in person
-            # straight back here. (A browser without the cookie stays on the sign-in page: no loop.)
-            response = render(request, "bounce.html", url="/login?" + urlencode({"next": request.path_qs}))
-            response.headers["Cache-Control"] = "no-store"
-            return response
-        raise web.HTTPUnauthorized(text="sign in first")
-    request[CRED] = cred
-    if request.method == "POST":
-        form = await request.post()
-        if not auth.csrf_ok(cred.key, str(form.get("csrf") or "")):
-            raise web.HTTPForbidden(text="refused: the form's CSRF token does not match your session; reload the page")
-    try:
-        request[USER] = await cached(request, ("whoami", cred.key), 60, lambda: request.app[KUBE].whoami(cred.token))
-    except ApiError as e:
-        if e.status == 401:
-            response = web.HTTPSeeOther("/login?" + urlencode({"expired": "1"}))
-            auth.sign_out(response)
-            raise response from None
-        request[USER] = "?"
-    return await handler(request)
-
-
-async def cached(request: web.Request, key: tuple[str, ...], seconds: float,
-                 fetch: Callable[[], Awaitable[Any]]) -> Any:
-    """An answer of the API server for this credential, kept ``seconds`` (who you are, what you may do)."""
-    cache = request.app[CACHE]
-    now = time.monotonic()
-    hit = cache.get(key)
-    if hit is not None and hit[0] > now:
-        return hit[1]
-    value = await fetch()
-    if len(cache) > 10_000:
-        cache.clear()
-    cache[key] = (now + seconds, value)
-    return value
-
-
 def digest(html: str) -> str:
     """Names a rendered fragment: the event stream skips one the page already shows."""
     return hashlib.sha256(html.encode()).hexdigest()[:20]
-
-
-def cred_of(request: web.Request) -> Credential:
-    return request[CRED]
 
 
 async def may_answer(request: web.Request, namespace: str) -> bool:
     cred = cred_of(request)
     return bool(await cached(request, ("patch", cred.key, namespace), 30,
                              lambda: request.app[KUBE].can(cred.token, "patch", namespace, "status")))
-
-
-# ------------------------------------------------------------------------------------------ sign-in
-
-
-async def login_page(request: web.Request) -> web.Response:
-    settings = request.app[SETTINGS]
-    if request.app[AUTH].credential(request) is not None and not request.query.get("expired"):
-        raise web.HTTPSeeOther(_next(request))  # signed in already (back from a link of another site)
-    # One nonce per browser until it signs in: another tab (or a favicon request sent here) keeps it.
-    nonce = request.cookies.get(LOGIN_COOKIE) or secrets.token_urlsafe(16)
-    response = render(request, "login.html", mode=settings.mode, error="", next=_next(request),
-                      expired=bool(request.query.get("expired")), login_csrf=request.app[AUTH].csrf(nonce))
-    response.set_cookie(LOGIN_COOKIE, nonce, httponly=True, samesite="Strict", secure=is_tls(request),
-                        path="/login")
-    return response
-
-
-def local_path(target: str) -> bool:
-    """A path of this console, nothing a browser could read as another site: as written, and as decoded once."""
-    def local(path: str) -> bool:
-        parts = urlsplit(path)
-        plain = path.isprintable() and not any(c in path for c in "\\ \t")
-        return plain and path.startswith("/") and not path.startswith("//") and not parts.scheme and not parts.netloc
-
-    return local(target) and local(unquote(target))
-
-
-def _next(request: web.Request, form: Any = None) -> str:
-    """Where to go after signing in."""
-    target = str((form or {}).get("next") or request.query.get("next") or "/")
-    return target if local_path(target) else "/"
-
-
-async def login(request: web.Request) -> web.Response:
-    auth, form = request.app[AUTH], await request.post()
-    nonce = request.cookies.get(LOGIN_COOKIE, "")
-    if not nonce or not auth.csrf_ok(nonce, str(form.get("csrf") or "")):
-        raise web.HTTPForbidden(text="refused: reload the sign-in page and try again")
-    token = "".join(str(form.get("token") or "").split())
-    error = ""
-    if not token:
-        error = "Paste a token."
-    elif not auth.fits(token):
-        error = ("This token is too long to keep in a browser cookie (about 2,900 characters at most). "
-                 "Sign in through your auth proxy instead, which passes the token with each request.")
-    else:
-        try:
-            await request.app[KUBE].whoami(token)
-        except ApiError as e:
-            error = f"The API server did not accept this token: {e.message}"
-    if error:
-        return render(request, "login.html", status=401, mode=request.app[SETTINGS].mode, error=error,
-                      next=_next(request, form), expired=False, login_csrf=auth.csrf(nonce))
-    response = web.HTTPSeeOther(_next(request, form))
-    auth.sign_in(response, request, token)
-    response.del_cookie(LOGIN_COOKIE, path="/login")
-    raise response
-
-
-async def launch(request: web.Request) -> web.Response:
-    """Local mode: the URL `kubectl flow console` opens carries the launch key once."""
-    auth = request.app[AUTH]
-    if request.app[SETTINGS].mode != "local" or not auth.launch(request.query.get("key", "")):
-        raise web.HTTPForbidden(text="this link is not (or no longer) valid: it signs in one browser once; "
-                                     "run `kubectl flow console` again")
-    response = web.HTTPSeeOther("/")
-    auth.sign_in(response, request, None)
-    raise response
-
-
-async def logout(request: web.Request) -> web.Response:
-    response = web.HTTPSeeOther("/login")
-    request.app[AUTH].sign_out(response)
-    raise response
 
 
 async def healthz(_: web.Request) -> web.Response:

@@ -74,7 +74,7 @@ def test_an_event_carries_a_fragment_whatever_its_line_breaks() -> None:
 def test_sign_in_goes_back_only_to_a_page_of_this_console() -> None:
     from aiohttp.test_utils import make_mocked_request
 
-    from flowkube_console.app import _next
+    from flowkube_console.signin import _next
 
     for bad in ("//evil.example", "/%09/evil.example", "/\t/evil.example", "https://evil.example/",
                 "/\\evil.example", "javascript:alert(1)"):

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from flowkube_console.app import templates
+from flowkube_console.pages import templates
 from tests.integration.browser import browser, chromium_available
 
 CSS = Path(__file__).resolve().parents[3] / "console" / "flowkube_console" / "static" / "console.css"

@@ -9,7 +9,7 @@ from typing import Any
 
 from flowkube_api.inbox import feedback_patch, message_patch
 from flowkube_console import views
-from flowkube_console.app import templates
+from flowkube_console.pages import templates
 
 NOW = datetime(2026, 11, 27, 12, 0, tzinfo=UTC)
 
