@@ -375,7 +375,7 @@ def _stop_and_expire(pods: list[dict[str, Any]], objects: dict[str, str]) -> Api
     ctl.kube = kube  # type: ignore[assignment]
     for running in pods:
         ctl.cache.pod_event("ADDED", running)
-    asyncio.run(ctl._apply(("ns", "f"), body, p))
+    asyncio.run(ctl.writer.apply(("ns", "f"), body, p))
     return kube
 
 
