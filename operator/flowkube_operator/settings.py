@@ -5,6 +5,7 @@ docs/configuration.md is generated from this class.
 
 from __future__ import annotations
 
+import ipaddress
 import shlex
 from typing import Annotated, Any, Literal
 
@@ -13,13 +14,17 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from flowkube_api import constants as c
 from flowkube_api.prices import PriceOverrides
-from flowkube_operator.notify.policy import DEFAULT_DENIED, Policy
 
 # Label and annotation key prefixes (domains, with their subdomains) other controllers act on for a pod.
 RESERVED_METADATA_PREFIXES = (
     "kubernetes.io/", "k8s.io/", "flowkube.io/", "istio.io/", "linkerd.io/", "kuma.io/", "consul.hashicorp.com/",
     "cni.cncf.io/", "projectcalico.org/", "cilium.io/", "vault.hashicorp.com/", "karpenter.sh/",
 )
+
+
+# Denied by default (`notifications.deniedCIDRs`): the private ranges, where a cluster's pods,
+# Services and nodes live, and other private networks a tenant should not reach through the operator.
+DEFAULT_DENIED_CIDRS = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "fc00::/7")
 
 
 class Settings(BaseSettings):
@@ -225,7 +230,7 @@ class Settings(BaseSettings):
         default_factory=list, description="Address ranges a receiver may be in although they are denied "
         "(comma-separated CIDRs), e.g. an in-cluster receiver's Service IP. Allowed wins over denied.")
     notifications_denied_cidrs: Annotated[list[str], NoDecode] = Field(
-        default_factory=lambda: list(DEFAULT_DENIED), description="Address ranges no receiver may be in "
+        default_factory=lambda: list(DEFAULT_DENIED_CIDRS), description="Address ranges no receiver may be in "
         "(comma-separated CIDRs): by default the private ranges, where the cluster's pods, Services and nodes "
         "are. Loopback, link-local (cloud metadata), multicast and unspecified addresses are always denied, and "
         "so are the cluster's ServiceCIDRs and nodes' pod CIDRs when the operator may list them.")
@@ -274,7 +279,8 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _cidrs(self) -> Settings:
-        Policy.of(self.notifications_allowed_cidrs, self.notifications_denied_cidrs)  # ValueError names the bad one
+        for cidr in [*self.notifications_allowed_cidrs, *self.notifications_denied_cidrs]:
+            ipaddress.ip_network(cidr, strict=False)  # its ValueError names the bad one
         return self
 
     @field_validator("runner_reserved_metadata_prefixes")

@@ -10,6 +10,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from flowkube_operator.settings import DEFAULT_DENIED_CIDRS
+
 Body = dict[str, Any]
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -22,15 +24,12 @@ ALWAYS_DENIED = tuple(ipaddress.ip_network(n) for n in (
     "0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4", "240.0.0.0/4",
     "::/128", "::1/128", "fe80::/10", "ff00::/8",
 ))
-# Denied by default (`notifications.deniedCIDRs`): the private ranges, where a cluster's pods,
-# Services and nodes live, and other private networks a tenant should not reach through the operator.
-DEFAULT_DENIED = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "fc00::/7")
 
 
 @dataclass(frozen=True)
 class Policy:
     allowed: tuple[IPNetwork, ...] = ()
-    denied: tuple[IPNetwork, ...] = tuple(ipaddress.ip_network(n) for n in DEFAULT_DENIED)
+    denied: tuple[IPNetwork, ...] = tuple(ipaddress.ip_network(n) for n in DEFAULT_DENIED_CIDRS)
 
     @classmethod
     def of(cls, allowed: Iterable[str], denied: Iterable[str]) -> Policy:

@@ -25,7 +25,7 @@ from flowkube_operator.notify import notices as notify
 from flowkube_operator.notify.notices import Outcome, Sink
 from flowkube_operator.notify.notifier import Notifier
 from flowkube_operator.notify.policy import Policy
-from flowkube_operator.settings import Settings
+from flowkube_operator.settings import DEFAULT_DENIED_CIDRS, Settings
 
 NOW = dt.datetime(2026, 11, 27, 12, 0, tzinfo=dt.UTC)
 HOSTILE = '<script>alert(1)</script> <!channel> <http://evil.example|click> & more'
@@ -179,7 +179,7 @@ def test_policy_refuses_this_host_link_local_and_cluster_ranges_by_default(addre
 
 def test_policy_allows_public_addresses_and_the_allowed_list() -> None:
     assert Policy().refusal("93.184.216.34") is None and Policy().refusal("2606:2800:220:1::1") is None
-    p = Policy.of(["10.96.0.10/32"], policy.DEFAULT_DENIED)
+    p = Policy.of(["10.96.0.10/32"], DEFAULT_DENIED_CIDRS)
     assert p.refusal("10.96.0.10") is None and p.refusal("10.96.0.11")
     with pytest.raises(ValueError, match="bogus"):
         Settings(notifications_allowed_cidrs="10.0.0.0/8,bogus")
