@@ -231,7 +231,12 @@ class StubModel:
             return self._held_changed.wait_for(lambda: self._held >= count, timeout=timeout)
 
     def release_held(self) -> None:
+        """Answer the held calls, and every later call of a ``hold`` rule at once (see `arm_holds`)."""
         self._release.set()
+
+    def arm_holds(self) -> None:
+        """``hold`` rules hold calls again (after an earlier `release_held`)."""
+        self._release.clear()
 
     def _pick(self, model: str, messages: list[dict[str, Any]], structured: bool) -> Rule | None:
         with self._lock:

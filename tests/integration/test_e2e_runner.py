@@ -20,6 +20,7 @@ from flowkube_api.report import Usage
 from flowkube_devstack.cluster import LocalCluster, wait_for
 from flowkube_devstack.stubmodel import Rules, ledger_cost, ledger_usage
 from flowkube_runner.__main__ import STOP_LOG
+from tests.definitions import crew_definition, part_rules, parts_of
 from tests.integration.conftest import Flows
 from tests.integration.realrunner import MODEL, RealRunnerStack, real_runner_stack
 
@@ -234,6 +235,36 @@ def test_a_pod_deleted_during_a_model_call_reports_the_call_and_a_retry_finishes
     print(f"graceful-once ended {once['phase']} ({once.get('reason')}): {once.get('message')}; "
           f"runs: {[(r['result'], r.get('reason'), r.get('exitCode')) for r in once['runs']]}; graceful's runs: "
           f"{[(r['result'], r.get('reason'), r.get('exitCode')) for r in st['runs']]}")
+
+
+def test_a_pod_lost_during_a_crews_third_task_is_retried_without_paying_tasks_one_and_two(
+        stack: RealRunnerStack, flows: Flows) -> None:
+    """One step runs a four-task crew; its pod is force-deleted (no grace: the call in flight is lost
+    with it) while task 3 waits for the model. The retry calls the model for tasks 3 and 4 only, task 4
+    reads what tasks 1 and 2 wrote, and ``status.usage`` equals the calls the model answered the pods."""
+    stack.stub.arm_holds()
+    stack.stub.set_rules(Rules.from_json({**RULES, "rules": [{"contains": "PART3 of", "hold": True, "times": 1},
+                                                             *part_rules(), *RULES["rules"]]}))
+    mark = len(stack.stub.ledger())
+    try:
+        flows.apply("crew-lost", {"definition": crew_definition(WRITER),
+                                  "retries": {"limit": 1, "backoffSeconds": 0}})
+        assert stack.stub.wait_held(1, timeout=RUN_TIMEOUT), "task 3's model call should be held"
+        pod = flows.status("crew-lost")["runs"][0]["pod"]
+        stack.cluster.kubectl("delete", "pod", pod, "-n", flows.ns, "--grace-period=0", "--force", "--wait=false")
+        st = flows.wait_phase("crew-lost", "Succeeded", timeout=RUN_TIMEOUT)
+        # Read before the held call is let go: the model never answered it (its pod is gone).
+        served = stack.stub.ledger()[mark:]
+    finally:
+        stack.stub.release_held()
+        stack.stub.set_rules(Rules.from_json(RULES))
+    assert parts_of(served) == ["PART1", "PART2", "PART3", "PART4"], "tasks 1 and 2 are not paid again"
+    assert "fact-1" in served[-1]["lastUser"] and "fact-2" in served[-1]["lastUser"], "task 4 reads their outputs"
+    lost, retried = st["runs"]
+    assert lost["result"] == "Failed" and retried["result"] == "Succeeded", json.dumps(st, indent=1)
+    assert usage_of({"usage": retried["usage"]}) == ledger_usage(served[2:])
+    assert usage_of(st) == ledger_usage(served), "each answered call counted once"
+    assert st["result"]["output"] == "Part 4 says: fact-4."
 
 
 # -- templates ---------------------------------------------------------------------------------------

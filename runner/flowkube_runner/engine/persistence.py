@@ -15,9 +15,10 @@ from pydantic import BaseModel, PrivateAttr
 
 from flowkube_api.constants import STATE_KEY
 
-from ..store import StateCorrupt, StateStore
+from ..store import StateCorrupt, StateStore, StateTooLarge
 from .runtime import resumed_step_output, snapshot_runtime, state_dict
 from .state import PendingRequest, StateDocument
+from .tasks import Slots, TaskCache
 
 
 class StorePersistence(FlowPersistence):  # type: ignore[misc]
@@ -36,11 +37,15 @@ class StorePersistence(FlowPersistence):  # type: ignore[misc]
     _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
     _failure: BaseException | None = PrivateAttr(default=None)
     _held: bool = PrivateAttr(default=False)
+    _tasks: TaskCache | None = PrivateAttr(default=None)
 
-    def bind(self, store: StateStore, pod: str, document: StateDocument | None) -> None:
+    def bind(self, store: StateStore, pod: str, document: StateDocument | None) -> TaskCache:
+        """Bind to the flow's state; the cache of finished tasks it keeps, from ``document``'s."""
         self._store = store
         self._pod = pod
         self._document = document
+        self._tasks = TaskCache(document.tasks if document is not None else {}, self.save_tasks)
+        return self._tasks
 
     def attach(self, flow: Flow[Any]) -> None:
         self._flow = flow
@@ -72,7 +77,8 @@ class StorePersistence(FlowPersistence):  # type: ignore[misc]
             self._write(document)
             return document
 
-    def _write(self, document: StateDocument, *, durable: bool = False) -> None:
+    def _write(self, document: StateDocument, *, durable: bool = False, best_effort: bool = False) -> None:
+        """``best_effort``: a failure is the caller's to handle, not the run's (``failure``)."""
         if self._store is None:
             raise RuntimeError("StorePersistence used before bind()")
         document.pod = self._pod
@@ -83,9 +89,41 @@ class StorePersistence(FlowPersistence):  # type: ignore[misc]
         try:
             self._store.put(STATE_KEY, document.encode())
         except Exception as e:
-            self._failure = e
+            if not best_effort:
+                self._failure = e
             raise
         self._document = document
+
+    def _settle_tasks(self, document: StateDocument, method: str) -> None:
+        """``method`` completed (or paused) in this write: a retry no longer runs its tasks."""
+        if self._tasks is not None:
+            self._tasks.method_done(method)
+            document.tasks = self._tasks.snapshot()
+
+    def _write_settled(self, document: StateDocument, *, durable: bool = False) -> None:
+        """Write a method's end. The finished tasks of other methods still running never make it
+        too large: without them it is written (they are then paid again after a pod loss)."""
+        try:
+            self._write(document, durable=durable, best_effort=True)
+        except StateTooLarge as e:
+            if not document.tasks or self._tasks is None:
+                self._failure = e
+                raise
+            self._tasks.forget()
+            document.tasks = {}
+            self._write(document, durable=durable)
+        except Exception as e:
+            self._failure = e
+            raise
+
+    def save_tasks(self, slots: Slots) -> None:
+        """A task finished: the document as last written, with the finished tasks kept (the flow's
+        state stays as of its last completed method: a retry runs the method again, from there)."""
+        with self._lock:
+            flow_id = str(self._flow.flow_id) if self._flow is not None and self._flow.flow_id else ""
+            document = self._base(flow_id)
+            document.tasks = slots
+            self._write(document, best_effort=True)
 
     def _base(self, flow_uuid: str) -> StateDocument:
         current = self._document
@@ -101,11 +139,12 @@ class StorePersistence(FlowPersistence):  # type: ignore[misc]
                 document.runtime = snapshot_runtime(self._flow)
                 document.runtime["methodOutputs"].extend(resumed_step_output(self._flow, method_name))
             document.last_method = method_name
+            self._settle_tasks(document, method_name)
             # Completing the step that asked for feedback settles the request in the same write,
             # so a crash right after cannot make a retry consume the same answer twice.
             if document.pending is not None and document.pending.method == method_name:
                 document.pending = None
-            self._write(document)
+            self._write_settled(document)
 
     def load_state(self, flow_uuid: str) -> dict[str, Any] | None:
         document = self._document
@@ -124,7 +163,8 @@ class StorePersistence(FlowPersistence):  # type: ignore[misc]
             document.feedback_count += 1
             request_id = f"{context.method_name}-{document.feedback_count}"
             document.pending = PendingRequest(request_id=request_id, context=context.to_dict())
-            self._write(document, durable=True)
+            self._settle_tasks(document, context.method_name)
+            self._write_settled(document, durable=True)
 
     def load_pending_feedback(self, flow_uuid: str) -> tuple[dict[str, Any], PendingFeedbackContext] | None:
         document = self._document

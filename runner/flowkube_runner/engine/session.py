@@ -23,6 +23,7 @@ from .definitions import automatic_memory, import_flow_class, load_definition, u
 from .persistence import StorePersistence, install
 from .runtime import json_safe, restore_runtime, state_dict
 from .state import StateDocument
+from .tasks import install as install_task_cache
 from .tls import share_default_contexts
 
 # What crewAI 1.15.30 raises (a ValueError) when kickoff inputs do not validate against a structured state.
@@ -38,8 +39,9 @@ class FlowSession:
 
     def __init__(self, store: StateStore, pod: str, document: StateDocument | None) -> None:
         self._persistence = StorePersistence()
-        self._persistence.bind(store, pod, document)
+        self.tasks = self._persistence.bind(store, pod, document)
         install(self._persistence)
+        install_task_cache(self.tasks)
         share_default_contexts()  # before crewAI builds its first model client
         self._definition: FlowDefinition | None = None
         self._flow_class: Any = None

@@ -67,6 +67,9 @@ class StateDocument(_Camel):
     # Conversations only: the last message whose turn is saved in full. A turn is saved once, when it
     # is answered (or pauses for feedback), so a run lost mid-turn leaves the previous turn's state.
     conversation_turn: int | None = None
+    # The finished tasks of the crews of the methods running when this was written (tasks.py), by
+    # slot: a retry after a lost pod does not run them again. Dropped when their method completes.
+    tasks: dict[str, list[dict[str, Any]]] = Field(default_factory=dict)
     pod: str = ""
     updated_at: datetime | None = None
 

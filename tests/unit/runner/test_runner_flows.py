@@ -22,6 +22,7 @@ from flowkube_devstack.stubmodel import Rules, StubModel, ledger_usage
 from flowkube_runner.__main__ import STOP_LOG
 from flowkube_runner.run import STOPPED_MESSAGE
 from flowkube_runner.store import FileStore, decode_json
+from tests.definitions import crew_definition, part_rules, parts_of
 
 pytestmark = pytest.mark.slow
 
@@ -610,3 +611,28 @@ def test_retry_after_a_routed_feedback_step_continues_down_the_chosen_route(harn
     ledger = stub.ledger()[calls:]
     assert [("POLISH" in e["lastUser"]) for e in ledger] == [True], "only polish runs again"
     assert report.usage == ledger_usage(ledger)
+
+
+
+def test_a_retry_after_a_lost_pod_skips_the_crews_finished_tasks(harness: Harness, stub: StubModel) -> None:
+    """Killed while task 3 of a four-task crew waits for the model: the retry's model calls are those
+    of tasks 3 and 4 only, task 4 still reads what tasks 1 and 2 wrote, and every call counts once."""
+    stub.set_rules(Rules.from_json({"default": "A plain reply.",
+                                    "rules": [{"contains": "PART3 of", "hold": True, "times": 1}, *part_rules()]}))
+    spec = {"definition": crew_definition(WRITER)}
+    pod, proc = harness.spawn(c.Trigger.KICKOFF, spec)
+    killed = interrupted(kill_during_held_call(harness, stub, pod, proc))
+    assert parts_of(stub.ledger()) == ["PART1", "PART2"]
+    state = harness.state()
+    assert state is not None and [len(v) for v in state["tasks"].values()] == [2], "tasks 1 and 2 are kept"
+    before = len(stub.ledger())
+
+    report = succeeded(harness.run(c.Trigger.RETRY, spec))
+    retried = stub.ledger()[before:]
+    assert parts_of(retried) == ["PART3", "PART4"], "tasks 1 and 2 finished before the kill: not paid again"
+    assert "fact-1" in retried[-1]["lastUser"] and "fact-2" in retried[-1]["lastUser"], "task 4 reads their outputs"
+    assert report.usage == ledger_usage(retried)
+    assert killed.usage + report.usage == ledger_usage(stub.ledger()), "each answered call counted once"
+    assert report.output == "Part 4 says: fact-4."
+    state = harness.state()
+    assert state is not None and state["tasks"] == {}, "the method completed: its tasks are dropped"

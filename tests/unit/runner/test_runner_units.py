@@ -280,3 +280,35 @@ def test_state_api_store_waits_out_an_operator_restart_but_not_a_refusal(
     with pytest.raises(StoreError, match="403"):
         state_store(tmp_path, lambda r: httpx.Response(403, json={"message": "not a runner pod"}),
                     retry_for=10, refused_for=0.5).get(c.STATE_KEY)
+
+
+def test_the_finished_tasks_kept_never_make_a_methods_state_too_large() -> None:
+    """A method's end is written without the finished tasks of the methods still running when they
+    would take the state over its limit (those tasks are then paid again after a pod loss, nothing
+    else is lost); and a method's own tasks are dropped in the write that completes it."""
+    from flowkube_runner.engine.persistence import StorePersistence
+    from flowkube_runner.store import StateTooLarge, decode_json
+
+    class SmallStore:
+        limit, value = 2500, b""
+
+        def get(self, key: str) -> bytes | None:
+            return self.value or None
+
+        def put(self, key: str, value: bytes, *, leader_for: float | None = None) -> None:
+            if len(value) > self.limit:
+                raise StateTooLarge(len(value), self.limit)
+            self.value = value
+
+    store = SmallStore()
+    persistence = StorePersistence()
+    cache = persistence.bind(store, "pod-1", None)
+    cache._slots = {"a|crew|h|0": [{"raw": "A1"}], "b|crew|h|0": [{"raw": os.urandom(3000).hex()}]}
+    persistence.save_state("flow-1", "a", {"topic": "x"})
+    written = decode_json(store.value, "state")
+    assert written["lastMethod"] == "a" and written["state"] == {"topic": "x"}
+    assert written["tasks"] == {} and cache.snapshot() == {}, "b's big task did not fit: nothing kept"
+    assert persistence.failure is None
+    cache._slots = {"a|crew|h|0": [{"raw": "A1"}], "c|crew|h|0": [{"raw": "C1"}]}
+    persistence.save_state("flow-1", "a", {"topic": "y"})
+    assert decode_json(store.value, "state")["tasks"] == {"c|crew|h|0": [{"raw": "C1"}]}, "a's own tasks dropped"
