@@ -96,9 +96,9 @@ class TaskCache:
                 log.warning("a kept task output of %s does not fit (%s); running from task %d", method, e, done + 1)
                 break
             done += 1
-        for task in crew.tasks[done:]:
-            task.output = None
         if done:
+            for task in crew.tasks[done:]:  # crewAI resumes at the first task without an output
+                task.output = None
             crew.checkpoint_kickoff_event_id = RESUME_FLAG
             self.skipped += done
             log.info("%s: %d finished task(s) of the crew kept from an earlier run; not run again", method, done)
