@@ -2,9 +2,10 @@
 
 Every replica watches CronFlows and indexes the Flows they started (from the Flow cache's changes:
 label `flowkube.io/cronflow`), so a new leader starts with warm caches. Only the leader reconciles,
-in the controller shell (shell.py) with the Flows' writes: `cronplan.plan` decides, this applies, in
-the order that survives a crash at any point (cronplan's docstring): create the scheduled Flow,
-write the status, delete what the plan deletes.
+in the controller shell (kube/shell.py) with the Flows' writes: `cron.plan.plan` decides, this
+applies, in the order that survives a crash at any point (its docstring): create the scheduled Flow,
+post the Events of the decisions (at least once: a crash before the status write has the next
+leader post them again), write the status, delete what the plan deletes.
 
 A CronFlow is queued when it changes, when one of its Flows starts, ends or goes, and at its next
 scheduled time (a timer per CronFlow, not a scan).
@@ -121,6 +122,9 @@ class CronFlows:
         if refused is not None:  # not started: the time stays due, nothing is replaced for it
             p = plan(body, children, now, refused=refused)
             p.requeue_after = FAILED_CREATE_RETRY
+        # The Events of the decisions this status write records go first: a crash in between loses none.
+        for etype, reason, message in p.events:
+            await self.writes.post_event(body, etype, reason, message, c.CRONFLOW_KIND)
         new_status, old_status = p.status.dump(), body.get("status") or {}
         if new_status != old_status:
             written = await self.writes.status(cronflow_path(*key, sub="status"), body, old_status, new_status)
@@ -128,8 +132,6 @@ class CronFlows:
                 self.cronflows[key] = projections.cronflow(written)
         for doomed in p.delete:  # by the uid the plan saw: a Flow made again under the name is another
             await self.writes.delete(flow_path(key[0], doomed.name), doomed)
-        for etype, reason, message in p.events:
-            self.writes.event(body, etype, reason, message, c.CRONFLOW_KIND)
         if p.requeue_after is not None:
             self.shell.queue.add_after(key, self.clock.real_seconds(p.requeue_after))
         return p

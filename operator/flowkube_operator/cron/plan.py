@@ -13,10 +13,11 @@ Flows, it never assumes it saw every event:
 - **Concurrency:** `Forbid` with a Flow still running starts nothing (`lastSkipped`, an Event); the
   time is taken up when the running Flow ends, if still within the starting deadline. `Replace`
   deletes the running Flows and starts the new one.
-- **The order of writes** (`cronflows.CronFlows`): the new Flow is created first, then the status
-  (`lastScheduleTime`, the usage folded in) is written, then Flows are deleted. A crash after the
-  create finds the Flow by its name; a crash after the status write finds the uids in `pruning` and
-  deletes without folding again.
+- **The order of writes** (`cron.controller.CronFlows`): the new Flow is created first, then the
+  Events of the plan's decisions are posted, then the status (`lastScheduleTime`, the usage folded
+  in) is written, then Flows are deleted. A crash after the create finds the Flow by its name; a
+  crash before the status write decides again and posts its Events again (at least once); a crash
+  after the status write finds the uids in `pruning` and deletes without folding again.
 - **History:** the newest `successfulFlowsHistoryLimit` (3) Succeeded and `failedFlowsHistoryLimit`
   (1) Failed Flows are kept, older ones deleted. A Flow's usage goes into `status.prunedUsage` in the
   status write before its delete (its uid in `status.pruning` until it is gone), so the CronFlow's

@@ -72,6 +72,16 @@ class Writes:
 
     def event(self, obj: Body, etype: str, reason: str, message: str, kind: str = c.KIND) -> None:
         """Events are history for `kubectl describe`; posting one never holds up a reconcile."""
+        task = asyncio.create_task(self._post(*self._event(obj, etype, reason, message, kind)))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def post_event(self, obj: Body, etype: str, reason: str, message: str, kind: str = c.KIND) -> None:
+        """An Event posted now (a failure is logged): before the status write that records its
+        decision, a crash between the two loses no Event (the next leader posts it again)."""
+        await self._post(*self._event(obj, etype, reason, message, kind))
+
+    def _event(self, obj: Body, etype: str, reason: str, message: str, kind: str) -> tuple[str, Body]:
         meta = obj["metadata"]
         now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
         event = {
@@ -85,10 +95,7 @@ class Writes:
             "eventTime": now, "reportingController": "flowkube.io/operator",
             "reportingInstance": self.instance,
         }
-        path = ns_path(meta["namespace"], "events", group="events.k8s.io", version="v1")
-        task = asyncio.create_task(self._post(path, event))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        return ns_path(meta["namespace"], "events", group="events.k8s.io", version="v1"), event
 
     async def _post(self, path: str, body: Body) -> None:
         try:

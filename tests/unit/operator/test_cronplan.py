@@ -168,3 +168,30 @@ def test_the_clock_for_tests_and_demos_runs_faster_from_its_epoch_and_times_its_
     assert fast.real_seconds(60) == 20  # a wake-up a minute away is queued 20 real seconds away
     p = plan(cronflow(schedule="* * * * *"), [], fast.now() + dt.timedelta(seconds=3))
     assert p.requeue_after is not None and fast.real_seconds(p.requeue_after) == 19
+
+
+def test_a_decisions_events_are_posted_before_the_status_write_that_records_it() -> None:
+    """A leader killed between the two loses no Event: the next one decides again and posts it."""
+    import asyncio
+
+    from flowkube_operator.cron.controller import CronFlows
+    from flowkube_operator.kube.shell import Writes
+
+    calls: list[tuple[str, str]] = []
+
+    class Kube:
+        async def create(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+            calls.append(("POST", path.rsplit("/", 1)[-1]))
+            return body
+
+        async def merge_patch(self, path: str, patch: dict[str, Any]) -> dict[str, Any]:
+            calls.append(("PATCH", path.rsplit("/", 1)[-1]))
+            return {**body, "status": patch["status"]}
+
+    body = {**cronflow(), "metadata": {**cronflow()["metadata"], "resourceVersion": "7"}}
+    cron_flows = CronFlows(Writes(lambda: Kube(), lambda: True, "test"),  # type: ignore[arg-type,return-value]
+                           Clock(real=lambda: (T0 + dt.timedelta(seconds=3)).timestamp()))
+    cron_flows.cronflows[("team", "nightly")] = body
+    p = asyncio.run(cron_flows.reconcile(("team", "nightly")))
+    assert p is not None and [reason for _, reason, _ in p.events] == ["MissedSchedules", "Started"]  # 01:00 missed
+    assert calls == [("POST", "flows"), ("POST", "events"), ("POST", "events"), ("PATCH", "status")]
