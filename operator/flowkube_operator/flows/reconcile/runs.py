@@ -1,5 +1,6 @@
-"""Runs and retries: follow the active run's pod to its end, read how it ended, and decide what
-comes next (a retry after backoff, a replacement after a disruption, the next answer or message)."""
+"""Runs and retries: how the active run's pod ends (its report, the deadline, a pod gone), and what
+follows a failure (a retry after backoff, a replacement after a disruption). Which of these moves a
+reconcile makes is `Reconciler`'s phase switch (`_follow`, `_next`)."""
 
 from __future__ import annotations
 
