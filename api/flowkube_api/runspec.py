@@ -3,7 +3,7 @@
 The operator writes it from the validated ``FlowSpec`` (``runner_spec_env``), the admission webhook
 sizes exactly that text against the environment bound (``limits.spec_problem``), and the runner
 reads it back with the same model (``RunnerSpec.from_env``): the fields are ``FlowSpec``'s own
-(``definition``, ``flowRef``, ``inputs``, ``budget``), with the same models and bounds, so a value
+(``definition``, ``flowRef``, ``inputs``, ``budget``, ``retries``), with the same models and bounds, so a value
 the API refuses the runner refuses too, naming the same field.
 
 On the wire it is one compact JSON object, camelCase keys sorted, unset fields left out:
@@ -18,7 +18,7 @@ from typing import Any, Self
 from pydantic import ValidationError, model_validator
 
 from flowkube_api.base import Model
-from flowkube_api.models import Budget, FlowDefinitionSpec, FlowRef, FlowSpec, FreeObject
+from flowkube_api.models import Budget, FlowDefinitionSpec, FlowRef, FlowSpec, FreeObject, Retries
 
 EXACTLY_ONE_SOURCE = "exactly one of spec.definition or spec.flowRef must be set"  # as the CRD's CEL rule says it
 
@@ -32,6 +32,7 @@ class RunnerSpec(Model):
     flow_ref: FlowRef | None = None
     inputs: FreeObject | None = None
     budget: Budget | None = None
+    retries: Retries | None = None  # only with keepTasks false, which the runner reads; the rest is the operator's
 
     @model_validator(mode="after")
     def _exactly_one_source(self) -> Self:
@@ -42,7 +43,9 @@ class RunnerSpec(Model):
     @classmethod
     def of(cls, spec: FlowSpec) -> RunnerSpec:
         """The runner's part of a validated Flow spec; ``ValidationError`` when it has no single source."""
-        return cls(definition=spec.definition, flow_ref=spec.flow_ref, inputs=spec.inputs, budget=spec.budget)
+        retries = spec.retries if spec.retries is not None and not spec.retries.keep_tasks else None
+        return cls(definition=spec.definition, flow_ref=spec.flow_ref, inputs=spec.inputs, budget=spec.budget,
+                   retries=retries)
 
     @classmethod
     def from_env(cls, text: str) -> RunnerSpec:

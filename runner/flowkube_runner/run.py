@@ -253,7 +253,8 @@ class _Run:
 
         trigger, spec = self.config.trigger, self.config.spec
         document = self._document()
-        self.session = session = FlowSession(self.store, self.config.pod, document)
+        keep_tasks = spec.retries.keep_tasks if spec.retries is not None else True
+        self.session = session = FlowSession(self.store, self.config.pod, document, keep_tasks=keep_tasks)
         session.load(definition=spec.definition_document(), flow_ref=spec.flow_ref)
         if self.recorder.budget_already_spent():
             self.recorder.exceeded = True

@@ -95,6 +95,12 @@ class Retries(Model):
         default=10, ge=0, le=86400,
         description="Delay before the first replacement; doubles with each further failure (capped at 1h).",
     )
+    keep_tasks: bool = Field(
+        default=True,
+        description="Keep each finished task of a crew in the flow's state, so a replacement that runs its "
+        "method again skips the tasks finished before (their model calls are not made, nor paid, again). "
+        "false: a replacement runs the whole method again.",
+    )
 
 
 class FeedbackSpec(Model):

@@ -39,12 +39,13 @@ class StorePersistence(FlowPersistence):  # type: ignore[misc]
     _held: bool = PrivateAttr(default=False)
     _tasks: TaskCache | None = PrivateAttr(default=None)
 
-    def bind(self, store: StateStore, pod: str, document: StateDocument | None) -> TaskCache:
+    def bind(self, store: StateStore, pod: str, document: StateDocument | None, *,
+             keep_tasks: bool = True) -> TaskCache:
         """Bind to the flow's state; the cache of finished tasks it keeps, from ``document``'s."""
         self._store = store
         self._pod = pod
         self._document = document
-        self._tasks = TaskCache(document.tasks if document is not None else {}, self.save_tasks)
+        self._tasks = TaskCache(document.tasks if document is not None else {}, self.save_tasks, enabled=keep_tasks)
         return self._tasks
 
     def attach(self, flow: Flow[Any]) -> None:

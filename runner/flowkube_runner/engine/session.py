@@ -37,9 +37,10 @@ class FlowSession:
     default persistence when it is imported, so the runner's must be installed first.
     """
 
-    def __init__(self, store: StateStore, pod: str, document: StateDocument | None) -> None:
+    def __init__(self, store: StateStore, pod: str, document: StateDocument | None, *,
+                 keep_tasks: bool = True) -> None:
         self._persistence = StorePersistence()
-        self.tasks = self._persistence.bind(store, pod, document)
+        self.tasks = self._persistence.bind(store, pod, document, keep_tasks=keep_tasks)
         install(self._persistence)
         install_task_cache(self.tasks)
         share_default_contexts()  # before crewAI builds its first model client

@@ -49,8 +49,10 @@ class TaskCache:
     """The finished tasks of the crews of the methods running now, by slot
     (``method|crew key|inputs hash|occurrence``). ``save`` writes them into the state document."""
 
-    def __init__(self, kept: Slots, save: Callable[[Slots], None]) -> None:
-        self._slots: Slots = {k: list(v) for k, v in kept.items()}
+    def __init__(self, kept: Slots, save: Callable[[Slots], None], *, enabled: bool = True) -> None:
+        """``enabled``: False keeps nothing and sets nothing (``spec.retries.keepTasks: false``)."""
+        self.enabled = enabled
+        self._slots: Slots = {k: list(v) for k, v in kept.items()} if enabled else {}
         self._save = save
         self._lock = threading.Lock()
         self._seen: dict[str, int] = {}  # kickoffs of each (method, crew, inputs) in this process
@@ -78,7 +80,7 @@ class TaskCache:
     def on_input(self, ctx: Any) -> None:
         crew = getattr(ctx, "crew", None)
         method = current_flow_method_name.get(None)
-        if crew is None or not method:
+        if crew is None or not method or not self.enabled:
             return
         digest = hashlib.sha256(json.dumps(ctx.payload or {}, sort_keys=True, default=str).encode()).hexdigest()
         base = f"{method}|{crew.key}|{digest[:16]}"

@@ -30,7 +30,7 @@ def schema_of(model: type[FlowSpec] | type[RunnerSpec], field: str) -> Any:
 
 def test_the_runner_spec_is_the_flow_specs_own_fields() -> None:
     runner_fields = {f.alias or name for name, f in RunnerSpec.model_fields.items()}
-    assert runner_fields == {"definition", "flowRef", "inputs", "budget"}
+    assert runner_fields == {"definition", "flowRef", "inputs", "budget", "retries"}
     for name in runner_fields:
         ours, theirs = schema_of(RunnerSpec, name), schema_of(FlowSpec, name)
         assert ours[0] == theirs[0], name
@@ -45,7 +45,7 @@ def test_the_pods_text_round_trips_through_the_model() -> None:
         "definition": {"name": "d", "state": None, "methods": {"a": {"start": True, "x": None}}},
         "inputs": {"topic": "AI", "none": None, "nested": {"k": [1, 2.5, "é"]}},
         "budget": {"maxTotalTokens": 5, "maxCost": "2.50"},
-        "image": "elsewhere:1", "retries": {"limit": 2},  # not the runner's: left out
+        "image": "elsewhere:1", "retries": {"limit": 2},  # not the runner's (keepTasks is true): left out
     })
     text = runner_spec_env(spec)
     assert json.loads(text) == {
@@ -63,6 +63,8 @@ def test_the_pods_text_round_trips_through_the_model() -> None:
 def test_the_wire_is_the_compact_sorted_json_it_was() -> None:
     spec = FlowSpec.model_validate({"flowRef": "pkg.flows:Research", "inputs": {"b": 1, "a": "x"}})
     assert runner_spec_env(spec) == '{"flowRef":"pkg.flows:Research","inputs":{"a":"x","b":1}}'
+    off = FlowSpec.model_validate({"flowRef": "pkg.flows:Research", "retries": {"keepTasks": False}})
+    assert RunnerSpec.from_env(runner_spec_env(off)).retries == off.retries  # what the runner reads
 
 
 @pytest.mark.parametrize(

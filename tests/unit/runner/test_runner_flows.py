@@ -636,3 +636,16 @@ def test_a_retry_after_a_lost_pod_skips_the_crews_finished_tasks(harness: Harnes
     assert report.output == "Part 4 says: fact-4."
     state = harness.state()
     assert state is not None and state["tasks"] == {}, "the method completed: its tasks are dropped"
+
+
+def test_with_keep_tasks_off_a_retry_runs_the_whole_crew_again(harness: Harness, stub: StubModel) -> None:
+    stub.set_rules(Rules.from_json({"default": "A plain reply.",
+                                    "rules": [{"contains": "PART3 of", "hold": True, "times": 1}, *part_rules()]}))
+    spec = {"definition": crew_definition(WRITER), "retries": {"limit": 1, "keepTasks": False}}
+    pod, proc = harness.spawn(c.Trigger.KICKOFF, spec)
+    interrupted(kill_during_held_call(harness, stub, pod, proc))
+    assert harness.state() is None, "nothing kept: no method completed"
+    before = len(stub.ledger())
+    report = succeeded(harness.run(c.Trigger.RETRY, spec))
+    assert parts_of(stub.ledger()[before:]) == ["PART1", "PART2", "PART3", "PART4"]
+    assert report.usage == ledger_usage(stub.ledger()[before:])

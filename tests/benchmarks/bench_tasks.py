@@ -1,0 +1,107 @@
+"""Benchmark: what keeping a crew's finished tasks costs a run (``spec.retries.keepTasks``). Prints figures.
+
+    .venv/bin/python -m tests.benchmarks.bench_tasks [--rounds 7] [--tasks 4] [--words 700]
+
+One runner process (this one), crewAI loaded once, the stub model answering each task with about
+``--words`` words (a 1 k-token answer at the default). Each round kicks off the same one-method flow
+of a ``--tasks``-task crew twice, in a fresh file store each time: with the tasks kept (the default)
+and without (the peer, in the same round, alternating which goes first). It reports each side's
+median run time, the difference per task, and the state writes and their bytes: with the tasks kept,
+every finished task writes the state document once. Through the operator's state API such a write
+is one PUT (``bench_state``: p50 5.5 ms for 20 kB); here the store is a local file, so the
+difference is the runner's own work per task (its output serialised, the document encoded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from flowkube_devstack.stubmodel import Rules, StubModel
+from tests.definitions import crew_definition
+
+MODEL = "gpt-4o-mini"
+WRITER = {"role": "Writer", "goal": "Write well", "backstory": "A careful writer.", "settings": {"llm": MODEL}}
+
+
+class CountingStore:
+    """The runner's file store, counting the writes of the state key and their bytes."""
+
+    def __init__(self, root: Path) -> None:
+        from flowkube_runner.store import FileStore
+
+        self.inner = FileStore(root)
+        self.writes: list[int] = []
+
+    def get(self, key: str) -> bytes | None:
+        return self.inner.get(key)
+
+    def put(self, key: str, value: bytes, *, leader_for: float | None = None) -> None:
+        self.inner.put(key, value)
+        self.writes.append(len(value))
+
+
+def prose(seed: int, words: int) -> str:
+    """``words`` made-up words, different for each seed: it compresses about as English does, and no
+    answer repeats another (which gzip would then store almost for free)."""
+    rng = random.Random(seed)
+    return " ".join("".join(rng.choice("etaoinshrdlucmfwypvbgkjqxz"[:rng.randint(8, 26)])
+                            for _ in range(rng.randint(2, 9))) for _ in range(words))
+
+
+def run_once(keep: bool, tasks: int, root: Path) -> tuple[float, list[int]]:
+    from flowkube_runner.engine.session import FlowSession
+
+    store = CountingStore(root)
+    session = FlowSession(store, "bench-0", None, keep_tasks=keep)
+    session.load(definition=crew_definition(WRITER, tasks))
+    started = time.perf_counter()
+    ending = session.kickoff({})
+    took = time.perf_counter() - started
+    assert not ending.paused and ending.output, ending
+    return took, store.writes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--tasks", type=int, default=4)
+    parser.add_argument("--words", type=int, default=700)
+    args = parser.parse_args()
+    rules = {"default": "A plain reply.",
+             "rules": [{"contains": f"PART{i} of", "reply": f"Part {i}: {prose(i, args.words)}"}
+                       for i in range(1, args.tasks + 1)]}
+    with StubModel(Rules.from_json(rules)) as stub, tempfile.TemporaryDirectory() as tmp:
+        os.environ.update({"OPENAI_BASE_URL": stub.base_url, "OPENAI_API_KEY": "stub", "HOME": tmp,
+                           "CREWAI_DISABLE_TELEMETRY": "true", "CREWAI_TRACING_ENABLED": "false",
+                           "OTEL_SDK_DISABLED": "true", "CREWAI_STORAGE_DIR": "flowkube-bench"})
+        run_once(True, args.tasks, Path(tmp) / "warmup")  # imports and first-call costs out of the figures
+        times: dict[bool, list[float]] = {True: [], False: []}
+        writes: dict[bool, list[int]] = {True: [], False: []}
+        for r in range(args.rounds):
+            for keep in ((True, False) if r % 2 == 0 else (False, True)):
+                took, sizes = run_once(keep, args.tasks, Path(tmp) / f"{r}-{keep}")
+                times[keep].append(took)
+                writes[keep] = sizes
+        on, off = statistics.median(times[True]), statistics.median(times[False])
+        print(f"a {args.tasks}-task crew in one method, answers of ~{args.words} words, {args.rounds} rounds "
+              f"(medians; min-max)")
+        for keep, label in ((True, "tasks kept (default)"), (False, "keepTasks: false (peer)")):
+            ts = times[keep]
+            sizes = writes[keep]
+            spread = f"{min(ts) * 1000:.1f}-{max(ts) * 1000:.1f}"
+            print(f"  {label:24} run {statistics.median(ts) * 1000:7.1f} ms ({spread}); "
+                  f"state writes {len(sizes)}, bytes {sizes}")
+        kept = writes[True][:args.tasks]  # one write per finished task, before the method's own
+        print(f"  kept / peer: {on / off:.3f}; per task: {(on - off) / args.tasks * 1000:+.2f} ms; the document "
+              f"grows {(kept[-1] - kept[0]) / max(args.tasks - 1, 1):.0f} bytes gzipped per kept task "
+              f"({kept[-1]} with all {args.tasks})")
+
+
+if __name__ == "__main__":
+    main()
