@@ -138,8 +138,9 @@ class Controller:
     def requeue_namespace(self, namespace: str) -> None:
         """A notification Secret of the namespace changed: its Flows may have sinks to serve now (a
         Secret created after the Flow that names it; new namespace defaults). Rare: a scan is fine."""
-        for key in [k for k in self.cache.flows if k[0] == namespace]:
-            self.shell.add(key)
+        if self.leading:  # a follower's view is queued all at once when it begins to lead
+            for key in [k for k in self.cache.flows if k[0] == namespace]:
+                self.shell.add(key)
 
     def notified(self, key: Key) -> None:
         """A delivery of the Flow's ended: reconcile it, which records the outcome in its status."""

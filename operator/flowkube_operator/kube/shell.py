@@ -72,16 +72,13 @@ class Writes:
 
     def event(self, obj: Body, etype: str, reason: str, message: str, kind: str = c.KIND) -> None:
         """Events are history for `kubectl describe`; posting one never holds up a reconcile."""
-        task = asyncio.create_task(self._post(*self._event(obj, etype, reason, message, kind)))
+        task = asyncio.create_task(self.post_event(obj, etype, reason, message, kind))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
     async def post_event(self, obj: Body, etype: str, reason: str, message: str, kind: str = c.KIND) -> None:
         """An Event posted now (a failure is logged): before the status write that records its
         decision, a crash between the two loses no Event (the next leader posts it again)."""
-        await self._post(*self._event(obj, etype, reason, message, kind))
-
-    def _event(self, obj: Body, etype: str, reason: str, message: str, kind: str) -> tuple[str, Body]:
         meta = obj["metadata"]
         now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
         event = {
@@ -95,13 +92,11 @@ class Writes:
             "eventTime": now, "reportingController": "flowkube.io/operator",
             "reportingInstance": self.instance,
         }
-        return ns_path(meta["namespace"], "events", group="events.k8s.io", version="v1"), event
-
-    async def _post(self, path: str, body: Body) -> None:
         try:
-            await self.client().create(path, body)
+            await self.client().create(ns_path(meta["namespace"], "events", group="events.k8s.io", version="v1"),
+                                       event)
         except Exception as e:  # an Event lost is a line of history lost, never a reason to fail
-            log.warning("could not post event %s: %s", body.get("reason"), e)
+            log.warning("could not post event %s: %s", reason, e)
 
     async def settled(self) -> None:
         """Wait for the Events being posted."""
@@ -140,10 +135,6 @@ class Shell:
         self._tasks.append(asyncio.create_task(self.queue.run_timers()))
         self._tasks += [asyncio.create_task(self._worker()) for _ in range(self.workers)]
         self._tasks += [asyncio.create_task(task) for task in also]
-
-    def also(self, task: Coroutine[Any, Any, None]) -> None:
-        """One more task that stops with the workers."""
-        self._tasks.append(asyncio.create_task(task))
 
     async def stop(self) -> None:
         """Stop at once: the workers are cancelled (a reconcile cut short is repaired by the next
