@@ -41,6 +41,7 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "flowkube"
 COMPONENT_RUNNER = "runner"
 COMPONENT_STATE = "state"
+COMPONENT_CHECKPOINT = "checkpoint"
 
 # A Secret the operator may use for notifications carries this label (any value); the value `defaults`
 # makes it a sink for every Flow of its namespace.
@@ -93,6 +94,7 @@ class Trigger(StrEnum):
     RESUME = "resume"
     RETRY = "retry"
     TURN = "turn"  # one message of a conversation
+    FORK = "fork"  # a fork's first run: from the checkpoint it copied, with its edits
 
 
 class RunResult(StrEnum):
@@ -110,6 +112,8 @@ class Reason(StrEnum):
     INVALID_INPUTS = "InvalidInputs"
     TEMPLATE_NOT_FOUND = "TemplateNotFound"  # spec.templateRef names a template that is not there (yet)
     TEMPLATE_RESOLVED = "TemplateResolved"  # the Flow took its template's spec (status.template)
+    FORKED = "Forked"  # a fork copied its origin's checkpoint into its own state (status.forkedFrom)
+    FORK_SOURCE_UNAVAILABLE = "ForkSourceUnavailable"  # the origin or its checkpoint is not there (permanent)
     # The snapshot (ControllerRevision) status.template names is gone or not what the Flow took
     TEMPLATE_SNAPSHOT_UNUSABLE = "TemplateSnapshotUnusable"
     INVALID_SPEC = "InvalidSpec"  # over a bound of flowkube_api.limits (a Flow the webhook did not see)
@@ -221,6 +225,22 @@ STATE_LIMIT = 900 * 1024  # compressed bytes per state object; beyond it the run
 
 def state_configmap_name(flow: str) -> str:
     return f"{flow}-state"
+
+
+DEFAULT_CHECKPOINTS_KEPT = 5  # spec.checkpoints.keep when unset
+CHECKPOINTS_KEPT_LIMIT = 10  # the most spec.checkpoints.keep may say: each is up to STATE_LIMIT bytes
+CHECKPOINT_KEY_PREFIX = "checkpoint."  # + the checkpoint's number: a runner's PUT of a snapshot
+CHECKPOINT_ANNOTATION = "flowkube.io/checkpoint"  # on a checkpoint's ConfigMap: the number it holds now
+
+
+def checkpoint_key(checkpoint: int) -> str:
+    return f"{CHECKPOINT_KEY_PREFIX}{checkpoint}"
+
+
+def checkpoint_configmap_name(flow: str, checkpoint: int, keep: int) -> str:
+    """Checkpoints are kept in a ring of ``keep`` ConfigMaps per Flow: checkpoint n in slot n mod keep,
+    so however many a runner sends, a Flow never has more than ``keep`` of them."""
+    return f"{flow}-cp-{checkpoint % keep}"
 
 
 def run_pod_name(flow: str, index: int) -> str:

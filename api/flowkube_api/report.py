@@ -166,6 +166,30 @@ class FeedbackApplied(Model):
     timed_out: bool = False
 
 
+CHECKPOINTS_REPORTED = 10  # checkpoint entries in one report: the last ones (status keeps at most checkpoints.keep)
+
+
+class SpentSoFar(Model):
+    """The Flow's spend over all its runs up to a moment: at a checkpoint, or what a fork inherited."""
+
+    total_tokens: Count = 0
+    cost: Money = Decimal(0)
+
+
+class CheckpointEntry(Model):
+    """One checkpoint of a Flow, as ``status.checkpoints[]`` lists it: the runner took it right after
+    a method completed (``Completed``) or paused for feedback (``Paused``); its snapshot is kept by
+    the operator (``Flow.spec.checkpoints.keep``) for forks."""
+
+    id: int = Field(ge=1, le=COUNT_LIMIT, description="Numbered from 1 over the Flow's life (a fork goes on "
+                    "from its origin's number).")
+    method: str = Field(max_length=ID_LIMIT)
+    kind: Literal["Completed", "Paused"]
+    time: Time
+    usage: SpentSoFar = Field(default_factory=SpentSoFar, description="The Flow's spend up to this checkpoint, "
+                              "over all its runs.")
+
+
 class TurnReport(Model):
     """A conversation's state after a run: the session it holds and the turn it answered (0 when the
     run only opened the session), with the reply. ``ended``: the flow's ``end`` route or an exit
@@ -191,6 +215,9 @@ class RunReport(Model):
     feedback_request: FeedbackRequest | None = None
     feedback_applied: FeedbackApplied | None = None
     conversation: TurnReport | None = None
+    checkpoints: list[CheckpointEntry] | None = Field(
+        default=None, max_length=CHECKPOINTS_REPORTED,
+        description="The checkpoints this run took (the last ones), oldest first.")
     # The pod answered its turn and stays up for the next message: the run goes on (a conversation's
     # warm runner). The operator folds the turn in without ending the run.
     warm: bool = False

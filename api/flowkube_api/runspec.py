@@ -3,7 +3,8 @@
 The operator writes it from the validated ``FlowSpec`` (``runner_spec_env``), the admission webhook
 sizes exactly that text against the environment bound (``limits.spec_problem``), and the runner
 reads it back with the same model (``RunnerSpec.from_env``): the fields are ``FlowSpec``'s own
-(``definition``, ``flowRef``, ``inputs``, ``budget``, ``retries``), with the same models and bounds, so a value
+(``definition``, ``flowRef``, ``inputs``, ``budget``, ``retries``, ``checkpoints``,
+``forkFrom``), with the same models and bounds, so a value
 the API refuses the runner refuses too, naming the same field.
 
 On the wire it is one compact JSON object, camelCase keys sorted, unset fields left out:
@@ -18,7 +19,16 @@ from typing import Any, Self
 from pydantic import ValidationError, model_validator
 
 from flowkube_api.base import Model
-from flowkube_api.models import Budget, FlowDefinitionSpec, FlowRef, FlowSpec, FreeObject, Retries
+from flowkube_api.models import (
+    Budget,
+    CheckpointsSpec,
+    FlowDefinitionSpec,
+    FlowRef,
+    FlowSpec,
+    ForkFrom,
+    FreeObject,
+    Retries,
+)
 
 EXACTLY_ONE_SOURCE = "exactly one of spec.definition or spec.flowRef must be set"  # as the CRD's CEL rule says it
 
@@ -33,6 +43,8 @@ class RunnerSpec(Model):
     inputs: FreeObject | None = None
     budget: Budget | None = None
     retries: Retries | None = None  # only with keepTasks false, which the runner reads; the rest is the operator's
+    checkpoints: CheckpointsSpec | None = None  # only with keep 0: the runner then takes none
+    fork_from: ForkFrom | None = None  # a fork's edits, applied once to the checkpoint it copied
 
     @model_validator(mode="after")
     def _exactly_one_source(self) -> Self:
@@ -44,8 +56,9 @@ class RunnerSpec(Model):
     def of(cls, spec: FlowSpec) -> RunnerSpec:
         """The runner's part of a validated Flow spec; ``ValidationError`` when it has no single source."""
         retries = spec.retries if spec.retries is not None and not spec.retries.keep_tasks else None
+        checkpoints = spec.checkpoints if spec.checkpoints is not None and spec.checkpoints.keep == 0 else None
         return cls(definition=spec.definition, flow_ref=spec.flow_ref, inputs=spec.inputs, budget=spec.budget,
-                   retries=retries)
+                   retries=retries, checkpoints=checkpoints, fork_from=spec.fork_from)
 
     @classmethod
     def from_env(cls, text: str) -> RunnerSpec:

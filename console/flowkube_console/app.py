@@ -25,7 +25,7 @@ import orjson
 from aiohttp import web
 
 from flowkube_api.inbox import feedback_patch, message_patch
-from flowkube_console import views
+from flowkube_console import forking, views
 from flowkube_console.auth import Auth
 from flowkube_console.kube import ApiError, Kube, flows_path
 from flowkube_console.live import Feeds
@@ -53,7 +53,7 @@ STREAM_LIMIT = 16  # live pages (event streams) one person may hold open
 DEBOUNCE_SECONDS = 0.1  # a live list re-renders at most this often, however many Flows change
 LINE_BREAK = re.compile(r"\r\n|\r|\n")
 FORM_LIMIT = 1 << 20  # bytes of a posted form (a 64 Ki-character message, URL-encoded, fits)
-SENT = {"answer": "your answer", "message": "your message"}
+SENT = {"answer": "your answer", "message": "your message", "fork": "the fork: it starts from the checkpoint"}
 def digest(html: str) -> str:
     """Names a rendered fragment: the event stream skips one the page already shows."""
     return hashlib.sha256(html.encode()).hexdigest()[:20]
@@ -235,7 +235,9 @@ async def flow_page(request: web.Request, *, error: str = "", status: int = 200,
     events = f"/events/flows/{quote(request.match_info['namespace'])}/{quote(request.match_info['name'])}"
     return render(request, "flow.html", status=status, live=live, error=error,
                   sent=sent or SENT.get(request.query.get("sent", ""), ""),
-                  live_url=events + ("" if draft else f"?have={digest(live)}"), **context)
+                  live_url=events + ("" if draft else f"?have={digest(live)}"),
+                  csrf=request.app[AUTH].csrf(cred_of(request).key), **await forking.context(request, flow),
+                  **context)
 
 
 async def render_live(request: web.Request, context: dict[str, Any], *, draft: str = "") -> str:
@@ -290,6 +292,20 @@ async def answer_feedback(request: web.Request) -> web.Response:
                          str(form.get("text") or ""))
 
 
+async def fork_flow(request: web.Request) -> web.Response:
+    """"Fork from here": a new Flow from a checkpoint, with the person's token; its page next."""
+    try:
+        created = await forking.fork(request)
+    except ValueError as e:
+        return await flow_page(request, error=f"No fork made: {e}.", status=422)
+    except ApiError as e:
+        return await flow_page(request, error=f"The API server refused the fork: {e.message}",
+                               status=e.status if 400 <= e.status < 500 else 502)
+    meta = created.get("metadata") or {}
+    raise web.HTTPSeeOther(f"/flows/{quote(str(meta.get('namespace')))}/{quote(str(meta.get('name')))}?"
+                           + urlencode({"sent": "fork"}))
+
+
 async def send_message(request: web.Request) -> web.Response:
     form = await request.post()
     text = "exit" if form.get("end") else str(form.get("text") or "").strip()  # exit: crewAI's end command
@@ -317,6 +333,7 @@ def make_app(settings: Settings) -> web.Application:
         web.get("/flows/{namespace}/{name}", flow_page), web.get("/events/flows/{namespace}/{name}", flow_events),
         web.post("/flows/{namespace}/{name}/feedback", answer_feedback),
         web.post("/flows/{namespace}/{name}/message", send_message),
+        web.post("/flows/{namespace}/{name}/fork", fork_flow),
     ])
     app.router.add_static("/static/", str(static))
 

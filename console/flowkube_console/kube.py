@@ -157,6 +157,9 @@ class Kube:
     async def get_flow(self, token: str | None, namespace: str, name: str) -> Body:
         return await self.request("GET", flows_path(namespace, name), token)
 
+    async def create_flow(self, token: str | None, namespace: str, body: Body) -> Body:
+        return await self.request("POST", flows_path(namespace), token, body)
+
     async def patch_status(self, token: str | None, namespace: str, name: str, patch: Body) -> Body:
         return await self.request("PATCH", flows_path(namespace, name) + "/status", token, patch,
                                   content_type="application/merge-patch+json")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
-from flowkube_api import templates
+from flowkube_api import forks, templates
 from flowkube_api.base import money_text
 from flowkube_api.constants import Phase
 from flowkube_api.report import TokenUsage, Usage
@@ -184,6 +184,70 @@ class Detail:
     pending_message: Body | None = None
     queued_message: Body | None = None
     template_note: str = ""  # why the inputs shown lack the template's part (its snapshot could not be read)
+
+
+@dataclass
+class CheckpointRow:
+    """One checkpoint of a Flow's timeline, and the name a fork from it gets by default."""
+
+    id: int
+    kind: str
+    method: str
+    time: str
+    tokens: int
+    cost: str
+    fork_name: str
+
+
+@dataclass
+class ForkOrigin:
+    """Where a fork came from, and what its origin had spent up to there (counted by the origin)."""
+
+    namespace: str
+    name: str
+    checkpoint: int
+    kind: str
+    method: str
+    tokens: int
+    cost: str
+
+
+def checkpoint_rows(flow: Body) -> list[CheckpointRow]:
+    name = str((flow.get("metadata") or {}).get("name") or "")
+    rows = []
+    for e in (flow.get("status") or {}).get("checkpoints") or []:
+        if not isinstance(e, dict) or not isinstance(e.get("id"), int):
+            continue
+        tokens, cost = _usage(e)
+        rows.append(CheckpointRow(id=e["id"], kind=str(e.get("kind") or ""), method=str(e.get("method") or ""),
+                                  time=str(e.get("time") or ""), tokens=tokens, cost=cost,
+                                  fork_name=forks.fork_name(name, e["id"])))
+    return rows
+
+
+def fork_origin(flow: Body) -> ForkOrigin | None:
+    st = flow.get("status") or {}
+    origin = st.get("forkedFrom")
+    if not isinstance(origin, dict):
+        return None
+    tokens, cost = _usage({"usage": st.get("inheritedUsage")})
+    return ForkOrigin(namespace=str(origin.get("namespace") or ""), name=str(origin.get("name") or ""),
+                      checkpoint=int(origin.get("checkpoint") or 0), kind=str(origin.get("kind") or ""),
+                      method=str(origin.get("method") or ""), tokens=tokens, cost=cost)
+
+
+def fork_edits(inputs: str, output: str, method: str) -> tuple[dict[str, Any] | None, dict[str, str] | None]:
+    """A fork form's edits: ``inputs`` a JSON object of state fields (empty: none), ``output`` the text
+    the checkpoint's ``method`` output is replaced with (empty: unchanged). ValueError says what is wrong."""
+    values = None
+    if inputs.strip():
+        try:
+            values = json.loads(inputs)
+        except ValueError as e:
+            raise ValueError(f"the inputs are not JSON: {e}") from None
+        if not isinstance(values, dict):
+            raise ValueError('the inputs must be a JSON object of state fields, like {"topic": "operators"}')
+    return values or None, ({method: output} if output.strip() else None)
 
 
 def _pretty(value: Any) -> str:

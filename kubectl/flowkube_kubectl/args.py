@@ -15,7 +15,11 @@ _KUBE_BOOL_FLAGS = {"--insecure-skip-tls-verify"}
 _SHORT_VALUE_FLAGS = {"-n", "-s", "-p"}  # also -nNAME and -n=NAME, as kubectl takes them
 
 
-_PARAM_FLAGS = {"-p", "--param"}  # run-template's, repeatable
+# Repeatable flags, each value kept in order: the flag (as written) -> its long name (Args.lists' key)
+_LIST_FLAGS = {"-p": "--param", "--param": "--param", "--input": "--input", "--output": "--output"}
+
+
+_LIST_FLAG_COMMANDS = {"--param": "run-template", "--input": "fork", "--output": "fork"}
 
 
 # command: (positionals, least of them, its own flags)
@@ -27,6 +31,7 @@ _COMMANDS: dict[str, tuple[str, int, frozenset[str]]] = {
     "console": ("", 0, frozenset({"--port", "--no-browser"})),
     "run-template": ("TEMPLATE", 1, frozenset({"--name", "--generate-name", "--cluster-template", "--dry-run"})),
     "trigger": ("CRONFLOW", 1, frozenset({"--name", "--dry-run"})),
+    "fork": ("NAME", 1, frozenset({"--at", "--name", "--from-namespace", "--dry-run"})),
 }
 
 
@@ -49,9 +54,14 @@ class Args:
     pos: list[str] = field(default_factory=list)
     opts: dict[str, str] = field(default_factory=dict)
     kube: list[str] = field(default_factory=list)  # kubectl's global flags, as --flag=value
-    params: list[str] = field(default_factory=list)  # run-template's -p KEY=VALUE, in order
+    lists: dict[str, list[str]] = field(default_factory=dict)  # repeatable flags' values, in order, by long name
     all_namespaces: bool = False
     help: bool = False
+
+    @property
+    def params(self) -> list[str]:
+        """run-template's -p/--param KEY=VALUE, in order."""
+        return self.lists.get("--param", [])
 
 
 def parse(argv: list[str]) -> Args:
@@ -90,13 +100,13 @@ def _take_flag(a: Args, tok: str, argv: list[str], i: int) -> int:
         a.kube.append(tok)
     elif flag in _BOOL_COMMAND_FLAGS:
         a.opts[flag] = value or "true"
-    elif flag in _KUBE_VALUE_FLAGS or flag in _COMMAND_FLAGS or flag in _PARAM_FLAGS:
+    elif flag in _KUBE_VALUE_FLAGS or flag in _COMMAND_FLAGS or flag in _LIST_FLAGS:
         if not eq:
             if i == len(argv):
                 raise UsageError(f"flag {flag} needs a value")
             value, i = argv[i], i + 1
-        if flag in _PARAM_FLAGS:
-            a.params.append(value)
+        if flag in _LIST_FLAGS:
+            a.lists.setdefault(_LIST_FLAGS[flag], []).append(value)
         elif flag in _KUBE_VALUE_FLAGS:
             a.kube.append(f"{_KUBE_VALUE_FLAGS[flag]}={value}")
         else:
@@ -118,8 +128,9 @@ def _check(a: Args) -> None:
     for flag in a.opts:
         if flag not in flags:
             raise UsageError(f"unknown flag {flag} for {a.cmd}")
-    if a.params and a.cmd != "run-template":
-        raise UsageError(f"unknown flag -p/--param for {a.cmd}")
+    for flag, values in a.lists.items():
+        if values and _LIST_FLAG_COMMANDS[flag] != a.cmd:
+            raise UsageError(f"unknown flag {'-p/--param' if flag == '--param' else flag} for {a.cmd}")
     if a.all_namespaces and (a.cmd != "get" or a.pos):
         raise UsageError("-A/--all-namespaces only applies to `kubectl flow get` without NAME")
     _check_values(a)
@@ -137,6 +148,12 @@ def _check_values(a: Args) -> None:
         raise UsageError("--name needs a name, and goes without --generate-name")
     if a.opts.get("--dry-run", "true").lower() not in ("true", "1", "client", *_OFF):
         raise UsageError(f"--dry-run is client-side only (--dry-run or --dry-run=client), got {a.opts['--dry-run']!r}")
+    at = a.opts.get("--at", "")
+    if a.cmd == "fork" and not (at.isascii() and at.isdigit()):
+        raise UsageError("fork needs --at CHECKPOINT, the id of one of the Flow's checkpoints (kubectl flow get NAME "
+                         f"lists them){', got ' + repr(a.opts['--at']) if '--at' in a.opts else ''}")
+    if a.opts.get("--from-namespace") == "":
+        raise UsageError("--from-namespace needs a namespace")
 
 
 def flag_on(a: Args, flag: str) -> bool:

@@ -1,7 +1,7 @@
 """`kubectl flow`: a kubectl plugin over the same patch and reads a person would type.
 
     kubectl flow get [-A]                              list Flows: phase, definition, tokens, age
-    kubectl flow get NAME                              pending request, conversation, runs and usage
+    kubectl flow get NAME                              pending request, conversation, runs, usage, checkpoints
     kubectl flow feedback NAME TEXT [--request-id ID]  answer a pending feedback request
     kubectl flow say NAME TEXT [--timeout SECONDS]     send one message to a conversation, print the reply
     kubectl flow chat NAME [--timeout SECONDS]         talk to a conversation, one message per line
@@ -10,6 +10,9 @@
                               [--dry-run]              start a Flow from a FlowTemplate, print its name
     kubectl flow trigger CRONFLOW [--name NAME]
                               [--dry-run]              start a CronFlow's Flow now, print its name
+    kubectl flow fork NAME --at CHECKPOINT [--input KEY=VALUE]... [--output METHOD=TEXT]...
+                              [--name NEW] [--from-namespace NS]
+                              [--dry-run]              a new Flow from a checkpoint of Flow NAME, with edits
 
 run-template reads the template (a ClusterFlowTemplate with --cluster-template: kubectl's own --cluster
 names a kubeconfig cluster) and checks the parameters before it creates anything. The Flow is named
@@ -24,6 +27,16 @@ one (so its concurrencyPolicy, history limits and usage count it), annotated flo
 (now) and flowkube.io/triggered-by: kubectl-flow. The Flow is named NAME, or CRONFLOW-manual-<suffix>
 by the API server; --dry-run prints it instead.
 
+fork creates a new Flow that starts from checkpoint CHECKPOINT of Flow NAME (its origin: one of the
+ids `kubectl flow get NAME` lists under Checkpoints) instead of from its start methods. Its spec is
+the origin's, copied (definition, flowRef or templateRef, inputs, env, resources, budget, ...), with
+spec.forkFrom naming the origin, its uid and the checkpoint. --input KEY=VALUE sets the state field
+KEY before the fork runs on (VALUE as for -p: JSON when it parses, else text; @FILE reads it);
+--output METHOD=TEXT replaces the output of METHOD (METHOD=@FILE reads TEXT from FILE): the methods
+that completed after it run again. The fork is named NEW, or NAME-fork-CHECKPOINT, and labelled
+flowkube.io/forked-from=NAME; -n/--namespace is the fork's namespace, --from-namespace the origin's
+(default: the same). Creating it needs get on the origin; --dry-run prints it instead.
+
 Flags go anywhere on the line; `--` ends them (for a TEXT that starts with `-`). kubectl's own
 -n/--namespace, --context, --kubeconfig, --cluster, --user, --as, --as-group, --request-timeout,
 -s/--server, --token, --insecure-skip-tls-verify and --certificate-authority are passed to every
@@ -34,6 +47,7 @@ behave exactly as in kubectl.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from datetime import UTC, datetime
 
 from flowkube_api.constants import (
@@ -44,18 +58,18 @@ from flowkube_api.inbox import feedback_patch
 from flowkube_kubectl.args import Args, UsageError, parse
 from flowkube_kubectl.chat import chat, report, send
 from flowkube_kubectl.console import console
+from flowkube_kubectl.fork import fork
 from flowkube_kubectl.kube import KubectlError, kubectl_json, patch_status
 from flowkube_kubectl.show import describe, flow_table
 from flowkube_kubectl.start import run_template, trigger
 
+_OWN_COMMANDS: dict[str, Callable[[Args], int]] = {  # commands a module of their own runs whole
+    "console": console, "run-template": run_template, "trigger": trigger, "fork": fork}
+
 
 def _run(a: Args) -> int:
-    if a.cmd == "console":
-        return console(a)
-    if a.cmd == "run-template":
-        return run_template(a)
-    if a.cmd == "trigger":
-        return trigger(a)
+    if a.cmd in _OWN_COMMANDS:
+        return _OWN_COMMANDS[a.cmd](a)
     timeout = float(a.opts.get("--timeout", 300))
     if a.cmd == "feedback":
         out = patch_status(a.pos[0], feedback_patch(a.pos[1], a.opts.get("--request-id")), a.kube)

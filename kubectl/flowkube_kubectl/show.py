@@ -50,6 +50,8 @@ def describe(flow: dict[str, Any]) -> str:
     name = flow["metadata"]["name"]
     lines = [f"Flow {flow['metadata'].get('namespace', '')}/{name}: {st.get('phase', Phase.PENDING)}"
              f" ({st.get('definition', '')}) - {st.get('message', '')}"]
+    if st.get("forkedFrom"):
+        lines.append(_forked_from_line(st["forkedFrom"], st.get("inheritedUsage")))
     req = (st.get("feedback") or {}).get("request")
     if req:
         lines += ["", *_feedback_lines(name, req)]
@@ -72,8 +74,38 @@ def describe(flow: dict[str, Any]) -> str:
         who = f" by {h['respondedBy']}" if h.get("respondedBy") else ""
         what = "timed out" if h.get("timedOut") else repr(h.get("response"))
         lines.append(f"  answered {h['requestId']} ({h['method']}){who}: {what}")
+    lines += _checkpoint_lines(name, st.get("checkpoints") or [])
     lines += _notification_lines(st.get("notifications") or [])
     return "\n".join(lines)
+
+
+def _spent(usage: Any) -> tuple[int, str]:
+    """(tokens, USD) of a SpentSoFar (a checkpoint's usage, a fork's inheritedUsage)."""
+    raw = usage if isinstance(usage, dict) else {}
+    return usage_counts(raw).total_tokens, str(raw.get("cost") or "0")
+
+
+def _forked_from_line(origin: dict[str, Any], inherited: Any) -> str:
+    """status.forkedFrom, and what the origin spent up to the checkpoint (status.inheritedUsage)."""
+    what = " ".join(str(origin[k]) for k in ("kind", "method") if origin.get(k))
+    line = (f"Forked from: {origin.get('namespace', '')}/{origin.get('name', '')} at checkpoint "
+            f"{origin.get('checkpoint', '?')}" + (f" ({what})" if what else ""))
+    if inherited:
+        tokens, cost = _spent(inherited)
+        line += f"; inherited usage: {tokens} tokens, USD {cost} (not counted in usage)"
+    return line
+
+
+def _checkpoint_lines(name: str, entries: list[dict[str, Any]]) -> list[str]:
+    """status.checkpoints, oldest first: each with the Flow's spend up to it."""
+    if not entries:
+        return []
+    lines = [f"\nCheckpoints (fork one: kubectl flow fork {name} --at ID):"]
+    for e in entries:
+        tokens, cost = _spent(e.get("usage"))
+        lines.append(f"  {e.get('id', '?'):>4}  {e.get('kind', ''):<9} {e.get('method', ''):<24} "
+                     f"{e.get('time', ''):<20} {tokens:>8} tokens  USD {cost}")
+    return lines
 
 
 def _notification_lines(records: list[dict[str, Any]]) -> list[str]:

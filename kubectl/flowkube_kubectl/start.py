@@ -39,20 +39,21 @@ def param_value(text: str) -> Any:
         return text
 
 
-def read_params(params: list[str]) -> dict[str, str]:
-    """KEY: VALUE text of each -p KEY=VALUE (VALUE read from FILE for KEY=@FILE), before any parsing."""
+def read_params(params: list[str], flag: str = "-p", form: str = "KEY=VALUE") -> dict[str, str]:
+    """KEY: VALUE text of each -p KEY=VALUE (VALUE read from FILE for KEY=@FILE), before any parsing;
+    the same for fork's --input KEY=VALUE and --output METHOD=TEXT (``flag``, ``form``)."""
     out: dict[str, str] = {}
     for p in params:
         key, eq, text = p.partition("=")
         if not eq or not key:
-            raise UsageError(f"-p {p!r} needs KEY=VALUE")
+            raise UsageError(f"{flag} {p!r} needs {form}")
         if key in out:
-            raise UsageError(f"-p {key} given twice")
+            raise UsageError(f"{flag} {key} given twice")
         if text.startswith("@"):
             try:
                 text = Path(text[1:]).expanduser().read_text()
             except (OSError, UnicodeDecodeError) as e:
-                raise UsageError(f"-p {key}={text}: cannot read {text[1:]!r}: {e}") from None
+                raise UsageError(f"{flag} {key}={text}: cannot read {text[1:]!r}: {e}") from None
         out[key] = text
     return out
 

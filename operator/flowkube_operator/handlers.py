@@ -26,7 +26,8 @@ from flowkube_api import constants as c
 from flowkube_api import limits
 from flowkube_operator.app import App
 from flowkube_operator.flows import resources
-from flowkube_operator.kube.client import Kube
+from flowkube_operator.kube import reviews
+from flowkube_operator.kube.client import ApiError, Kube
 from flowkube_operator.serve import webhook
 
 
@@ -94,10 +95,13 @@ def _register_spec_checks(registry: kopf.OperatorRegistry, app: App) -> None:
 
     @kopf.on.validate(c.GROUP, c.VERSION, c.PLURAL, id="validate-flows", operations=["CREATE", "UPDATE"],
                       side_effects=False, registry=registry)
-    async def validate_flow(*, spec: kopf.Spec, body: kopf.Body, namespace: str | None, **_: Any) -> None:
+    async def validate_flow(*, spec: kopf.Spec, body: kopf.Body, namespace: str | None, userinfo: kopf.UserInfo,
+                            operation: str | None = None, **_: Any) -> None:
         problem = await _flow_problem(app, dict(spec), namespace or "", body.get("status"))
         if problem:
             raise kopf.AdmissionError(problem, code=422)
+        if operation == "CREATE" and isinstance(spec.get("forkFrom"), dict):
+            await _may_fork(app, dict(spec["forkFrom"]), namespace or "", userinfo)
 
     @kopf.on.validate(c.GROUP, c.VERSION, c.CRONFLOW_PLURAL, id="validate-cronflows",
                       operations=["CREATE", "UPDATE"], side_effects=False, registry=registry)
@@ -118,6 +122,22 @@ def _register_spec_checks(registry: kopf.OperatorRegistry, app: App) -> None:
                        or (own.replace("spec.", "spec.template.") if own else None))
             if problem:
                 raise kopf.AdmissionError(problem, code=422)
+
+
+async def _may_fork(app: App, ref: dict[str, Any], namespace: str, userinfo: kopf.UserInfo) -> None:
+    """A fork copies its origin's checkpoint, so making one needs ``get`` on the origin: refused
+    otherwise, as the API server would refuse the person reading it."""
+    origin_ns, name = str(ref.get("namespace") or namespace), str(ref.get("name") or "")
+    if app.kube is None:
+        raise kopf.AdmissionError("the operator is not connected to the API server; retry", code=503)
+    try:
+        allowed = await reviews.may(app.kube, dict(userinfo), "get", origin_ns, c.PLURAL, name)
+    except ApiError as e:
+        raise kopf.AdmissionError(f"spec.forkFrom: could not check access to the origin: {e}", code=503) from e
+    if not allowed:
+        raise kopf.AdmissionError(
+            f"spec.forkFrom: user {userinfo.get('username', '')!r} may not get Flow {origin_ns}/{name}, so may "
+            "not fork it (a fork copies the origin's state)", code=403)
 
 
 async def _flow_problem(app: App, spec: dict[str, Any], namespace: str, status: Any) -> str | None:

@@ -23,10 +23,20 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from flowkube_api import constants as c
-from flowkube_api.report import FeedbackApplied, FeedbackRequest, RunReport, TurnReport, Usage, excerpt
+from flowkube_api.report import (
+    CheckpointEntry,
+    FeedbackApplied,
+    FeedbackRequest,
+    RunReport,
+    SpentSoFar,
+    TurnReport,
+    Usage,
+    excerpt,
+)
 
 from .config import Feedback, Message, RunnerConfig
 from .engine.api import Ending, InvalidFlow, InvalidInputs
+from .engine.checkpoints import CheckpointLog, ForkRefused, fork
 from .engine.pricing import Pricer
 from .engine.state import StateDocument
 from .failures import RunFailure, chain, fallback_failure, is_api_error, is_connection_error, known_failure, permanent
@@ -74,11 +84,13 @@ class InterimReport:
         self._lock = threading.Lock()
         self._closed = False
 
-    def update(self, usage: Callable[[], Usage], flow_id: str | None = None) -> None:
+    def update(self, usage: Callable[[], Usage], flow_id: str | None = None,
+               checkpoints: list[CheckpointEntry] | None = None) -> None:
         with self._lock:
             if self._closed:
                 return
-            report = self._template.model_copy(update={"usage": usage(), "flow_id": flow_id})
+            report = self._template.model_copy(update={"usage": usage(), "flow_id": flow_id,
+                                                       "checkpoints": checkpoints})
             try:
                 self._store.put(c.report_key(report.pod), report.encode())
             except Exception as e:
@@ -130,10 +142,23 @@ class _Run:
         )
         self.session: FlowSession | None = None
         self.feedback_applied: FeedbackApplied | None = None
+        taking = config.spec.checkpoints is None or config.spec.checkpoints.keep > 0
+        self.checkpoints = CheckpointLog(store, self._spent, enabled=taking, on_taken=self._after_checkpoint)
+
+    def _spent(self) -> SpentSoFar:
+        """The Flow's spend so far: the earlier runs' and this one's."""
+        usage = self.recorder.recorded()
+        return SpentSoFar(total_tokens=self.config.prior_total_tokens + usage.total_tokens,
+                          cost=self.config.prior_cost + usage.cost)
 
     def _after_model_call(self, recorder: UsageRecorder) -> None:
         if self.interim is not None:
-            self.interim.update(recorder.recorded, self.flow_id())
+            self.interim.update(recorder.recorded, self.flow_id(), self.checkpoints.entries())
+
+    def _after_checkpoint(self) -> None:
+        """A checkpoint listed at once in the interim report: the index outlives a lost pod."""
+        if self.interim is not None:
+            self.interim.update(self.recorder.recorded, self.flow_id(), self.checkpoints.entries())
 
     def flow_id(self) -> str | None:
         return self.session.flow_id() if self.session is not None else None
@@ -183,14 +208,14 @@ class _Run:
         return ending
 
     def retry(self, session: FlowSession, document: StateDocument | None) -> Ending:
-        if document is None or not document.has_completed_methods:
-            log.info("nothing completed yet: the retry starts the flow from the beginning")
-            return session.kickoff(dict(self.config.spec.inputs or {}))
-        if document.pending is not None:
+        if document is not None and document.pending is not None:
             if self.config.feedback is not None:
                 return self.resume(session, document)
             # Paused is where the earlier run ended; report the same request again, running nothing.
             return Ending(paused=True)
+        if document is None or not document.has_completed_methods:
+            log.info("nothing completed yet: the retry starts the flow from the beginning")
+            return session.kickoff(dict(self.config.spec.inputs or {}))
         return session.retry(document)
 
     def converse(self, session: FlowSession, document: StateDocument | None) -> Ending:
@@ -244,9 +269,25 @@ class _Run:
             document = StateDocument.load(self.store)
         except StateCorrupt as e:
             raise permanent(c.Reason.STATE_CORRUPT, str(e)) from e
-        if document is None and trigger is c.Trigger.RESUME:
-            raise permanent(c.Reason.STATE_CORRUPT, f"resume requested but state key {c.STATE_KEY} is missing")
+        if document is None and trigger in (c.Trigger.RESUME, c.Trigger.FORK):
+            raise permanent(c.Reason.STATE_CORRUPT, f"{trigger.value} requested but state key {c.STATE_KEY} is missing")
+        if trigger is c.Trigger.FORK and document is not None and document.forked is None:
+            document = self._fork(document)
         return document
+
+    def _fork(self, document: StateDocument) -> StateDocument:
+        """A fork's first run: the checkpoint copied into its state, with the edits, saved before anything
+        runs (so every later run, a resume too, goes on under the fork's own flow id)."""
+        spec = self.config.spec.fork_from
+        if spec is None:
+            raise permanent(c.Reason.INTERNAL_ERROR, "a fork's run without spec.forkFrom")
+        try:
+            forked = fork(document, spec)
+        except ForkRefused as e:
+            raise permanent(c.Reason.INVALID_INPUTS, str(e)) from e
+        self.store.put(c.STATE_KEY, forked.encode())
+        log.info("forked from %s: a new flow id %s", forked.forked, forked.flow_id)
+        return forked
 
     def drive(self) -> Ending:
         from .engine.session import FlowSession
@@ -254,7 +295,8 @@ class _Run:
         trigger, spec = self.config.trigger, self.config.spec
         document = self._document()
         keep_tasks = spec.retries.keep_tasks if spec.retries is not None else True
-        self.session = session = FlowSession(self.store, self.config.pod, document, keep_tasks=keep_tasks)
+        self.session = session = FlowSession(self.store, self.config.pod, document, keep_tasks=keep_tasks,
+                                             checkpoints=self.checkpoints)
         session.load(definition=spec.definition_document(), flow_ref=spec.flow_ref)
         if self.recorder.budget_already_spent():
             self.recorder.exceeded = True
@@ -273,7 +315,7 @@ class _Run:
                     log.info("the request was settled by an earlier pod: continuing after its last method")
                     return session.retry(document)
                 return self.resume(session, document)
-            return self.retry(session, document)
+            return self.retry(session, document)  # a retry, or a fork's first run
 
     def classify(self, error: BaseException) -> RunFailure:
         if self.recorder.exceeded:
@@ -366,6 +408,7 @@ def _attempt(template: RunReport, run: _Run | None, step: Callable[[], Ending] |
     if run is not None:
         report.feedback_applied = run.feedback_applied
         report.flow_id = run.flow_id()
+        report.checkpoints = run.checkpoints.entries()
     report.finished_at = datetime.now(UTC)
     return report
 

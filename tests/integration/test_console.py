@@ -147,7 +147,7 @@ def test_a_reviewer_sees_the_request_live_answers_it_and_a_second_answer_is_refu
             "metadata": {"name": "team-chat", "labels": {"flowkube.io/notifications": "defaults"}},
             "stringData": {"url": f"{chat[1]}/{ns}", "format": "slack"}}
     cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(hook))
-    alice = person(cluster, ns, "alice", ["get", "list", "watch"], answer=True)
+    alice = person(cluster, ns, "alice", ["get", "list", "watch", "create"], answer=True)
     bob = person(cluster, ns, "bob", ["get", "list", "watch"], answer=True)
     carol = person(cluster, ns, "carol", ["get", "list", "watch"], answer=False)
     dave = person(cluster, ns, "dave", [], answer=False)
@@ -215,6 +215,27 @@ def test_a_reviewer_sees_the_request_live_answers_it_and_a_second_answer_is_refu
             a.wait(lambda: a.has("#phase"), 30, "the Flow's page, signed in, from another site's link")
             assert a.text("#phase") == "Succeeded"
 
+        # The review's checkpoints, as a timeline: "Fork from here" after the draft, with the draft
+        # edited, makes a new Flow (with Alice's token) that asks about the edited draft, no model call
+        # made, its origin's result beside it.
+        calls = len(stack.stub.ledger())
+        a.open(f"{url}/flows/{ns}/review")
+        a.wait(lambda: a.has('li[data-checkpoint="1"] summary'), 30, "the checkpoint timeline")
+        assert [a.text(f'li[data-checkpoint="{n}"] .cp-kind').lower() for n in (1, 2, 3, 4)] == [
+            "completed", "paused", "completed", "completed"]
+        a.click('li[data-checkpoint="1"] summary')
+        a.type("#fork-output-1", "EDITED in the browser.")
+        a.screenshot("fork-form")
+        a.click("#fork-1")
+        a.wait(lambda: a.has("#sent"), 30, "the fork made, and its page")
+        flows.wait_phase("review-fork-1", "AwaitingFeedback", timeout=RUN_TIMEOUT)
+        a.open(f"{url}/flows/{ns}/review-fork-1")
+        a.wait(lambda: a.has("#review"), 30, "the fork's review")
+        assert a.text("#review") == "EDITED in the browser."
+        assert a.text("#origin-result") == PUBLISHED and "checkpoint 1" in a.text("#forked-from")
+        a.screenshot("fork")
+        assert len(stack.stub.ledger()) == calls and not a.alert_shown()
+
     st = flows.status("review")
     (answer,) = st["feedback"]["history"]
     assert answer["respondedBy"] == f"system:serviceaccount:{ns}:alice" and answer["outcome"] == "approved"
@@ -225,6 +246,8 @@ def test_a_reviewer_sees_the_request_live_answers_it_and_a_second_answer_is_refu
     flows.wait_phase("review-2", "AwaitingFeedback", timeout=RUN_TIMEOUT)
     code, page = as_user(f"{url}/flows/{ns}/review-2", carol)
     assert code == 200 and 'id="read-only"' in page and 'id="answer"' not in page and "Publish this draft?" in page
+    code, page = as_user(f"{url}/flows/{ns}/review", carol)
+    assert code == 200 and 'id="checkpoints"' in page and 'class="fork-form"' not in page, "no create: no fork form"
     code, page = as_user(f"{url}/flows/{ns}/review-2", dave)
     assert code == 403 and "forbidden" in page
     code, page = as_user(f"{url}/?namespace={ns}", dave)

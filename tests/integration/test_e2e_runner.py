@@ -34,6 +34,7 @@ RULES = {
         {"contains": "DRAFT about", "reply": DRAFT},
         {"contains": "PUBLISH", "reply": PUBLISHED},
         # crewAI asks the step's model to map the human's words onto one of the outcomes.
+        {"contains": "shelve it", "anywhere": True, "reply": "rejected"},  # (its prompt lists "approved" too)
         {"contains": "approved", "anywhere": True, "reply": "approved"},
     ],
 }
@@ -367,3 +368,73 @@ def test_a_cluster_template_serves_every_namespace_and_bad_uses_are_refused_at_a
         assert out.returncode != 0 and "spec.templateRef is immutable" in out.stderr, out.stderr
     finally:
         stack.cluster.kubectl("delete", "clusterflowtemplate", name, "--ignore-not-found", check=False)
+
+
+def test_forks_start_from_checkpoints_with_an_edit_or_the_other_answer_and_outlive_their_origin(
+        stack: RealRunnerStack, flows: Flows) -> None:
+    """The origin drafts, pauses at its review, is approved and publishes. A fork after `draft` with the
+    draft edited publishes the edited text; a fork at the pause, answered the other way, shelves, after
+    its origin is deleted. Nothing before a checkpoint is called again; each usage is its own calls."""
+    spec: dict[str, Any] = {"definition": review_definition(), "feedback": {"timeoutSeconds": 3600}}
+    mark = len(stack.stub.ledger())
+    flows.apply("origin", spec)
+    flows.wait_phase("origin", "AwaitingFeedback", timeout=RUN_TIMEOUT)
+    stack.cluster.kubectl("patch", "flow", "origin", "-n", flows.ns, "--subresource=status", "--type=merge",
+                          "-p", '{"status":{"feedback":{"response":{"text":"approved"}}}}')
+    origin = flows.wait_phase("origin", "Succeeded", timeout=RUN_TIMEOUT)
+    assert usage_of(origin) == stack.usage_since(mark)
+    index = [(e["id"], e["kind"], e["method"]) for e in origin["checkpoints"]]
+    assert index == [(1, "Completed", "draft"), (2, "Paused", "review"), (3, "Completed", "review"),
+                     (4, "Completed", "publish")]
+    after_draft = origin["checkpoints"][0]["usage"]["totalTokens"]
+    assert after_draft == ledger_usage(stack.stub.ledger()[mark:mark + 1]).total_tokens
+    ring = json.loads(stack.cluster.kubectl("get", "configmaps", "-n", flows.ns, "-l",
+                                            "flowkube.io/flow=origin,flowkube.io/component=checkpoint",
+                                            "-o", "json").stdout)["items"]
+    assert len(ring) == 4 and all(cm["metadata"]["ownerReferences"][0]["name"] == "origin" for cm in ring)
+
+    # A fork of a Flow the person may not read is refused at apply (a fork copies the origin's state).
+    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": "fork-only"},
+            "rules": [{"apiGroups": ["flowkube.io"], "resources": ["flows"], "verbs": ["create"]}]}
+    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": "bob"},
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "fork-only"},
+               "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "bob"}]}
+    for obj in (role, binding):
+        apply_object(stack, obj, flows.ns)
+    fork = {"apiVersion": "flowkube.io/v1alpha1", "kind": "Flow", "metadata": {"name": "bobs"},
+            "spec": {**spec, "forkFrom": {"name": "origin", "checkpoint": 1}}}
+    refused = stack.cluster.kubectl("create", "-n", flows.ns, "--as=bob", "-f", "-", input=json.dumps(fork),
+                                    check=False)
+    assert refused.returncode != 0 and "may not get Flow" in refused.stderr and "origin" in refused.stderr
+    assert flows.get("bobs") is None
+
+    # Fork after `draft`, with the draft edited: the review shows the edit, publish polishes it.
+    mark = len(stack.stub.ledger())
+    uid = stack.cluster.kubectl("get", "flow", "origin", "-n", flows.ns, "-o", "jsonpath={.metadata.uid}").stdout
+    flows.apply("edited", {**spec, "forkFrom": {"name": "origin", "uid": uid, "checkpoint": 1,
+                                                "outputs": {"draft": "EDITED facts."}}})
+    st = flows.wait_phase("edited", "AwaitingFeedback", timeout=RUN_TIMEOUT)
+    assert st["feedback"]["request"]["output"] == "EDITED facts."
+    assert st["forkedFrom"] == {"namespace": flows.ns, "name": "origin", "uid": uid, "checkpoint": 1,
+                                "method": "draft", "kind": "Completed"}
+    assert st["inheritedUsage"]["totalTokens"] == after_draft and st["runs"][0]["trigger"] == "fork"
+    stack.cluster.kubectl("patch", "flow", "edited", "-n", flows.ns, "--subresource=status", "--type=merge",
+                          "-p", '{"status":{"feedback":{"response":{"text":"approved"}}}}')
+    st = flows.wait_phase("edited", "Succeeded", timeout=RUN_TIMEOUT)
+    calls = stack.stub.ledger()[mark:]
+    assert not any("DRAFT about" in call["lastUser"] for call in calls), "nothing before the checkpoint again"
+    assert any("PUBLISH EDITED facts." in call["lastUser"] for call in calls)
+    assert usage_of(st) == stack.usage_since(mark), "the fork counts its own calls, once"
+    assert usage_of(flows.status("origin")) == usage_of(origin), "the origin is unchanged"
+
+    # Fork at the pause; the origin is deleted; answered the other way, it takes the other branch.
+    mark = len(stack.stub.ledger())
+    flows.apply("other-way", {**spec, "forkFrom": {"name": "origin", "checkpoint": 2}})
+    st = flows.wait_phase("other-way", "AwaitingFeedback", timeout=RUN_TIMEOUT)
+    assert st["feedback"]["request"]["output"] == DRAFT and len(stack.stub.ledger()) == mark
+    stack.cluster.kubectl("delete", "flow", "origin", "-n", flows.ns)
+    stack.cluster.kubectl("patch", "flow", "other-way", "-n", flows.ns, "--subresource=status", "--type=merge",
+                          "-p", '{"status":{"feedback":{"response":{"text":"shelve it"}}}}')
+    st = flows.wait_phase("other-way", "Succeeded", timeout=RUN_TIMEOUT)
+    assert st["result"]["output"] == "shelved" and st["feedback"]["history"][0]["outcome"] == "rejected"
+    assert usage_of(st) == stack.usage_since(mark)

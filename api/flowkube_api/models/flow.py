@@ -22,7 +22,7 @@ from flowkube_api.models.common import (
 from flowkube_api.models.spec import (
     FlowSpec,
 )
-from flowkube_api.report import FeedbackRequest, Usage
+from flowkube_api.report import CheckpointEntry, FeedbackRequest, SpentSoFar, Usage
 
 # -------------------------------------------------------------------------------------------- status
 
@@ -169,6 +169,17 @@ class TemplateStatus(Model):
                                     "before snapshots wrote it; a Flow that has it runs from it.")
 
 
+class ForkedFrom(Model):
+    """``status.forkedFrom``: the checkpoint a fork copied into its own state, at its first reconcile."""
+
+    namespace: str
+    name: str
+    uid: str
+    checkpoint: int
+    method: str | None = None
+    kind: str | None = None
+
+
 class FlowStatus(Model):
     phase: Phase | None = None
     conditions: list[Condition] | None = None
@@ -185,6 +196,12 @@ class FlowStatus(Model):
     result: Result | None = None
     notifications: list[NotificationRecord] | None = None
     template: TemplateStatus | None = None
+    checkpoints: list[CheckpointEntry] | None = Field(
+        default=None, description="The checkpoints kept to fork from (spec.checkpoints.keep), oldest first.")
+    forked_from: ForkedFrom | None = None
+    inherited_usage: SpentSoFar | None = Field(
+        default=None, description="A fork's origin's spend up to the checkpoint it forked from: shown, never "
+        "added to usage, budgets or metrics (the origin counts it).")
 
 
 class Flow(Model):

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from decimal import Decimal
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from flowkube_api.base import Model, Money, money_text
 from flowkube_api.constants import (
+    CHECKPOINTS_KEPT_LIMIT,
+    DEFAULT_CHECKPOINTS_KEPT,
     DEFAULT_DISRUPTION_LIMIT,
     DEFAULT_KEEP_WARM_SECONDS,
     ENV_LIMIT,
@@ -101,6 +103,39 @@ class Retries(Model):
         "method again skips the tasks finished before (their model calls are not made, nor paid, again). "
         "false: a replacement runs the whole method again.",
     )
+
+
+class CheckpointsSpec(Model):
+    keep: int = Field(
+        default=DEFAULT_CHECKPOINTS_KEPT, ge=0, le=CHECKPOINTS_KEPT_LIMIT,
+        description="How many of the Flow's latest checkpoints are kept to fork from (one after each completed "
+        "method and each pause for feedback; each holds the flow's state then, in a ConfigMap of its own). "
+        "0: none is taken.")
+
+
+FORK_OUTPUTS_LIMIT = 16  # methods whose output one fork edits
+FORK_TEXT_LIMIT = 65536  # characters of one edited output
+
+
+class ForkFrom(Model):
+    """A fork: this Flow starts from a checkpoint of another Flow (its origin), with edits, instead of
+    from its start methods. The checkpoint is copied into this Flow's own state at its first reconcile:
+    from then on the fork does not depend on the origin."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN, description="The origin Flow.")
+    namespace: str | None = Field(default=None, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+                                  description="The origin's namespace; unset: this Flow's. Creating the fork "
+                                  "needs get on the origin.")
+    uid: str | None = Field(default=None, max_length=64, description="The origin's uid: set, a Flow of the same "
+                            "name made since is not taken for it.")
+    checkpoint: int = Field(ge=1, le=1 << 53, description="The id of one of the origin's status.checkpoints.")
+    inputs: FreeObject | None = Field(
+        default=None, description="State fields set to these values before the fork runs on (a flow's "
+        "kickoff inputs are its first state).")
+    outputs: dict[str, Annotated[str, Field(max_length=FORK_TEXT_LIMIT)]] | None = Field(
+        default=None, max_length=FORK_OUTPUTS_LIMIT,
+        description="method name -> the text its output is replaced with (an agent's or crew's raw answer). "
+        "Methods that completed after it run again, as does a feedback request pending at the checkpoint.")
 
 
 class FeedbackSpec(Model):
@@ -293,6 +328,9 @@ class NewFlowSpec(FlowFields):
     template_ref: TemplateRef | None = Field(
         default=None, description="Run a FlowTemplate or ClusterFlowTemplate: its spec, with this Flow's own "
         "fields over it and spec.inputs checked against its parameters.")
+    checkpoints: CheckpointsSpec | None = Field(
+        default=None, description="The Flow's own (a template does not set it): how many checkpoints are kept "
+        "to fork from.")
 
 
 class FlowSpec(NewFlowSpec):
@@ -303,6 +341,14 @@ class FlowSpec(NewFlowSpec):
                 cel("has(self.templateRef) == has(oldSelf.templateRef) && "
                     "(!has(self.templateRef) || self.templateRef == oldSelf.templateRef)",
                     "spec.templateRef is immutable: a Flow runs the template it was created with"),
+                cel("has(self.forkFrom) == has(oldSelf.forkFrom) && "
+                    "(!has(self.forkFrom) || self.forkFrom == oldSelf.forkFrom)",
+                    "spec.forkFrom is immutable: a fork starts once, from the checkpoint it was created with"),
             ]
         }
     )
+
+    fork_from: ForkFrom | None = Field(
+        default=None, description="Start from a checkpoint of another Flow, with edits (a fork), instead of "
+        "from the start methods. Its spec (definition, flowRef or templateRef) is the origin's, as "
+        "`kubectl flow fork` copies it.")

@@ -11,7 +11,7 @@ from flowkube_api import constants as c
 from flowkube_api.base import now as now_utc
 from flowkube_api.base import parse_time
 from flowkube_operator import selfmetrics
-from flowkube_operator.flows import resources
+from flowkube_operator.flows import checkpoints, resources
 from flowkube_operator.flows.cache import FlowCache, Key
 from flowkube_operator.flows.reconcile import Plan, RunIntent
 from flowkube_operator.kube.client import ApiError, collection_path, delete_namesake_garbage, flow_path, ns_path
@@ -41,6 +41,9 @@ class PlanWriter:
         ns, name = key
         old_status = body.get("status") or {}
         intent = p.create_pod
+        if p.fork_state is not None:  # a fork's own state, before the status that says it forked
+            self.writes.may_write()
+            await checkpoints.copy_into_state(self.writes.client(), body, p.fork_state)
         # Runner pods need nothing else made for them: their state goes through the state API (see
         # stateapi). A kickoff or retry pod comes first, then the one status write that records its
         # run and startedAt; a resume or turn is recorded first (see reconcile's docstring).

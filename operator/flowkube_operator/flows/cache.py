@@ -18,6 +18,7 @@ import orjson
 
 from flowkube_api import constants as c
 from flowkube_operator import projections, selfmetrics
+from flowkube_operator.flows.reconcile.forks import kept
 from flowkube_operator.kube.client import Kube, flow_path, ns_path
 from flowkube_operator.kube.informer import Informer
 from flowkube_operator.meta import PodView
@@ -141,6 +142,11 @@ class FlowCache:
         """The cached Flow, parsed (a copy: the caller may change it)."""
         cached = self.flows.get(key)
         return orjson.loads(cached[2]) if cached is not None else None
+
+    def checkpoints_kept(self, namespace: str, flow: str) -> int:
+        """The cached Flow's ``spec.checkpoints.keep`` (a checkpoint's slot in its ring)."""
+        body = self.flow((namespace, flow))
+        return kept((body or {}).get("spec"))
 
     def _tell(self, key: Key, body: Body | None) -> None:
         for listener in self._listeners:

@@ -27,7 +27,9 @@ from flowkube_operator import selfmetrics
 from flowkube_operator.cron.controller import Clock, CronFlows
 from flowkube_operator.flows.apply import ForeignObjectError, PlanWriter
 from flowkube_operator.flows.cache import FlowCache, FlowListener, Key
+from flowkube_operator.flows.checkpoints import fork_source
 from flowkube_operator.flows.reconcile import Plan, Taken, late_pods, plan
+from flowkube_operator.flows.reconcile.forks import ForkSource
 from flowkube_operator.flows.reports import active_report, load_report
 from flowkube_operator.kube.client import Kube, ns_path
 from flowkube_operator.kube.informer import Informer
@@ -254,14 +256,16 @@ class Controller:
         for pod_name in late_pods(status, pods):  # pods that ended after their run was closed
             late[pod_name] = await load_report(kube, *key, uid, pod_name, pods[pod_name])
         cap = self.settings.retry_backoff_cap_seconds
-        template = await self._template_of(key, body)
-        if template is None and not self.templates.synced() and self.templates.waits(key):
+        read = await self._read_sources(key, body)
+        if read is None:
             return  # not "not found" before the templates are listed: queued again once they are
-        template_or_taken = template or await self._taken(key, body)
-        p = plan(body, pods, report, backoff_cap=cap, report_checked=checked, late=late, template=template_or_taken)
+        template_or_taken, fork = read
+        p = plan(body, pods, report, backoff_cap=cap, report_checked=checked, late=late, template=template_or_taken,
+                 fork=fork)
         if p.need_report and active is not None:
             report = await load_report(kube, *key, uid, active, pods.get(active))
-            p = plan(body, pods, report, backoff_cap=cap, report_checked=True, late=late, template=template_or_taken)
+            p = plan(body, pods, report, backoff_cap=cap, report_checked=True, late=late, template=template_or_taken,
+                     fork=fork)
         if delivered:
             current = [n.id for n in notices.notices({"metadata": body["metadata"], "status": p.status.dump()})]
             p.events += notices.record(p.status, delivered, current)
@@ -298,6 +302,15 @@ class Controller:
         # The Flow names what is stored: the same generation, maybe taken at an earlier resourceVersion.
         taken.hash = digest
         taken.resource_version = stored.get("resourceVersion")
+
+    async def _read_sources(self, key: Key, body: Body) -> tuple[Body | Taken | None, ForkSource | None] | None:
+        """What the plan needs read beyond the Flow and its pods: the template it names or took, and a
+        fork's origin checkpoint. None: wait (the templates are not listed yet)."""
+        template = await self._template_of(key, body)
+        if template is None and not self.templates.synced() and self.templates.waits(key):
+            return None
+        return template or await self._taken(key, body), await fork_source(
+            self.writes.client(), body, across_namespaces=self.settings.webhook_enabled)
 
     async def _taken(self, key: Key, body: Body) -> Taken | None:
         """For a Flow that took its template: the spec of the snapshot its status names (from the

@@ -183,7 +183,7 @@ _WAIT_SAMPLES = len(WAIT_BUCKETS) + 3  # the buckets, +Inf, _sum and _count
 
 def flow_series_budget(label_values: int) -> int:
     """Most series one Flow adds with per-flow metrics: 8 per model (five token types, requests, cost,
-    unpriced tokens) for at most ``label_values`` + 1 models (``other``), 4 triggers, 7 phases, turns."""
+    unpriced tokens) for at most ``label_values`` + 1 models (``other``), 5 triggers, 7 phases, turns."""
     return 8 * (label_values + 1) + len(_TRIGGERS) + len(_PHASES) + 1
 
 

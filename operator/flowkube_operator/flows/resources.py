@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Callable
 from typing import Any
@@ -63,6 +64,15 @@ def state_configmap(flow: Body) -> Body:
         "kind": "ConfigMap",
         "metadata": _meta(flow, c.state_configmap_name(flow["metadata"]["name"]), c.COMPONENT_STATE),
     }
+
+
+def checkpoint_configmap(flow: Body, checkpoint: int, keep: int, data: bytes) -> Body:
+    """The ConfigMap of the ring of a Flow's checkpoints that holds ``checkpoint`` (its ``state.json.gz``)."""
+    name = c.checkpoint_configmap_name(flow["metadata"]["name"], checkpoint, keep)
+    meta = _meta(flow, name, c.COMPONENT_CHECKPOINT)
+    meta["annotations"] = {c.CHECKPOINT_ANNOTATION: str(checkpoint)}
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
+            "binaryData": {c.STATE_KEY: base64.b64encode(data).decode("ascii")}}
 
 
 def definition_name(spec: Body) -> str:

@@ -17,9 +17,10 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Callable
-from typing import Generic, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, Generic, TypeVar
 
+from flowkube_api import constants as c
 from flowkube_operator.kube.client import ApiError, Kube
 
 log = logging.getLogger("flowkube.reviews")
@@ -112,3 +113,15 @@ class MetricsAuth:
                      "extra": user.get("extra") or {},
                      "nonResourceAttributes": {"path": self.PATH, "verb": "get"}}})
         return 200 if (sar.get("status") or {}).get("allowed") else 403
+
+
+async def may(kube: Kube, userinfo: Mapping[str, Any], verb: str, namespace: str, plural: str, name: str) -> bool:
+    """Whether the user an admission request names (its ``userInfo``) may ``verb`` that object of
+    flowkube.io: a SubjectAccessReview, as the API server would decide a request of theirs."""
+    sar = await kube.request("POST", "/apis/authorization.k8s.io/v1/subjectaccessreviews", {
+        "apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
+        "spec": {"user": str(userinfo.get("username") or ""), "groups": list(userinfo.get("groups") or []),
+                 "uid": str(userinfo.get("uid") or ""), "extra": dict(userinfo.get("extra") or {}),
+                 "resourceAttributes": {"group": c.GROUP, "resource": plural, "verb": verb,
+                                        "namespace": namespace, "name": name}}})
+    return bool((sar.get("status") or {}).get("allowed"))

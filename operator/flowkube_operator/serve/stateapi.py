@@ -38,7 +38,7 @@ from pydantic import ValidationError
 from flowkube_api import constants as c
 from flowkube_api.report import ReportTooLarge, RunReport
 from flowkube_operator import selfmetrics
-from flowkube_operator.flows import resources
+from flowkube_operator.flows import checkpoints, resources
 from flowkube_operator.kube.client import ApiError, Kube, delete_namesake_garbage, ns_path
 from flowkube_operator.kube.issuerkeys import IssuerKeys
 from flowkube_operator.meta import owner_uid
@@ -60,6 +60,7 @@ IDLE_SECONDS = 15.0  # an idle keep-alive connection is closed after this (aioht
 BODY_LIMIT = 2 * 1024 * 1024
 CM_UIDS_KEPT = 4096
 KEY_PATTERN = re.compile(c.STATE_KEY_PATTERN)
+CHECKPOINT_KEY = re.compile(re.escape(c.CHECKPOINT_KEY_PREFIX) + r"([1-9][0-9]{0,14})")
 
 
 class Runs(ActiveRuns, Protocol):
@@ -71,6 +72,9 @@ class Runs(ActiveRuns, Protocol):
 
     async def changed(self, key: tuple[str, str], seconds: float) -> None:
         """Return when the cached Flow changes, or after ``seconds``."""
+
+    def checkpoints_kept(self, namespace: str, flow: str) -> int:
+        """The cached Flow's ``spec.checkpoints.keep``."""
 
 
 class Reports(Protocol):
@@ -230,8 +234,10 @@ class StateApi:
                 if not state_key:
                     if target.late:
                         raise StateError(410, f"the run of pod {target.pod} was closed: nothing will come to it")
-                elif key not in (c.STATE_KEY, c.report_key(target.pod)):
-                    raise StateError(403, f"a run may use only {c.STATE_KEY} and its own report key")
+                elif key not in (c.STATE_KEY, c.report_key(target.pod)) and not (
+                        CHECKPOINT_KEY.fullmatch(key) and request.method == "PUT"):
+                    raise StateError(403, f"a run may use only {c.STATE_KEY}, its own report key and PUT "
+                                          f"{c.CHECKPOINT_KEY_PREFIX}<n>")
                 elif target.late and (key != c.report_key(target.pod) or request.method != "PUT"):
                     raise StateError(403, f"the run of pod {target.pod} was closed: only its own report "
                                           "may still be written")
@@ -269,6 +275,14 @@ class StateApi:
         value = await request.read()
         if len(value) > c.STATE_LIMIT:
             return _error(413, f"{len(value)} bytes is over the {c.STATE_LIMIT}-byte limit of one value")
+        if (number := CHECKPOINT_KEY.fullmatch(key)) is not None:
+            keep = self._runs.checkpoints_kept(t.namespace, t.flow)
+            flow = {"metadata": {"name": t.flow, "namespace": t.namespace, "uid": t.flow_uid}}
+            try:
+                await checkpoints.store(client(self._kube), flow, int(number.group(1)), keep, value)
+            except checkpoints.CheckpointRefused as e:
+                raise StateError(e.status, str(e)) from e
+            return web.Response(status=204)
         report = None
         if key != c.STATE_KEY:
             try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 from crewai.flow.async_feedback.types import HumanFeedbackPending, PendingFeedbackContext
 from crewai.flow.flow import Flow
@@ -16,6 +16,7 @@ from pydantic import BaseModel, PrivateAttr
 from flowkube_api.constants import STATE_KEY
 
 from ..store import StateCorrupt, StateStore, StateTooLarge
+from .checkpoints import CheckpointLog
 from .runtime import resumed_step_output, snapshot_runtime, state_dict
 from .state import PendingRequest, StateDocument
 from .tasks import Slots, TaskCache
@@ -38,13 +39,17 @@ class StorePersistence(FlowPersistence):  # type: ignore[misc]
     _failure: BaseException | None = PrivateAttr(default=None)
     _held: bool = PrivateAttr(default=False)
     _tasks: TaskCache | None = PrivateAttr(default=None)
+    _checkpoints: CheckpointLog | None = PrivateAttr(default=None)
+    _written: bytes | None = PrivateAttr(default=None)
 
     def bind(self, store: StateStore, pod: str, document: StateDocument | None, *,
-             keep_tasks: bool = True) -> TaskCache:
-        """Bind to the flow's state; the cache of finished tasks it keeps, from ``document``'s."""
+             keep_tasks: bool = True, checkpoints: CheckpointLog | None = None) -> TaskCache:
+        """Bind to the flow's state; the cache of finished tasks it keeps, from ``document``'s.
+        ``checkpoints``: where a method's end and a pause are sent as checkpoints (None: nowhere)."""
         self._store = store
         self._pod = pod
         self._document = document
+        self._checkpoints = checkpoints if checkpoints is not None and checkpoints.enabled else None
         self._tasks = TaskCache(document.tasks if document is not None else {}, self.save_tasks, enabled=keep_tasks)
         return self._tasks
 
@@ -87,19 +92,32 @@ class StorePersistence(FlowPersistence):  # type: ignore[misc]
         if self._held and not durable:
             self._document = document
             return
+        data = None
         try:
-            self._store.put(STATE_KEY, document.encode())
+            data = document.encode()
+            self._store.put(STATE_KEY, data)
         except Exception as e:
             if not best_effort:
                 self._failure = e
             raise
-        self._document = document
+        self._document, self._written = document, data
 
     def _settle_tasks(self, document: StateDocument, method: str) -> None:
         """``method`` completed (or paused) in this write: a retry no longer runs its tasks."""
         if self._tasks is not None:
             self._tasks.method_done(method)
             document.tasks = self._tasks.snapshot()
+
+    def _numbered(self, document: StateDocument) -> bool:
+        """Number ``document`` as the next checkpoint, if this write is one (not a held turn's)."""
+        if self._checkpoints is None or self._held:
+            return False
+        document.checkpoint += 1
+        return True
+
+    def _checkpoint(self, document: StateDocument, kind: Literal["Completed", "Paused"], method: str) -> None:
+        if self._checkpoints is not None and self._written is not None and self._document is document:
+            self._checkpoints.take(document, self._written, kind, method)
 
     def _write_settled(self, document: StateDocument, *, durable: bool = False) -> None:
         """Write a method's end. The finished tasks of other methods still running never make it
@@ -145,7 +163,10 @@ class StorePersistence(FlowPersistence):  # type: ignore[misc]
             # so a crash right after cannot make a retry consume the same answer twice.
             if document.pending is not None and document.pending.method == method_name:
                 document.pending = None
+            numbered = self._numbered(document)
             self._write_settled(document)
+            if numbered:
+                self._checkpoint(document, "Completed", method_name)
 
     def load_state(self, flow_uuid: str) -> dict[str, Any] | None:
         document = self._document
@@ -165,7 +186,10 @@ class StorePersistence(FlowPersistence):  # type: ignore[misc]
             request_id = f"{context.method_name}-{document.feedback_count}"
             document.pending = PendingRequest(request_id=request_id, context=context.to_dict())
             self._settle_tasks(document, context.method_name)
+            numbered = self._numbered(document)
             self._write_settled(document, durable=True)
+            if numbered:
+                self._checkpoint(document, "Paused", context.method_name)
 
     def load_pending_feedback(self, flow_uuid: str) -> tuple[dict[str, Any], PendingFeedbackContext] | None:
         document = self._document

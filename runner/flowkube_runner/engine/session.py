@@ -19,6 +19,7 @@ from flowkube_api.report import FeedbackRequest, excerpt
 
 from ..store import StateCorrupt, StateStore, StateTooLarge
 from .api import Ending, InvalidFlow, InvalidInputs, Turn
+from .checkpoints import CheckpointLog
 from .definitions import automatic_memory, import_flow_class, load_definition, uses_memory
 from .persistence import StorePersistence, install
 from .runtime import json_safe, restore_runtime, state_dict
@@ -38,9 +39,9 @@ class FlowSession:
     """
 
     def __init__(self, store: StateStore, pod: str, document: StateDocument | None, *,
-                 keep_tasks: bool = True) -> None:
+                 keep_tasks: bool = True, checkpoints: CheckpointLog | None = None) -> None:
         self._persistence = StorePersistence()
-        self.tasks = self._persistence.bind(store, pod, document, keep_tasks=keep_tasks)
+        self.tasks = self._persistence.bind(store, pod, document, keep_tasks=keep_tasks, checkpoints=checkpoints)
         install(self._persistence)
         install_task_cache(self.tasks)
         share_default_contexts()  # before crewAI builds its first model client

@@ -70,6 +70,10 @@ class StateDocument(_Camel):
     # The finished tasks of the crews of the methods running when this was written (tasks.py), by
     # slot: a retry after a lost pod does not run them again. Dropped when their method completes.
     tasks: dict[str, list[dict[str, Any]]] = Field(default_factory=dict)
+    # The number of the last checkpoint taken (checkpoints.py): this document, when it was taken.
+    checkpoint: int = 0
+    # A fork's state once its edits are applied: "<namespace>/<origin>#<checkpoint>" (never applied twice).
+    forked: str | None = None
     pod: str = ""
     updated_at: datetime | None = None
 

@@ -30,7 +30,7 @@ def schema_of(model: type[FlowSpec] | type[RunnerSpec], field: str) -> Any:
 
 def test_the_runner_spec_is_the_flow_specs_own_fields() -> None:
     runner_fields = {f.alias or name for name, f in RunnerSpec.model_fields.items()}
-    assert runner_fields == {"definition", "flowRef", "inputs", "budget", "retries"}
+    assert runner_fields == {"definition", "flowRef", "inputs", "budget", "retries", "checkpoints", "forkFrom"}
     for name in runner_fields:
         ours, theirs = schema_of(RunnerSpec, name), schema_of(FlowSpec, name)
         assert ours[0] == theirs[0], name

@@ -298,7 +298,7 @@ CLUSTER_GRANTS = {
     # The service-account issuer's keys: runner tokens are checked with them before a TokenReview.
     ("nonResourceURL", "/.well-known/openid-configuration"): {"get"},
     ("nonResourceURL", "/openid/v1/jwks"): {"get"},
-    ("authorization.k8s.io", "subjectaccessreviews"): {"create"},  # may this scraper get /metrics
+    ("authorization.k8s.io", "subjectaccessreviews"): {"create"},  # may this scraper get /metrics; may this person fork
     ("admissionregistration.k8s.io", "validatingwebhookconfigurations"): {"get", "patch", "update"},
     ("admissionregistration.k8s.io", "mutatingwebhookconfigurations"): {"get", "patch", "update"},
 }

@@ -128,3 +128,31 @@ def test_a_flow_that_took_a_snapshot_shows_its_inputs_or_says_the_templates_part
     d = views.detail(f, spec, note)
     assert '"topic": "operators"' in d.inputs.text and '"words"' not in d.inputs.text
     assert "is gone" in d.template_note
+
+
+def test_the_checkpoint_timeline_and_a_forks_origin_are_escaped_and_edits_are_checked() -> None:
+    import pytest
+
+    f = flow("evil", "Succeeded", result={"output": HOSTILE},
+             checkpoints=[{"id": 1, "method": HOSTILE, "kind": "Completed", "time": "2026-11-28T07:00:00Z",
+                           "usage": {"totalTokens": 42, "cost": "0.001"}},
+                          {"id": 2, "method": "review", "kind": "Paused", "time": "2026-11-28T07:01:00Z"}],
+             forkedFrom={"namespace": "team", "name": "origin", "checkpoint": 3, "kind": "Completed",
+                         "method": HOSTILE}, inheritedUsage={"totalTokens": 9, "cost": "0.5"})
+    rows = views.checkpoint_rows(f)
+    assert [(r.id, r.kind, r.tokens, r.cost, r.fork_name) for r in rows] == [
+        (1, "Completed", 42, "0.001", "evil-fork-1"), (2, "Paused", 0, "", "evil-fork-2")]
+    origin = views.fork_origin(f)
+    assert origin is not None
+    assert (origin.name, origin.checkpoint, origin.tokens, origin.cost) == ("origin", 3, 9, "0.5")
+    page = templates().get_template("flow.html").render(
+        d=views.detail(f), live="", checkpoints=rows, origin=origin, origin_result=views.shown(HOSTILE),
+        origin_note="", may_fork=True, csrf="c", events=[], grafana="", now=NOW)
+    assert "<script>" not in page and "<img" not in page and "&lt;script&gt;" in page
+    assert page.count('class="fork-form"') == 2 and 'id="fork-output-1"' in page and 'id="fork-output-2"' not in page
+    assert views.fork_edits("", "", "draft") == (None, None)
+    assert views.fork_edits('{"topic": "x"}', "new text", "draft") == ({"topic": "x"}, {"draft": "new text"})
+    with pytest.raises(ValueError, match="JSON object"):
+        views.fork_edits("[1]", "", "draft")
+    with pytest.raises(ValueError, match="not JSON"):
+        views.fork_edits("topic=x", "", "draft")

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from flowkube_api import forks
 from flowkube_api.cron import cronflow_flow
 from flowkube_kubectl import args, chat, cli, show, start
 
@@ -634,3 +635,212 @@ def test_run_template_of_a_cluster_template_one_may_not_read_leaves_the_check_to
                                             "inputs": {"words": 300}}
     out = capsys.readouterr()
     assert out.out == "weekly-x1\n" and "checked when the Flow is created" in out.err
+
+
+# --- fork ---------------------------------------------------------------------------------------------------------
+
+def origin(name: str = "research", ns: str = "team") -> dict[str, Any]:
+    """A Flow with three checkpoints, itself a fork (its forkFrom is not copied), suspended (nor that)."""
+    checkpoints = [
+        {"id": 3, "method": "plan", "kind": "Completed", "time": "2024-05-01T10:00:00Z",
+         "usage": {"totalTokens": 1200, "cost": "0.0012"}},
+        {"id": 4, "method": "review", "kind": "Paused", "time": "2024-05-01T10:01:00Z",
+         "usage": {"totalTokens": 2500, "cost": "0.0031"}},
+        {"id": 5, "method": "write", "kind": "Completed", "time": "2024-05-01T10:02:00Z",
+         "usage": {"totalTokens": 4000, "cost": "0.005"}},
+    ]
+    return {"apiVersion": "flowkube.io/v1alpha1", "kind": "Flow",
+            "metadata": {"name": name, "namespace": ns, "uid": "uid-1", "resourceVersion": "42",
+                         "labels": {"flowkube.io/cronflow": "nightly"}, "creationTimestamp": "2024-05-01T09:00:00Z"},
+            "spec": {"definition": {"name": "Research", "methods": {"plan": {"start": True}}},
+                     "inputs": {"topic": "k8s"}, "env": [{"name": "A", "value": "1"}],
+                     "resources": {"limits": {"memory": "1Gi"}}, "retries": {"limit": 2},
+                     "budget": {"maxTokens": 100000}, "checkpoints": {"keep": 5}, "suspend": True,
+                     "forkFrom": {"name": "older", "checkpoint": 1}},
+            "status": {"phase": "Succeeded", "checkpoints": checkpoints}}
+
+
+GET_ORIGIN = ["get", "flow", "research", "-o", "json"]
+SPEC_COPIED = {"definition": {"name": "Research", "methods": {"plan": {"start": True}}}, "inputs": {"topic": "k8s"},
+               "env": [{"name": "A", "value": "1"}], "resources": {"limits": {"memory": "1Gi"}},
+               "retries": {"limit": 2}, "budget": {"maxTokens": 100000}, "checkpoints": {"keep": 5}}
+
+
+def test_fork_copies_the_spec_and_names_the_checkpoint_and_edits(kubectl: Kubectl,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    kubectl.on("get flow", origin())
+    kubectl.on("create -f", {"kind": "Flow", "metadata": {"name": "research-fork-4", "namespace": "team"}})
+    rc = cli.main(["fork", "research", "--at", "4", "-n", "team", "--input", "words=300", "--input=tone=dry",
+                   "--input", 'extra={"k": [1, true]}', "--output", "plan=Only two sections.",
+                   "--output=write=a=b"])
+    assert rc == 0
+    assert kubectl.calls() == [[*GET_ORIGIN, "--namespace=team"], [*CREATE, "--namespace=team"]]
+    assert kubectl.created() == [{
+        "apiVersion": "flowkube.io/v1alpha1", "kind": "Flow",
+        "metadata": {"name": "research-fork-4", "labels": {"flowkube.io/forked-from": "research"}},
+        "spec": {**SPEC_COPIED, "forkFrom": {
+            "name": "research", "uid": "uid-1", "checkpoint": 4,
+            "inputs": {"words": 300, "tone": "dry", "extra": {"k": [1, True]}},
+            "outputs": {"plan": "Only two sections.", "write": "a=b"}}}}]
+    out = capsys.readouterr()
+    assert out.out == ("flow.flowkube.io/research-fork-4 created "
+                       "(fork of team/research at checkpoint 4: Paused review)\n")
+
+
+def test_fork_without_edits_with_a_name_from_another_namespace(kubectl: Kubectl,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    kubectl.on("get flow", origin(ns="lab"))
+    kubectl.on("create -f", {"kind": "Flow", "metadata": {"name": "retry-write", "namespace": "team"}})
+    rc = cli.main(["-n", "team", "fork", "research", "--at=5", "--from-namespace", "lab", "--name", "retry-write",
+                   "--context=prod"])
+    assert rc == 0
+    # the origin is read in its namespace, the fork made in -n's; the other kubectl flags reach both
+    assert kubectl.calls() == [[*GET_ORIGIN, "--context=prod", "--namespace=lab"],
+                               [*CREATE, "--namespace=team", "--context=prod"]]
+    [created] = kubectl.created()
+    assert created["metadata"] == {"name": "retry-write", "labels": {"flowkube.io/forked-from": "research"}}
+    assert created["spec"] == {**SPEC_COPIED, "forkFrom": {"name": "research", "namespace": "lab", "uid": "uid-1",
+                                                           "checkpoint": 5}}
+    assert capsys.readouterr().out == ("flow.flowkube.io/retry-write created "
+                                       "(fork of lab/research at checkpoint 5: Completed write)\n")
+
+
+def test_fork_from_the_namespace_it_is_made_in_leaves_forkfroms_namespace_out(kubectl: Kubectl) -> None:
+    kubectl.on("get flow", origin())
+    kubectl.on("create -f", {"kind": "Flow", "metadata": {"name": "research-fork-3", "namespace": "team"}})
+    assert cli.main(["fork", "research", "--at", "3", "-n", "team", "--from-namespace", "team"]) == 0
+    assert kubectl.created()[0]["spec"]["forkFrom"] == {"name": "research", "uid": "uid-1", "checkpoint": 3}
+
+
+@pytest.mark.parametrize(("name", "checkpoint", "expected"), [
+    ("research", 4, "research-fork-4"),
+    ("a" * 63, 12, "a" * 55 + "-fork-12"),
+    ("a" * 55 + "-" + "b" * 7, 7, "a" * 55 + "-fork-7"),  # cut right after a dash: the dash goes too
+    ("a" * 55 + "." + "b" * 7, 7, "a" * 55 + "-fork-7"),
+    ("x" * 40, 1 << 53, "x" * 40 + "-fork-9007199254740992"),
+])
+def test_the_default_name_fits_a_flows_63_characters(name: str, checkpoint: int, expected: str) -> None:
+    assert forks.fork_name(name, checkpoint) == expected and len(expected) <= 63
+
+
+def test_fork_dry_run_prints_the_flow_and_creates_nothing(kubectl: Kubectl,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    kubectl.on("get flow", origin())
+    assert cli.main(["fork", "research", "--at", "3", "--dry-run"]) == 0
+    assert kubectl.calls() == [GET_ORIGIN]
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["metadata"]["name"] == "research-fork-3"
+    assert printed["spec"] == {**SPEC_COPIED, "forkFrom": {"name": "research", "uid": "uid-1", "checkpoint": 3}}
+
+
+@pytest.mark.parametrize(("at", "expected"), [
+    ("7", "--at 7: Flow team/research has no checkpoint 7; it has 3, 4, 5 (kubectl flow get research)"),
+    ("1", "--at 1: Flow team/research has no checkpoint 1; it has 3, 4, 5"),
+])
+def test_fork_refuses_a_checkpoint_the_origin_does_not_have(kubectl: Kubectl, capsys: pytest.CaptureFixture[str],
+                                                            at: str, expected: str) -> None:
+    kubectl.on("get flow", origin())
+    assert cli.main(["fork", "research", "--at", at]) == 2
+    assert kubectl.calls() == [GET_ORIGIN]  # read, nothing created
+    assert f"kubectl flow: error: {expected}" in capsys.readouterr().err
+
+
+def test_fork_of_a_flow_without_checkpoints(kubectl: Kubectl, capsys: pytest.CaptureFixture[str]) -> None:
+    bare = origin()
+    del bare["status"]["checkpoints"]
+    kubectl.on("get flow", bare)
+    assert cli.main(["fork", "research", "--at", "1"]) == 2
+    assert "--at 1: Flow team/research has no checkpoints to fork from" in capsys.readouterr().err
+    assert [c[0] for c in kubectl.calls()] == ["get"]
+
+
+@pytest.mark.parametrize(("argv", "where"), [
+    (["fork", "research", "--at", "3"], 'in the current namespace (kubectl flow get; a Flow of another namespace: '
+                                        "--from-namespace NS)"),
+    (["fork", "research", "--at", "3", "-n", "team"], 'in namespace "team"'),
+    (["fork", "research", "--at", "3", "-n", "team", "--from-namespace", "lab"],
+     'in namespace "lab" (kubectl flow get)'),
+])
+def test_fork_of_a_missing_origin(kubectl: Kubectl, capsys: pytest.CaptureFixture[str], argv: list[str],
+                                  where: str) -> None:
+    kubectl.on("get flow", rc=1, err='Error from server (NotFound): flows.flowkube.io "research" not found\n')
+    assert cli.main(argv) == 2
+    assert [c[0] for c in kubectl.calls()] == ["get"]
+    assert f'kubectl flow: error: NAME: Flow "research" not found {where}' in capsys.readouterr().err
+
+
+def test_fork_onto_a_name_in_use_suggests_name(kubectl: Kubectl, capsys: pytest.CaptureFixture[str]) -> None:
+    kubectl.on("get flow", origin())
+    taken = 'Error from server (AlreadyExists): flows.flowkube.io "research-fork-3" already exists\n'
+    kubectl.on("create -f", rc=1, err=taken)
+    assert cli.main(["fork", "research", "--at", "3"]) == 1
+    err = capsys.readouterr().err
+    assert taken in err and "--name NEW" in err
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["fork", "research"], "fork needs --at CHECKPOINT"),
+    (["fork", "research", "--at", "last"], "fork needs --at CHECKPOINT, the id of one of the Flow's checkpoints "
+                                           "(kubectl flow get NAME lists them), got 'last'"),
+    (["fork", "research", "--at", "-1"], "fork needs --at CHECKPOINT"),
+    (["fork", "--at", "3"], "usage: kubectl flow fork NAME"),
+    (["fork", "research", "--at", "3", "--output", "plan"], "--output 'plan' needs METHOD=TEXT"),
+    (["fork", "research", "--at", "3", "--output", "=text"], "--output '=text' needs METHOD=TEXT"),
+    (["fork", "research", "--at", "3", "--output", "a=1", "--output", "a=2"], "--output a given twice"),
+    (["fork", "research", "--at", "3", "--input", "words"], "--input 'words' needs KEY=VALUE"),
+    (["fork", "research", "--at", "3", "--input", "k=@/no/such/file"], "--input k=@/no/such/file: cannot read"),
+    (["fork", "research", "--at", "3", "--from-namespace="], "--from-namespace needs a namespace"),
+    (["fork", "research", "--at", "3", "-p", "a=1"], "unknown flag -p/--param for fork"),
+    (["fork", "research", "--at", "3", "--generate-name"], "unknown flag --generate-name for fork"),
+    (["run-template", "t", "--input", "a=1"], "unknown flag --input for run-template"),
+    (["get", "research", "--at", "3"], "unknown flag --at for get"),
+    (["trigger", "nightly", "--output", "a=b"], "unknown flag --output for trigger"),
+])
+def test_fork_usage_errors(kubectl: Kubectl, capsys: pytest.CaptureFixture[str], argv: list[str],
+                           expected: str) -> None:
+    assert cli.main(argv) == 2
+    assert expected in capsys.readouterr().err
+    assert kubectl.calls() == []
+
+
+def test_fork_takes_an_output_from_a_file(kubectl: Kubectl, tmp_path: Path) -> None:
+    (tmp_path / "plan.md").write_text("# Plan\n\n1. Only this.\n")
+    kubectl.on("get flow", origin())
+    kubectl.on("create -f", {"kind": "Flow", "metadata": {"name": "research-fork-3"}})
+    assert cli.main(["fork", "research", "--at", "3", "--output", f"plan=@{tmp_path}/plan.md"]) == 0
+    assert kubectl.created()[0]["spec"]["forkFrom"]["outputs"] == {"plan": "# Plan\n\n1. Only this.\n"}
+
+
+def test_help_shows_fork(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--help"]) == 0
+    assert "kubectl flow fork NAME --at CHECKPOINT [--input KEY=VALUE]... [--output METHOD=TEXT]..." in (
+        capsys.readouterr().out)
+
+
+def test_get_lists_the_checkpoints_and_the_fork_origin(kubectl: Kubectl, capsys: pytest.CaptureFixture[str]) -> None:
+    f = origin(name="research-fork-4")
+    f["status"]["forkedFrom"] = {"namespace": "team", "name": "research", "uid": "uid-1", "checkpoint": 4,
+                                 "method": "review", "kind": "Paused"}
+    f["status"]["inheritedUsage"] = {"totalTokens": 2500, "cost": "0.0031"}
+    kubectl.on("get flow", f)
+    assert cli.main(["get", "research-fork-4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == ("Forked from: team/research at checkpoint 4 (Paused review); inherited usage: 2500 tokens, "
+                        "USD 0.0031 (not counted in usage)")
+    at = lines.index("Checkpoints (fork one: kubectl flow fork research-fork-4 --at ID):")
+    assert [line.split() for line in lines[at + 1:at + 4]] == [
+        ["3", "Completed", "plan", "2024-05-01T10:00:00Z", "1200", "tokens", "USD", "0.0012"],
+        ["4", "Paused", "review", "2024-05-01T10:01:00Z", "2500", "tokens", "USD", "0.0031"],
+        ["5", "Completed", "write", "2024-05-01T10:02:00Z", "4000", "tokens", "USD", "0.005"],
+    ]
+
+
+def test_describe_without_checkpoints_or_origin_says_nothing_of_them() -> None:
+    text = show.describe(flow("Running"))
+    assert "Checkpoints" not in text and "Forked from" not in text
+    partial = flow("Running")
+    partial["status"]["forkedFrom"] = {"namespace": "team", "name": "research", "checkpoint": 2}
+    partial["status"]["checkpoints"] = [{"id": 9, "method": "m", "kind": "Completed", "time": "t"}]
+    text = show.describe(partial)
+    assert "Forked from: team/research at checkpoint 2\n" in text + "\n" and "inherited" not in text
+    assert any(line.split() == ["9", "Completed", "m", "t", "0", "tokens", "USD", "0"] for line in text.splitlines())

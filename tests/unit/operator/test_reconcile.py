@@ -906,3 +906,60 @@ def test_inputs_that_do_not_fit_the_templates_parameters_fail_the_flow_naming_th
     assert cond(body, "Accepted")["status"] == "False"
     assert cond(body, "Accepted")["reason"] == Reason.INVALID_INPUTS
     assert "spec.inputs.topic: must be string" in body["status"]["message"]
+
+
+def test_a_fork_copies_its_checkpoint_first_then_runs_from_it_with_only_its_own_usage_counted() -> None:
+    from flowkube_api.report import CheckpointEntry, SpentSoFar
+    from flowkube_operator.flows.reconcile.forks import ForkSource
+
+    body = flow(forkFrom={"name": "origin", "checkpoint": 2})
+    entry = CheckpointEntry(id=2, method="review", kind="Paused", time=T0,
+                            usage=SpentSoFar(total_tokens=300, cost=Decimal("0.5")))
+    source = ForkSource("ns", "origin", "u0", entry, b"gz-state")
+    # First: the copy, and the status that says so; no run yet (its pod comes after that write).
+    p = plan(body, {}, now=T0, fork=source)
+    body["status"] = p.status.dump()
+    assert p.fork_state == b"gz-state" and p.create_pod is None and p.requeue_after is not None
+    assert body["status"]["forkedFrom"] == {"namespace": "ns", "name": "origin", "uid": "u0", "checkpoint": 2,
+                                            "method": "review", "kind": "Paused"}
+    assert body["status"]["inheritedUsage"] == {"totalTokens": 300, "cost": "0.5"}
+    assert [e[1] for e in p.events] == [Reason.FORKED]
+    # Then its first run: a fork run, from nothing its origin spent (the budget is its own).
+    p = step(body, at=1)
+    assert p.fork_state is None and p.create_pod is not None and p.create_pod.trigger == Trigger.FORK
+    assert p.create_pod.prior == TokenUsage()
+    # Its run ends: usage is its own calls, the inherited spend stays beside it, and the checkpoints it
+    # took are its index (the last spec.checkpoints.keep, by id).
+    own = usage(40, 2)
+    taken = [CheckpointEntry(id=n, method=f"m{n}", kind="Completed", time=T0) for n in range(3, 10)]
+    rep = report("f-0", RunResult.SUCCEEDED, trigger=Trigger.FORK, usage=own, checkpoints=taken)
+    step(body, pod("f-0", "Succeeded", exit_code=0), rep, at=5)
+    assert body["status"]["phase"] == Phase.SUCCEEDED
+    assert body["status"]["usage"]["totalTokens"] == 42
+    assert body["status"]["inheritedUsage"]["totalTokens"] == 300
+    assert [e["id"] for e in body["status"]["checkpoints"]] == [5, 6, 7, 8, 9]
+
+
+def test_a_fork_whose_origin_or_checkpoint_is_gone_fails_saying_which() -> None:
+    from flowkube_operator.flows.reconcile.forks import ForkSource
+
+    body = flow(forkFrom={"name": "origin", "checkpoint": 7})
+    why = "checkpoint 7 of Flow ns/origin is no longer kept (it keeps the last spec.checkpoints.keep=5; it lists: 8)"
+    p = plan(body, {}, now=T0, fork=ForkSource("ns", "origin", problem=why))
+    body["status"] = p.status.dump()
+    assert body["status"]["phase"] == Phase.FAILED and p.create_pod is None and p.fork_state is None
+    assert cond(body, "Succeeded")["reason"] == Reason.FORK_SOURCE_UNAVAILABLE
+    assert body["status"]["message"] == why
+
+
+def test_the_checkpoint_index_keeps_the_last_ones_and_none_when_keep_is_zero() -> None:
+    from flowkube_api.report import CheckpointEntry
+    from flowkube_operator.flows.reconcile.forks import fold, kept
+
+    def entries(*ids: int) -> list[CheckpointEntry]:
+        return [CheckpointEntry(id=n, method="m", kind="Completed", time=T0) for n in ids]
+
+    assert [e.id for e in fold(entries(1, 2, 3), entries(3, 4), 3) or []] == [2, 3, 4]
+    assert fold(entries(1), None, 3) == entries(1)
+    assert fold(None, entries(1, 2), 0) is None
+    assert kept({"checkpoints": {"keep": 0}}) == 0 and kept({}) == 5 and kept({"checkpoints": {"keep": 99}}) == 5

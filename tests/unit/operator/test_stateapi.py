@@ -133,6 +133,7 @@ class FakeKube:
         if patch["metadata"]["uid"] != cm["metadata"]["uid"]:
             raise ApiError(422, {"message": "metadata.uid: Invalid value: field is immutable"}, "PATCH", path)
         cm.setdefault("binaryData", {}).update(patch["binaryData"])
+        cm["metadata"].setdefault("annotations", {}).update(patch["metadata"].get("annotations") or {})
         return cm
 
 
@@ -160,6 +161,9 @@ class FakeRuns:
 
     async def changed(self, key: tuple[str, str], seconds: float) -> None:
         return None
+
+    def checkpoints_kept(self, namespace: str, flow: str) -> int:
+        return 3
 
 
 def api(kube: FakeKube, active: dict[tuple[str, str], tuple[str, str, str]] | None = None) -> StateApi:
@@ -761,3 +765,39 @@ def test_one_address_has_a_rate_and_a_burst_and_others_are_not_slowed() -> None:
     for i in range(10):  # many addresses: the table stays bounded, busy ones kept
         limits.take(f"10.1.0.{i}")
     assert len(limits._clients) <= 3
+
+
+def test_a_runner_sending_any_number_of_checkpoints_leaves_at_most_keep_configmaps() -> None:
+    """Checkpoints go into a ring of spec.checkpoints.keep ConfigMaps (3 here): a thousand PUTs, in any
+    order, leave three, each holding the latest number of its slot; only the running attempt may PUT
+    them, nobody may GET them through the state API, and the state's size bound holds."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from flowkube_operator.serve.stateauth import ClientLimits
+
+    kube = FakeKube()
+    runs = FakeRuns({("ns", "demo-0"): ("demo", FLOW_UID, "pod-uid")})
+    # The per-address rate is a bound of its own (a runner is slowed with 429s); lifted here to reach the ring's.
+    state = StateApi(lambda: kube, runs, runs, limits=ClientLimits(rate=1e6, burst=10**6))  # type: ignore[arg-type,return-value]
+    auth = {"Authorization": f"Bearer {jwt('good')}"}
+
+    async def scenario() -> None:
+        async with TestClient(TestServer(state.app())) as client:
+            for n in [*range(1, 1001), 7, 3]:
+                sent = await client.put(c.STATE_API_PREFIX + c.checkpoint_key(n), data=f"cp{n}".encode(), headers=auth)
+                assert sent.status == 204
+            rings = {name: cm for name, cm in kube.configmaps.items() if name.startswith("demo-cp-")}
+            assert sorted(rings) == ["demo-cp-0", "demo-cp-1", "demo-cp-2"]
+            held = {name: (cm["metadata"]["annotations"][c.CHECKPOINT_ANNOTATION],
+                           base64.b64decode(cm["binaryData"][c.STATE_KEY])) for name, cm in rings.items()}
+            # Each slot holds the last number sent to it (what a fork checks before it copies one).
+            assert held == {"demo-cp-0": ("3", b"cp3"), "demo-cp-1": ("7", b"cp7"), "demo-cp-2": ("998", b"cp998")}
+            assert all(cm["metadata"]["ownerReferences"][0]["uid"] == FLOW_UID for cm in rings.values())
+            for bad in ("checkpoint.0", "checkpoint.01", "checkpoint.-1", "checkpoint.1234567890123456"):
+                assert (await client.put(c.STATE_API_PREFIX + bad, data=b"x", headers=auth)).status == 403, bad
+            assert (await client.get(c.STATE_API_PREFIX + c.checkpoint_key(7), headers=auth)).status == 403
+            big = await client.put(c.STATE_API_PREFIX + c.checkpoint_key(5), data=b"x" * (c.STATE_LIMIT + 1),
+                                   headers=auth)
+            assert big.status == 413
+
+    asyncio.run(scenario())

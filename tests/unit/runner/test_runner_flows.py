@@ -649,3 +649,67 @@ def test_with_keep_tasks_off_a_retry_runs_the_whole_crew_again(harness: Harness,
     report = succeeded(harness.run(c.Trigger.RETRY, spec))
     assert parts_of(stub.ledger()[before:]) == ["PART1", "PART2", "PART3", "PART4"]
     assert report.usage == ledger_usage(stub.ledger()[before:])
+
+
+def test_checkpoints_are_kept_and_forks_run_from_them_with_their_own_usage(
+        harness: Harness, stub: StubModel, tmp_path: Path) -> None:
+    """The origin pauses at its review: a checkpoint after `draft` and one at the pause. A fork of the
+    first with `draft`'s output edited asks the review about the edited text and polishes it; a fork of
+    the second, answered the other way, takes the other branch. Nothing before a checkpoint is called
+    again, and each run's usage is its own calls."""
+    spec: dict[str, Any] = {"definition": article_definition()}
+    origin = paused(harness.run(c.Trigger.KICKOFF, spec))
+    ledger = stub.ledger()
+    assert origin.usage == ledger_usage(ledger)
+    assert origin.checkpoints is not None
+    assert [(e.id, e.kind, e.method) for e in origin.checkpoints] == [
+        (1, "Completed", "draft"), (2, "Paused", "review")]
+    assert origin.checkpoints[0].usage.total_tokens == origin.usage.total_tokens  # draft made the only call
+    snapshots = {n: harness.store.get(c.checkpoint_key(n)) for n in (1, 2)}
+    assert all(snapshots.values())
+    assert decode_json(snapshots[1] or b"", "checkpoint")["runtime"]["completedMethods"] == ["draft"]
+
+    def fork_of(n: int, name: str, **edits: Any) -> tuple[Harness, dict[str, Any]]:
+        fork = Harness(tmp_path / name, stub, flow=name)
+        fork.store.put(c.STATE_KEY, snapshots[n] or b"")  # what the operator copies at the fork's first reconcile
+        return fork, {**spec, "forkFrom": {"name": harness.flow, "checkpoint": n, **edits}}
+
+    edited, edited_spec = fork_of(1, "edited", outputs={"draft": "EDITED facts."})
+    first = paused(edited.run(c.Trigger.FORK, edited_spec))
+    assert len(stub.ledger()) == len(ledger)  # draft is not called again: the review shows the edit
+    assert first.feedback_request is not None and first.feedback_request.output == "EDITED facts."
+    assert first.flow_id and first.flow_id != origin.flow_id
+    assert first.usage == Usage()
+    assert (edited.state() or {})["forked"] == "/demo#1"
+    answer = {"requestId": first.feedback_request.id, "text": "LGTM", "outcome": "approved"}
+    second = paused(edited.run(c.Trigger.RESUME, edited_spec, feedback=answer))
+    calls = stub.ledger()[len(ledger):]
+    assert len(calls) == 1 and "POLISH EDITED facts." in calls[0]["lastUser"]
+    assert second.usage == ledger_usage(calls)
+    assert second.flow_id == first.flow_id
+    # Its own checkpoints go on from the origin's numbers.
+    assert [(e.id, e.kind, e.method) for e in first.checkpoints or []] == [(2, "Paused", "review")]
+    assert [(e.id, e.kind, e.method) for e in second.checkpoints or []] == [
+        (3, "Completed", "review"), (4, "Completed", "polish"), (5, "Paused", "final_review")]
+
+    answered, answered_spec = fork_of(2, "other-way")
+    waiting = paused(answered.run(c.Trigger.FORK, answered_spec))
+    assert waiting.feedback_request is not None and waiting.feedback_request.method == "review"
+    assert waiting.feedback_request.output == "Operators reconcile desired state."
+    before = len(stub.ledger())
+    no = {"requestId": waiting.feedback_request.id, "text": "no", "outcome": "rejected"}
+    done = succeeded(answered.run(c.Trigger.RESUME, answered_spec, feedback=no))
+    assert done.output == "shelved: Operators reconcile desired state."
+    assert len(stub.ledger()) == before and done.usage == Usage()
+    assert harness.state() is not None and (harness.state() or {})["pending"] is not None  # the origin is unchanged
+
+
+def test_a_fork_whose_edit_names_a_method_without_output_fails_naming_it(
+        harness: Harness, stub: StubModel, tmp_path: Path) -> None:
+    spec: dict[str, Any] = {"definition": article_definition()}
+    paused(harness.run(c.Trigger.KICKOFF, spec))
+    fork = Harness(tmp_path / "bad", stub, flow="bad")
+    fork.store.put(c.STATE_KEY, harness.store.get(c.checkpoint_key(1)) or b"")
+    bad = {**spec, "forkFrom": {"name": "demo", "checkpoint": 1, "outputs": {"polish": "x"}}}
+    report = failed(fork.run(c.Trigger.FORK, bad), c.Reason.INVALID_INPUTS, c.EXIT_PERMANENT)
+    assert "spec.forkFrom.outputs.polish" in report.message and "completed there: draft" in report.message

@@ -47,6 +47,7 @@ from flowkube_api.report import RunReport
 from flowkube_operator.flows.conditions import describe
 from flowkube_operator.flows.reconcile.conversation import Conversation
 from flowkube_operator.flows.reconcile.feedback import Feedback
+from flowkube_operator.flows.reconcile.forks import ForkSource
 from flowkube_operator.flows.reconcile.rules import (
     DISRUPTION_REASONS,
     PERMANENT_REASONS,
@@ -75,9 +76,10 @@ __all__ = [
 Body = dict[str, Any]
 
 
-def plan(flow: Body, pods: dict[str, PodView], report: RunReport | None = None, *,
+def plan(flow: Body, pods: dict[str, PodView], report: RunReport | None = None, *,  # noqa: PLR0913 - keyword-only: what the caller read, each named
          now: dt.datetime | None = None, backoff_cap: int = 3600, report_checked: bool = False,
-         late: Mapping[str, RunReport | None] | None = None, template: Body | Taken | None = None) -> Plan:
+         late: Mapping[str, RunReport | None] | None = None, template: Body | Taken | None = None,
+         fork: ForkSource | None = None) -> Plan:
     """The status the Flow should have and the actions that make it so.
 
     `report` is the active run's report when the caller has read it (`report_checked`); a plan
@@ -86,9 +88,12 @@ def plan(flow: Body, pods: dict[str, PodView], report: RunReport | None = None, 
     None where the pod left none. `template` is the FlowTemplate or ClusterFlowTemplate a Flow that has
     not taken one yet names, None when it is not there; for a Flow that took one already, a `Taken`:
     what the caller read (the spec of the snapshot its status.template names, or why it cannot be had).
+    `fork`: for a fork that has not copied its checkpoint yet (`spec.forkFrom`, no `status.forkedFrom`),
+    what the caller read of its origin.
     """
-    return Reconciler(FlowState(flow, pods, report, now or now_utc(), backoff_cap, report_checked, late or {},
-                                template)).run()
+    state = FlowState(flow, pods, report, now or now_utc(), backoff_cap, report_checked, late or {}, template)
+    state.fork = fork
+    return Reconciler(state).run()
 
 
 def late_pods(status: Body, pods: Mapping[str, PodView]) -> list[str]:
@@ -139,6 +144,11 @@ class Reconciler:
             s.terminal(Phase.FAILED, Reason.TEMPLATE_SNAPSHOT_UNUSABLE, s.taken_problem)
             for name in list(s.pods):
                 s.stop_pod(name)
+            self._finish()
+            return s.plan
+        if (s.spec.fork_from is not None and st.forked_from is None and not s.runs
+                and st.phase not in c.TERMINAL_PHASES):
+            s.take_fork()
             self._finish()
             return s.plan
         if s.taken_problem is None:  # (an ended Flow whose snapshot is gone keeps the name it had)
@@ -196,7 +206,7 @@ class Reconciler:
         elif s.fb.request is not None:
             self.feedback.await_answer()
         elif not s.runs:
-            s.start(Trigger.KICKOFF)
+            s.start(Trigger.FORK if s.st.forked_from is not None else Trigger.KICKOFF)
         elif s.runs[-1].result == RunResult.FAILED:
             self.runs.retry(s.runs[-1])
         elif s.runs[-1].result == RunResult.PAUSED:

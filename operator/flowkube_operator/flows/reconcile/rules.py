@@ -35,7 +35,7 @@ REPORTS_KEPT = 20
 
 # Runs whose pod is created before the status write that records them: everything they carry is
 # durable already (a resume or a turn takes an answer or a message out of an inbox: recorded first).
-POD_FIRST_TRIGGERS = frozenset({Trigger.KICKOFF, Trigger.RETRY})
+POD_FIRST_TRIGGERS = frozenset({Trigger.KICKOFF, Trigger.RETRY, Trigger.FORK})
 
 # How long a pod stopped at the deadline gets to be gone before its run is ended anyway (a node that
 # is down never confirms the deletion). Pods are deleted with their default 30 s grace period.

@@ -14,6 +14,7 @@ from flowkube_api.models import (
     Run,
 )
 from flowkube_api.report import RunReport, Usage, excerpt
+from flowkube_operator.flows.reconcile import forks
 from flowkube_operator.flows.reconcile.conversation import Conversation
 from flowkube_operator.flows.reconcile.feedback import Feedback
 from flowkube_operator.flows.reconcile.rules import (
@@ -191,6 +192,7 @@ class Runs:
             run.usage = rep.usage  # every LLM call the run made counts, however it ended
             if rep.flow_id:
                 s.st.flow_id = rep.flow_id
+            s.st.checkpoints = forks.fold(s.st.checkpoints, rep.checkpoints, forks.kept(s.own_spec))
             self.feedback.note_applied(rep)
         run.finished_at = finished_at or s.now
         if run.started_at is None:

@@ -17,6 +17,7 @@ from flowkube_api.models import (
     FeedbackStatus,
     FlowSpec,
     FlowStatus,
+    ForkedFrom,
     Run,
     TemplateStatus,
 )
@@ -24,6 +25,7 @@ from flowkube_api.report import RunReport, TokenUsage, excerpt
 from flowkube_api.runspec import spec_error_text
 from flowkube_api.templates import describe_ref, effective_spec, snapshot, snapshot_object, snapshot_ref, taken_spec
 from flowkube_api.templates import problems as template_problems
+from flowkube_operator.flows.reconcile.forks import ForkSource
 from flowkube_operator.flows.reconcile.rules import POD_FIRST_TRIGGERS, budget_spent, running_seconds, total_usage
 from flowkube_operator.meta import Doomed, PodView
 
@@ -70,6 +72,9 @@ class Plan:
     # The template snapshot (a ControllerRevision) to ensure before the status write that names it.
     snapshot: Body | None = None
     template_spec: Body | None = None  # the template spec the Flow runs (taken now, or loaded for it)
+    # A fork's first reconcile: the checkpoint it copies into its own state, before the status write
+    # that records status.forkedFrom.
+    fork_state: bytes | None = None
     # The spec the Flow runs, resolved and validated once, here: its own, or (a Flow of a template)
     # the template's with the Flow's own fields over it. Its pods and notifications are made from it.
     spec: FlowSpec | None = None
@@ -108,6 +113,7 @@ class FlowState:
         # The template a Flow that has not taken one yet names (None: not there); or what was read for
         # one that took it (a Taken).
         self.template = None if isinstance(template, Taken) else template
+        self.fork: ForkSource | None = None  # a fork's origin checkpoint, when it has not copied it yet
         taken = template if isinstance(template, Taken) else None
         # A Flow of a template runs the template as it took it (flowkube_api.templates): its snapshot,
         # read by the controller, or the copy an older operator wrote into its status.
@@ -177,6 +183,26 @@ class FlowState:
             self.terminal(Phase.FAILED, Reason.INVALID_SPEC, f"{what}: {spec_error_text(e)}")
             return False
         self.plan.event(Reason.TEMPLATE_RESOLVED, f"runs {what} (generation {self.st.template.generation})")
+        return True
+
+    def take_fork(self) -> bool:
+        """A fork that has not copied its checkpoint yet copies it now (``plan.fork_state``, written
+        before the status that records ``status.forkedFrom``); its first run starts in the next reconcile,
+        after that write. False when it cannot: the Flow fails, naming why."""
+        source = self.fork
+        if source is None or source.problem is not None or source.data is None or source.entry is None:
+            why = source.problem if source is not None and source.problem else "the checkpoint was not read"
+            self.terminal(Phase.FAILED, Reason.FORK_SOURCE_UNAVAILABLE, why)
+            return False
+        entry = source.entry
+        self.st.forked_from = ForkedFrom(namespace=source.namespace, name=source.name, uid=source.uid,
+                                         checkpoint=entry.id, method=entry.method, kind=entry.kind)
+        self.st.inherited_usage = entry.usage
+        self.st.phase = Phase.PENDING
+        self.plan.fork_state = source.data
+        self.plan.later(0)
+        self.plan.event(Reason.FORKED, f"forked from checkpoint {entry.id} of Flow {source.namespace}/{source.name} "
+                        f"({entry.kind.lower()} {entry.method}); it runs on from there")
         return True
 
     def start(self, trigger: Trigger) -> None:
