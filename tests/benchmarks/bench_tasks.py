@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from flowkube_api.constants import STATE_KEY
 from flowkube_devstack.stubmodel import Rules, StubModel
 from tests.definitions import crew_definition
 
@@ -29,21 +30,25 @@ MODEL = "gpt-4o-mini"
 WRITER = {"role": "Writer", "goal": "Write well", "backstory": "A careful writer.", "settings": {"llm": MODEL}}
 
 
-class CountingStore:
-    """The runner's file store, counting the writes of the state key and their bytes."""
+class CountingKeys:
+    """The runner's file store, counting the writes of each key and their bytes."""
 
     def __init__(self, root: Path) -> None:
         from flowkube_runner.store import FileStore
 
         self.inner = FileStore(root)
-        self.writes: list[int] = []
+        self.written: list[tuple[str, int]] = []
 
     def get(self, key: str) -> bytes | None:
         return self.inner.get(key)
 
     def put(self, key: str, value: bytes, *, leader_for: float | None = None) -> None:
         self.inner.put(key, value)
-        self.writes.append(len(value))
+        self.written.append((key, len(value)))
+
+    def sizes(self, prefix: str) -> list[int]:
+        """The bytes of each write of a key starting with ``prefix``, in order."""
+        return [n for key, n in self.written if key.startswith(prefix)]
 
 
 def prose(seed: int, words: int) -> str:
@@ -57,14 +62,14 @@ def prose(seed: int, words: int) -> str:
 def run_once(keep: bool, tasks: int, root: Path) -> tuple[float, list[int]]:
     from flowkube_runner.engine.session import FlowSession
 
-    store = CountingStore(root)
+    store = CountingKeys(root)
     session = FlowSession(store, "bench-0", None, keep_tasks=keep)
     session.load(definition=crew_definition(WRITER, tasks))
     started = time.perf_counter()
     ending = session.kickoff({})
     took = time.perf_counter() - started
     assert not ending.paused and ending.output, ending
-    return took, store.writes
+    return took, store.sizes(STATE_KEY)
 
 
 def main() -> None:
