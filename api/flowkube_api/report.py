@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationError, model_validator
 
 from flowkube_api.base import Model, Money, Time
-from flowkube_api.constants import EXCERPT_LIMIT, Reason, RunResult, Trigger
+from flowkube_api.constants import CHECKPOINTS_KEPT_LIMIT, EXCERPT_LIMIT, Reason, RunResult, Trigger
 
 Count = Annotated[int, Field(ge=0)]
 TERMINATION_MESSAGE_LIMIT = 4096  # kubelet truncates the termination message beyond this
@@ -166,7 +166,8 @@ class FeedbackApplied(Model):
     timed_out: bool = False
 
 
-CHECKPOINTS_REPORTED = 10  # checkpoint entries in one report: the last ones (status keeps at most checkpoints.keep)
+# Checkpoint entries in one report: the last ones (status keeps at most spec.checkpoints.keep of them).
+CHECKPOINTS_REPORTED = CHECKPOINTS_KEPT_LIMIT
 
 
 class SpentSoFar(Model):

@@ -196,6 +196,10 @@ class Settings(BaseSettings):
     webhook_enabled: bool = Field(
         default=False, description="Serve the admission webhooks (Flow validation, feedback answers); the "
         "chart turns it on and registers them.")
+    webhook_flows_fail_closed: bool = Field(
+        default=True, description="The Flow webhook's failurePolicy is Fail, so no Flow is created without its "
+        "checks; the chart sets it from webhook.failurePolicy.flows. Only then are forks of another "
+        "namespace's Flows taken (the webhook checked their creator may get the origin).")
     webhook_port: int = Field(default=9443, description="Port of the admission webhook server (HTTPS).")
     webhook_host: str = Field(default="127.0.0.1",
                               description="Name or IP the API server and runner pods use to reach the operator.")

@@ -157,8 +157,7 @@ class _Run:
 
     def _after_checkpoint(self) -> None:
         """A checkpoint listed at once in the interim report: the index outlives a lost pod."""
-        if self.interim is not None:
-            self.interim.update(self.recorder.recorded, self.flow_id(), self.checkpoints.entries())
+        self._after_model_call(self.recorder)
 
     def flow_id(self) -> str | None:
         return self.session.flow_id() if self.session is not None else None
@@ -271,7 +270,8 @@ class _Run:
             raise permanent(c.Reason.STATE_CORRUPT, str(e)) from e
         if document is None and trigger in (c.Trigger.RESUME, c.Trigger.FORK):
             raise permanent(c.Reason.STATE_CORRUPT, f"{trigger.value} requested but state key {c.STATE_KEY} is missing")
-        if trigger is c.Trigger.FORK and document is not None and document.forked is None:
+        if self.config.spec.fork_from is not None and document is not None and document.forked is None:
+            # A fork's first run, or the retry of one that was lost before it saved its edits.
             document = self._fork(document)
         return document
 

@@ -401,8 +401,9 @@ def test_forks_start_from_checkpoints_with_an_edit_or_the_other_answer_and_outli
                "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "bob"}]}
     for obj in (role, binding):
         apply_object(stack, obj, flows.ns)
+    # (A flowRef and nothing else: a spec the webhook's matchConditions let through unless it forks.)
     fork = {"apiVersion": "flowkube.io/v1alpha1", "kind": "Flow", "metadata": {"name": "bobs"},
-            "spec": {**spec, "forkFrom": {"name": "origin", "checkpoint": 1}}}
+            "spec": {"flowRef": ARTICLE_FLOW, "forkFrom": {"name": "origin", "checkpoint": 1}}}
     refused = stack.cluster.kubectl("create", "-n", flows.ns, "--as=bob", "-f", "-", input=json.dumps(fork),
                                     check=False)
     assert refused.returncode != 0 and "may not get Flow" in refused.stderr and "origin" in refused.stderr

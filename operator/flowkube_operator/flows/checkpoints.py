@@ -55,6 +55,9 @@ async def store(kube: Kube, flow: Body, checkpoint: int, keep: int, data: bytes)
         if owner_uid(existing["metadata"]) != uid:
             raise CheckpointRefused(409, f"configmap {meta['name']} still belongs to an earlier Flow of the same "
                                          "name; retry once it is garbage-collected")
+        held = ((existing["metadata"].get("annotations") or {}).get(c.CHECKPOINT_ANNOTATION) or "")
+        if held.isdigit() and int(held) > checkpoint:
+            return  # a later checkpoint is in the slot already (this one was sent late): it stays
         try:
             await kube.merge_patch(path, {"metadata": {"uid": existing["metadata"]["uid"],
                                                        "annotations": meta["annotations"]},
@@ -72,15 +75,27 @@ async def fork_source(kube: Kube, fork: Body, *, across_namespaces: bool) -> For
     Flow is no fork, or copied its checkpoint already). ``across_namespaces``: the admission webhook
     checked that whoever created the fork may get its origin; without it, only an origin of the fork's
     own namespace is read (the operator would otherwise copy any namespace's state for anyone)."""
-    ref = (fork.get("spec") or {}).get("forkFrom")
-    if not isinstance(ref, dict) or (fork.get("status") or {}).get("forkedFrom"):
+    ref, status = (fork.get("spec") or {}).get("forkFrom"), fork.get("status") or {}
+    if not isinstance(ref, dict) or status.get("forkedFrom") or status.get("runs") or status.get("phase") in (
+            c.Phase.SUCCEEDED, c.Phase.FAILED):
         return None
     namespace = str(ref.get("namespace") or fork["metadata"]["namespace"])
-    name, number = str(ref.get("name") or ""), ref.get("checkpoint")
+    name = str(ref.get("name") or "")
     what = f"Flow {namespace}/{name}"
     if namespace != fork["metadata"]["namespace"] and not across_namespaces:
         return ForkSource(namespace, name, problem=f"{what} is in another namespace: forks across namespaces need "
-                          "the admission webhook, which checks that their creator may get the origin")
+                          "the admission webhook, failing closed, which checks that their creator may get the origin")
+    try:
+        return await _read_source(kube, ref, namespace, name, what)
+    except ApiError as e:
+        if e.status not in (401, 403):
+            raise
+        return ForkSource(namespace, name, problem=f"the operator may not read {what} or its checkpoints ({e.status}): "
+                          "it watches only some namespaces, or its RBAC does not reach that one")
+
+
+async def _read_source(kube: Kube, ref: Body, namespace: str, name: str, what: str) -> ForkSource:
+    number = ref.get("checkpoint")
     origin = await kube.get(flow_path(namespace, name))
     if origin is None:
         return ForkSource(namespace, name, problem=f"{what} does not exist: there is no checkpoint to fork from")

@@ -310,7 +310,8 @@ class Controller:
         if template is None and not self.templates.synced() and self.templates.waits(key):
             return None
         return template or await self._taken(key, body), await fork_source(
-            self.writes.client(), body, across_namespaces=self.settings.webhook_enabled)
+            self.writes.client(), body,
+            across_namespaces=self.settings.webhook_enabled and self.settings.webhook_flows_fail_closed)
 
     async def _taken(self, key: Key, body: Body) -> Taken | None:
         """For a Flow that took its template: the spec of the snapshot its status names (from the

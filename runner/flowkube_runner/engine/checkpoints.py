@@ -50,13 +50,14 @@ class CheckpointLog:
 
     def take(self, document: StateDocument, data: bytes, kind: Literal["Completed", "Paused"], method: str) -> None:
         """``data`` is ``document`` as just written; its number is ``document.checkpoint``."""
+        spent = self._spent()  # as of the write (a parallel branch's call may land while it is sent)
         try:
             self._store.put(checkpoint_key(document.checkpoint), data)
         except Exception as e:
             log.warning("checkpoint %d (after %s) was not kept: %s", document.checkpoint, method, e)
             return
         entry = CheckpointEntry(id=document.checkpoint, method=method, kind=kind,
-                                time=document.updated_at or datetime.now(UTC), usage=self._spent())
+                                time=document.updated_at or datetime.now(UTC), usage=spent)
         with self._lock:
             self._entries = [*self._entries[-(CHECKPOINTS_REPORTED - 1):], entry]
         if self._on_taken is not None:
@@ -113,12 +114,20 @@ def _edit_outputs(document: StateDocument, outputs: dict[str, str]) -> None:
         str(e.get("method")) for e in kept if isinstance(e, dict)}
     runtime["methodOutputs"] = kept
     runtime["completedMethods"] = [m for m in runtime.get("completedMethods") or [] if m not in again]
-    counts = dict(runtime.get("methodExecutionCounts") or {})
-    for e in dropped:
-        method = str(e.get("method")) if isinstance(e, dict) else ""
-        if counts.get(method, 0) > 0:
-            counts[method] -= 1
-    runtime["methodExecutionCounts"] = {m: n for m, n in counts.items() if n > 0}
+    for counts_key in ("methodExecutionCounts", "methodCallCounts"):
+        counts = dict(runtime.get(counts_key) or {})
+        for e in dropped:
+            method = str(e.get("method")) if isinstance(e, dict) else ""
+            if counts.get(method, 0) > 0:
+                counts[method] -= 1
+        runtime[counts_key] = {m: n for m, n in counts.items() if n > 0}
+    # What the dropped methods set off is undone too, so their listeners (an or_ that fired, an and_
+    # half met) fire again as they run again; their answers leave the feedback history.
+    runtime["firedOrListeners"] = [m for m in runtime.get("firedOrListeners") or [] if m not in again]
+    runtime["pendingEvents"] = {k: [t for t in v if t not in again]
+                                for k, v in (runtime.get("pendingEvents") or {}).items() if k not in again}
+    runtime["humanFeedbackHistory"] = [h for h in runtime.get("humanFeedbackHistory") or []
+                                       if not (isinstance(h, dict) and h.get("method_name") in again)]
     document.pending = None  # asked about what came before the edit: asked again, about the new output
     document.tasks = {}
 

@@ -569,7 +569,7 @@ def test_webhooks(helm: Path) -> None:
         {"name": "checked-fields", "expression": (
             "has(object.spec.definition) || has(object.spec.inputs) || has(object.spec.envFrom) "
             "|| has(object.spec.podTemplate) || has(object.spec.env) || has(object.spec.image) "
-            "|| has(object.spec.templateRef)")},
+            "|| has(object.spec.templateRef) || has(object.spec.forkFrom)")},
     ]
     for hook in [h for h in validating + mutating if "-status" in h["name"]]:
         assert hook["matchConditions"] == [{

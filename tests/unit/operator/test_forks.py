@@ -85,3 +85,17 @@ def test_a_fork_is_refused_naming_what_is_missing_or_not_its_own() -> None:
     # From another namespace only with the webhook, which checks the creator may get the origin.
     assert "another namespace" in problem(origin_world(), fork("mine", namespace="team"), across=False)
     assert read(origin_world(), fork("mine", namespace="team"), across=True) is not None
+
+
+def test_a_fork_the_operator_may_not_read_fails_saying_so_and_an_ended_fork_reads_nothing() -> None:
+    from flowkube_operator.kube.client import ApiError
+
+    class Forbidden(Kube):
+        async def get(self, path: str) -> dict[str, Any] | None:
+            raise ApiError(403, {"message": "forbidden"}, "GET", path)
+
+    source = read(Forbidden(), fork())
+    assert source is not None and "may not read Flow team/origin" in str(source.problem)
+    # Failed (its origin was gone) or started already: nothing is looked up again at later reconciles.
+    assert read(Forbidden(), {**fork(), "status": {"phase": "Failed"}}) is None
+    assert read(Forbidden(), {**fork(), "status": {"runs": [{"pod": "f-0"}]}}) is None

@@ -790,8 +790,10 @@ def test_a_runner_sending_any_number_of_checkpoints_leaves_at_most_keep_configma
             assert sorted(rings) == ["demo-cp-0", "demo-cp-1", "demo-cp-2"]
             held = {name: (cm["metadata"]["annotations"][c.CHECKPOINT_ANNOTATION],
                            base64.b64decode(cm["binaryData"][c.STATE_KEY])) for name, cm in rings.items()}
-            # Each slot holds the last number sent to it (what a fork checks before it copies one).
-            assert held == {"demo-cp-0": ("3", b"cp3"), "demo-cp-1": ("7", b"cp7"), "demo-cp-2": ("998", b"cp998")}
+            # Each slot holds the latest number sent to it (what a fork checks before it copies one): a
+            # checkpoint sent late never replaces a later one.
+            assert held == {"demo-cp-0": ("999", b"cp999"), "demo-cp-1": ("1000", b"cp1000"),
+                            "demo-cp-2": ("998", b"cp998")}
             assert all(cm["metadata"]["ownerReferences"][0]["uid"] == FLOW_UID for cm in rings.values())
             for bad in ("checkpoint.0", "checkpoint.01", "checkpoint.-1", "checkpoint.1234567890123456"):
                 assert (await client.put(c.STATE_API_PREFIX + bad, data=b"x", headers=auth)).status == 403, bad

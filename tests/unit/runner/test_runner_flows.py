@@ -713,3 +713,17 @@ def test_a_fork_whose_edit_names_a_method_without_output_fails_naming_it(
     bad = {**spec, "forkFrom": {"name": "demo", "checkpoint": 1, "outputs": {"polish": "x"}}}
     report = failed(fork.run(c.Trigger.FORK, bad), c.Reason.INVALID_INPUTS, c.EXIT_PERMANENT)
     assert "spec.forkFrom.outputs.polish" in report.message and "completed there: draft" in report.message
+
+
+def test_a_fork_retried_before_it_saved_its_edits_still_applies_them(
+        harness: Harness, stub: StubModel, tmp_path: Path) -> None:
+    """Its first pod was lost before it wrote the edited state: the retry (trigger retry, not fork)
+    starts from the copied checkpoint as it is, and must apply the edits, under a new flow id."""
+    spec: dict[str, Any] = {"definition": article_definition()}
+    origin = paused(harness.run(c.Trigger.KICKOFF, spec))
+    fork = Harness(tmp_path / "retried", stub, flow="retried")
+    fork.store.put(c.STATE_KEY, harness.store.get(c.checkpoint_key(1)) or b"")
+    edited = {**spec, "forkFrom": {"name": "demo", "checkpoint": 1, "outputs": {"draft": "EDITED facts."}}}
+    report = paused(fork.run(c.Trigger.RETRY, edited))
+    assert report.feedback_request is not None and report.feedback_request.output == "EDITED facts."
+    assert report.flow_id and report.flow_id != origin.flow_id
