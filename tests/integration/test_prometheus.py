@@ -109,7 +109,7 @@ def test_dashboard_queries_on_a_real_prometheus(flows: Flows, prom: Prometheus, 
     assert float(answers["Tokens (all time)"][0]["value"][1]) == reported
     assert float(answers["LLM requests (all time)"][0]["value"][1]) == 5
     runs = {r["metric"]["trigger"]: float(r["value"][1]) for r in answers["Runs (all time)"]}
-    assert runs == {"kickoff": 3, "resume": 1, "retry": 1, "turn": 0}
+    assert runs == {"kickoff": 3, "resume": 1, "retry": 1, "turn": 0, "fork": 0}
     top = {r["metric"]["flow"]: float(r["value"][1]) for r in answers["Top flows by tokens"]}
     assert top == {"paused": 5, "flaky": 5, "simple": 7}
     assert {r["metric"]["definition"] for r in answers["Tokens per second by namespace and definition"]} \
