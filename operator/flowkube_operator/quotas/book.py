@@ -1,0 +1,230 @@
+"""The spend of each quota limit, and the reservations that keep it from being overspent (issue 41).
+Pure: no I/O, no clock of its own (every call says when it is).
+
+A limit (a FlowQuota's ``limits[]`` entry) caps the tokens or the cost (USD) of the model calls of the
+Flows it covers, optionally of one model, over a window (``flowkube_api.windows``). The book keeps,
+per limit:
+
+- what is **used**: the settled calls, by the quarter-hour bucket they were made in, so a window counts
+  exactly the calls made within it (a bucket lies wholly inside or outside every calendar window);
+- what is **reserved**: the worst case of each call in flight (its prompt as counted plus the
+  ``max_tokens`` it may answer, priced), by reservation.
+
+``reserve`` checks and takes in one step: a call is let go only if, for every limit that covers it,
+used in the current window + reserved + its worst case stays within the limit. So however many calls
+start at once, their sum never passes a limit, provided each answers within its worst case. ``settle``
+then charges what the call really used, at its time, and frees the reservation; ``release`` frees
+every reservation of a run that ended (its pod lost mid-call: the call's real usage, if it was
+answered, comes with the run's report and is charged then). A refusal names the quota, the limit,
+the use, what the call needed and when the window resets.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import itertools
+from collections import defaultdict
+from dataclasses import dataclass, field
+from decimal import Decimal
+
+from flowkube_api.base import money_text
+from flowkube_api.windows import WindowSpec, bucket_of, resets_at, window_at
+
+
+@dataclass(frozen=True)
+class Spend:
+    tokens: int = 0
+    cost: Decimal = Decimal(0)
+
+    def __add__(self, other: Spend) -> Spend:
+        return Spend(self.tokens + other.tokens, self.cost + other.cost)
+
+    def __sub__(self, other: Spend) -> Spend:
+        return Spend(self.tokens - other.tokens, self.cost - other.cost)
+
+
+@dataclass(frozen=True)
+class Limit:
+    """One limit of one quota: ``quota`` names it where messages and status show it
+    (``FlowQuota team-a/monthly``), ``name`` is the limit's own."""
+
+    quota: str
+    name: str
+    window: WindowSpec
+    max_tokens: int | None = None
+    max_cost: Decimal | None = None
+    model: str | None = None  # only this model's calls count (None: every model's)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.quota, self.name
+
+    def covers(self, model: str) -> bool:
+        return self.model is None or self.model == model
+
+    def fits(self, spend: Spend) -> bool:
+        return ((self.max_tokens is None or spend.tokens <= self.max_tokens)
+                and (self.max_cost is None or spend.cost <= self.max_cost))
+
+    def describe(self) -> str:
+        caps = [f"maxTotalTokens={self.max_tokens}"] if self.max_tokens is not None else []
+        caps += [f"maxCost=USD {money_text(self.max_cost)}"] if self.max_cost is not None else []
+        scope = f" of model {self.model}" if self.model else ""
+        if self.window.kind == "Lifetime":
+            where = "lifetime"
+        elif self.window.kind == "Rolling":
+            where = f"rolling {self.window.hours} h"
+        else:
+            where = f"per {self.window.kind.lower()} in {self.window.time_zone}"
+        return f"{self.quota}: limit {self.name} ({', '.join(caps)}{scope}, {where})"
+
+
+@dataclass(frozen=True)
+class Refusal:
+    limit: Limit
+    used: Spend
+    reserved: Spend
+    needed: Spend
+    resets: dt.datetime | None
+
+    def message(self) -> str:
+        total = self.used + self.reserved + self.needed
+        if self.limit.max_cost is not None and total.cost > self.limit.max_cost:
+            what = (f"USD {money_text(self.used.cost)} used + USD {money_text(self.reserved.cost)} reserved by "
+                    f"calls in flight, and this call may cost up to USD {money_text(self.needed.cost)}")
+        else:
+            what = (f"{self.used.tokens} tokens used + {self.reserved.tokens} reserved by calls in flight, and this "
+                    f"call may use up to {self.needed.tokens}")
+        if self.resets is not None:
+            when = f"; the window resets at {self.resets.isoformat()}"
+        elif self.limit.window.kind == "Rolling":
+            when = "; charges leave the window as it rolls on"
+        else:
+            when = "; it never resets"
+        return f"{self.limit.describe()}: {what}{when}"
+
+
+@dataclass
+class Reservation:
+    id: int
+    holder: str  # the run (its pod) that made it
+    model: str
+    spend: Spend
+    limits: tuple[tuple[str, str], ...]
+
+
+@dataclass
+class _Account:
+    limit: Limit
+    buckets: dict[dt.datetime, Spend] = field(default_factory=dict)
+    reserved: Spend = Spend()
+
+
+class QuotaBook:
+    def __init__(self) -> None:
+        self._accounts: dict[tuple[str, str], _Account] = {}
+        self._reservations: dict[int, Reservation] = {}
+        self._by_holder: dict[str, set[int]] = defaultdict(set)
+        self._ids = itertools.count(1)
+
+    # -- the limits ----------------------------------------------------------------------------------
+
+    def set_limits(self, quota: str, limits: list[Limit]) -> None:
+        """The quota's limits as its spec says now; a limit that stays keeps its charges."""
+        keep = {lim.key for lim in limits}
+        for key in [k for k in self._accounts if k[0] == quota and k not in keep]:
+            del self._accounts[key]
+        for lim in limits:
+            account = self._accounts.get(lim.key)
+            if account is None:
+                self._accounts[lim.key] = _Account(lim)
+            else:
+                account.limit = lim
+
+    def limits(self, quota: str) -> list[Limit]:
+        return [a.limit for k, a in self._accounts.items() if k[0] == quota]
+
+    # -- what is used --------------------------------------------------------------------------------
+
+    def charge(self, quotas: list[str], model: str, spend: Spend, at: dt.datetime) -> None:
+        """A settled call (or a run's calls reported at its end), charged at ``at`` to every limit of
+        ``quotas`` that covers ``model``."""
+        bucket = bucket_of(at)
+        for account in self._covering(quotas, model):
+            account.buckets[bucket] = account.buckets.get(bucket, Spend()) + spend
+
+    def used(self, key: tuple[str, str], now: dt.datetime) -> Spend:
+        account = self._accounts[key]
+        window = window_at(account.limit.window, now)
+        total = Spend()
+        for bucket, spend in account.buckets.items():
+            if window.holds(bucket):
+                total = total + spend
+        return total
+
+    def reserved(self, key: tuple[str, str]) -> Spend:
+        return self._accounts[key].reserved
+
+    def forget_before(self, now: dt.datetime) -> None:
+        """Drop the buckets no window can count any more (calendar and rolling windows: before the
+        current window's start); a lifetime limit keeps one sum."""
+        for account in self._accounts.values():
+            start = window_at(account.limit.window, now).start
+            if start is None:
+                total = sum(account.buckets.values(), Spend())
+                account.buckets = {bucket_of(now): total} if total != Spend() else {}
+                continue
+            account.buckets = {b: s for b, s in account.buckets.items() if b >= start}
+
+    # -- calls in flight -----------------------------------------------------------------------------
+
+    def reserve(self, quotas: list[str], holder: str, model: str, worst: Spend,
+                now: dt.datetime) -> Reservation | Refusal:
+        """Take ``worst`` from every limit of ``quotas`` covering ``model``, or nothing and say which
+        limit it would pass."""
+        accounts = self._covering(quotas, model)
+        for account in accounts:
+            used = self.used(account.limit.key, now)
+            if not account.limit.fits(used + account.reserved + worst):
+                return Refusal(account.limit, used, account.reserved, worst, resets_at(account.limit.window, now))
+        reservation = Reservation(next(self._ids), holder, model, worst, tuple(a.limit.key for a in accounts))
+        for account in accounts:
+            account.reserved = account.reserved + worst
+        self._reservations[reservation.id] = reservation
+        self._by_holder[holder].add(reservation.id)
+        return reservation
+
+    def settle(self, reservation_id: int, actual: Spend, at: dt.datetime) -> bool:
+        """The call answered with ``actual``: charged at ``at``, its reservation freed. False when the
+        reservation is not known (freed with its run already; the run's report charges the call)."""
+        reservation = self._free(reservation_id)
+        if reservation is None:
+            return False
+        bucket = bucket_of(at)
+        for key in reservation.limits:
+            account = self._accounts.get(key)
+            if account is not None:
+                account.buckets[bucket] = account.buckets.get(bucket, Spend()) + actual
+        return True
+
+    def release(self, holder: str) -> int:
+        """Free every reservation of ``holder`` (its run ended); how many there were."""
+        ids = self._by_holder.pop(holder, set())
+        for reservation_id in ids:
+            self._free(reservation_id)
+        return len(ids)
+
+    def _free(self, reservation_id: int) -> Reservation | None:
+        reservation = self._reservations.pop(reservation_id, None)
+        if reservation is None:
+            return None
+        self._by_holder.get(reservation.holder, set()).discard(reservation_id)
+        for key in reservation.limits:
+            account = self._accounts.get(key)
+            if account is not None:
+                account.reserved = account.reserved - reservation.spend
+        return reservation
+
+    def _covering(self, quotas: list[str], model: str) -> list[_Account]:
+        wanted = set(quotas)
+        return [a for k, a in self._accounts.items() if k[0] in wanted and a.limit.covers(model)]

@@ -1,0 +1,94 @@
+"""The quota book (issue 41): windows, reservations that never let a limit be overspent, settling."""
+
+from __future__ import annotations
+
+import datetime as dt
+import random
+from decimal import Decimal
+
+from flowkube_api.windows import WindowSpec
+from flowkube_operator.quotas.book import Limit, QuotaBook, Refusal, Reservation, Spend
+
+T0 = dt.datetime(2026, 11, 30, 22, 50, tzinfo=dt.UTC)  # 23:50 in Berlin, the last day of the month
+MONTH = WindowSpec("Month", "Europe/Berlin")
+Q = "FlowQuota team-a/spend"
+
+
+def book(*limits: Limit) -> QuotaBook:
+    b = QuotaBook()
+    b.set_limits(Q, list(limits))
+    return b
+
+
+def test_parallel_calls_never_reserve_past_the_limit_and_settling_charges_what_they_used() -> None:
+    limit = Limit(Q, "monthly", MONTH, max_cost=Decimal("1.00"))
+    b = book(limit)
+    rng = random.Random(7)
+    taken: list[Reservation] = []
+    refused = 0
+    for i in range(1000):  # calls starting at once, each with its own worst case
+        worst = Spend(rng.randint(100, 5000), Decimal(rng.randint(1, 300)) / 10_000)
+        r = b.reserve([Q], f"pod-{i % 100}", "gpt-4o-mini", worst, T0)
+        if isinstance(r, Refusal):
+            refused += 1
+        else:
+            taken.append(r)
+    assert refused and taken
+    assert b.reserved(limit.key).cost <= Decimal("1.00"), "the worst cases in flight never pass the limit"
+    # Each call answers within its worst case (here: half of it): what is used never passes the limit.
+    for r in taken:
+        assert b.settle(r.id, Spend(r.spend.tokens // 2, r.spend.cost / 2), T0)
+    assert b.reserved(limit.key) == Spend()
+    used = b.used(limit.key, T0)
+    assert used.cost == sum((r.spend.cost / 2 for r in taken), Decimal(0)) <= Decimal("1.00")
+    assert not b.settle(taken[0].id, Spend(1, Decimal(1)), T0), "settled once; again changes nothing"
+    assert b.used(limit.key, T0) == used
+
+
+def test_a_refusal_names_the_quota_the_limit_the_use_and_the_reset() -> None:
+    b = book(Limit(Q, "monthly", MONTH, max_cost=Decimal("2.50")), Limit(Q, "daily-tokens", WindowSpec("Day"),
+                                                                          max_tokens=1000))
+    b.charge([Q], "gpt-4o", Spend(400, Decimal("2.40")), T0)
+    refusal = b.reserve([Q], "pod-0", "gpt-4o", Spend(300, Decimal("0.2")), T0)
+    assert isinstance(refusal, Refusal)
+    assert refusal.message() == (
+        "FlowQuota team-a/spend: limit monthly (maxCost=USD 2.5, per month in Europe/Berlin): USD 2.4 used + "
+        "USD 0 reserved by calls in flight, and this call may cost up to USD 0.2; the window resets at "
+        "2026-11-30T23:00:00+00:00")
+    # Ten minutes later it is December in Berlin: the month's spend is behind, the day's tokens are not.
+    later = T0 + dt.timedelta(minutes=10)
+    ok = b.reserve([Q], "pod-0", "gpt-4o", Spend(300, Decimal("0.2")), later)
+    assert isinstance(ok, Reservation)
+    tokens = b.reserve([Q], "pod-1", "gpt-4o", Spend(301, Decimal("0.01")), later)
+    assert isinstance(tokens, Refusal) and tokens.limit.name == "daily-tokens"
+    assert "400 tokens used + 300 reserved by calls in flight, and this call may use up to 301" in tokens.message()
+
+
+def test_a_model_limit_counts_only_that_model_and_a_run_that_ended_frees_what_it_held() -> None:
+    only = Limit(Q, "gpt4o", WindowSpec("Lifetime"), max_tokens=100, model="gpt-4o")
+    b = book(only)
+    assert isinstance(b.reserve([Q], "pod-0", "gpt-4o-mini", Spend(10_000), T0), Reservation)
+    assert b.reserved(only.key) == Spend(), "another model's call is not this limit's"
+    held = b.reserve([Q], "pod-1", "gpt-4o", Spend(100), T0)
+    assert isinstance(held, Reservation)
+    assert isinstance(b.reserve([Q], "pod-2", "gpt-4o", Spend(1), T0), Refusal)
+    assert b.release("pod-1") == 1 and b.reserved(only.key) == Spend()
+    assert isinstance(b.reserve([Q], "pod-2", "gpt-4o", Spend(1), T0), Reservation)
+    assert not b.settle(held.id, Spend(100), T0), "freed with its run: its report charges the call"
+    # Quotas that do not cover the Flow are not asked.
+    assert isinstance(b.reserve(["FlowQuota other/q"], "pod-3", "gpt-4o", Spend(10**9), T0), Reservation)
+
+
+def test_rolling_windows_forget_what_rolled_out_and_a_lifetime_keeps_one_sum() -> None:
+    rolling = Limit(Q, "hourly", WindowSpec("Rolling", hours=1), max_tokens=10)
+    life = Limit(Q, "ever", WindowSpec("Lifetime"), max_tokens=1000)
+    b = book(rolling, life)
+    b.charge([Q], "m", Spend(10), T0)
+    assert isinstance(b.reserve([Q], "p", "m", Spend(1), T0 + dt.timedelta(minutes=30)), Refusal)
+    later = T0 + dt.timedelta(minutes=75)
+    assert b.used(rolling.key, later) == Spend() and b.used(life.key, later) == Spend(10)
+    b.forget_before(later)
+    assert b.used(life.key, later) == Spend(10) and b.used(rolling.key, later) == Spend()
+    # A limit taken out of the spec goes; one that stays keeps its charges.
+    b.set_limits(Q, [life])
+    assert b.limits(Q) == [life] and b.used(life.key, later) == Spend(10)
