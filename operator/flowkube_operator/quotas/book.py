@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 
 from flowkube_api.base import money_text
+from flowkube_api.models.quota import FlowQuotaSpec
 from flowkube_api.windows import WindowSpec, bucket_of, resets_at, window_at
 
 
@@ -77,6 +78,12 @@ class Limit:
         else:
             where = f"per {self.window.kind.lower()} in {self.window.time_zone}"
         return f"{self.quota}: limit {self.name} ({', '.join(caps)}{scope}, {where})"
+
+
+def limits_of(quota: str, spec: FlowQuotaSpec) -> list[Limit]:
+    """The book's limits of a FlowQuota's (or ClusterFlowQuota's) validated spec."""
+    return [Limit(quota, lim.name, lim.window.spec(), max_tokens=lim.max_total_tokens, max_cost=lim.max_cost,
+                  model=lim.model) for lim in spec.limits]
 
 
 @dataclass(frozen=True)

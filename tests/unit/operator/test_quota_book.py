@@ -92,3 +92,27 @@ def test_rolling_windows_forget_what_rolled_out_and_a_lifetime_keeps_one_sum() -
     # A limit taken out of the spec goes; one that stays keeps its charges.
     b.set_limits(Q, [life])
     assert b.limits(Q) == [life] and b.used(life.key, later) == Spend(10)
+
+
+def test_a_quota_spec_names_its_bad_field_and_becomes_the_books_limits() -> None:
+    import pytest
+    from pydantic import ValidationError
+
+    from flowkube_api.models.quota import FlowQuotaSpec
+    from flowkube_operator.quotas.book import limits_of
+
+    spec = FlowQuotaSpec.model_validate({"limits": [
+        {"name": "monthly", "maxCost": "200", "window": {"kind": "Month", "timeZone": "Europe/Berlin"}},
+        {"name": "daily-4o", "maxTotalTokens": 5_000_000, "model": "gpt-4o", "window": {"kind": "Day"}},
+        {"name": "burst", "maxTotalTokens": 100_000, "window": {"kind": "Rolling", "hours": 3}}]})
+    limits = limits_of(Q, spec)
+    assert [(lim.name, lim.max_cost, lim.max_tokens, lim.model, lim.window.kind) for lim in limits] == [
+        ("monthly", Decimal("200"), None, None, "Month"), ("daily-4o", None, 5_000_000, "gpt-4o", "Day"),
+        ("burst", None, 100_000, None, "Rolling")]
+    for bad, field in [({"name": "x", "window": {"kind": "Day"}}, "maxTotalTokens, maxCost or both"),
+                       ({"name": "x", "maxCost": "1", "window": {"kind": "Day", "timeZone": "Mars/Base"}},
+                        "window.timeZone"),
+                       ({"name": "x", "maxCost": "1", "window": {"kind": "Day", "hours": 2}}, "window.hours"),
+                       ({"name": "x", "maxCost": "1", "window": {"kind": "Rolling"}}, "window.hours")]:
+        with pytest.raises(ValidationError, match=field):
+            FlowQuotaSpec.model_validate({"limits": [bad]})
