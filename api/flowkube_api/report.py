@@ -177,6 +177,29 @@ class SpentSoFar(Model):
     cost: Money = Decimal(0)
 
 
+CHARGES_LIMIT = 1024  # (quarter hour, model) entries in one report; the runner merges the oldest beyond it
+
+
+class Charge(Model):
+    """What a run's model calls of one model used in one quarter hour (UTC): what a quota window
+    charges, at the time the calls were made (``flowkube_api.windows``)."""
+
+    at: Time = Field(description="The quarter hour's start.")
+    model: str = Field(max_length=MODEL_NAME_LIMIT)
+    total_tokens: Count = 0
+    cost: Money = Decimal(0)
+
+
+def matching_charges(usage: TokenUsage, charges: list[Charge] | None) -> list[Charge] | None:
+    """``charges`` when they add up to ``usage`` (tokens and cost), else None: a report whose charges
+    say something else than its usage is charged by its usage, at the run's end."""
+    if not charges:
+        return None
+    tokens = sum(c.total_tokens for c in charges)
+    cost = sum((c.cost for c in charges), Decimal(0))
+    return charges if (tokens, cost) == (usage.total_tokens, usage.cost) else None
+
+
 class CheckpointEntry(Model):
     """One checkpoint of a Flow, as ``status.checkpoints[]`` lists it: the runner took it right after
     a method completed (``Completed``) or paused for feedback (``Paused``); its snapshot is kept by
@@ -216,6 +239,9 @@ class RunReport(Model):
     feedback_request: FeedbackRequest | None = None
     feedback_applied: FeedbackApplied | None = None
     conversation: TurnReport | None = None
+    charges: list[Charge] | None = Field(
+        default=None, max_length=CHARGES_LIMIT,
+        description="usage by quarter hour and model, oldest first: what spend quotas charge, and when.")
     checkpoints: list[CheckpointEntry] | None = Field(
         default=None, max_length=CHECKPOINTS_REPORTED,
         description="The checkpoints this run took (the last ones), oldest first.")
@@ -287,6 +313,8 @@ class RunReport(Model):
                 "message": excerpt(self.message, _SUMMARY_MESSAGE_LIMIT),
                 "output": None,
                 "usage": Usage(**self.usage.totals().model_dump()),
+                "charges": None,  # the quotas then charge the run's usage when it ended
+                "checkpoints": None,
                 "feedback_request": (
                     self.feedback_request.model_copy(
                         update={"output": "", "message": excerpt(self.feedback_request.message, 512)}

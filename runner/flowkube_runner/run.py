@@ -24,6 +24,7 @@ from pydantic import ValidationError
 
 from flowkube_api import constants as c
 from flowkube_api.report import (
+    Charge,
     CheckpointEntry,
     FeedbackApplied,
     FeedbackRequest,
@@ -85,12 +86,14 @@ class InterimReport:
         self._closed = False
 
     def update(self, usage: Callable[[], Usage], flow_id: str | None = None,
-               checkpoints: list[CheckpointEntry] | None = None) -> None:
+               checkpoints: list[CheckpointEntry] | None = None,
+               charges: Callable[[], list[Charge] | None] | None = None) -> None:
         with self._lock:
             if self._closed:
                 return
             report = self._template.model_copy(update={"usage": usage(), "flow_id": flow_id,
-                                                       "checkpoints": checkpoints})
+                                                       "checkpoints": checkpoints,
+                                                       "charges": charges() if charges is not None else None})
             try:
                 self._store.put(c.report_key(report.pod), report.encode())
             except Exception as e:
@@ -153,7 +156,7 @@ class _Run:
 
     def _after_model_call(self, recorder: UsageRecorder) -> None:
         if self.interim is not None:
-            self.interim.update(recorder.recorded, self.flow_id(), self.checkpoints.entries())
+            self.interim.update(recorder.recorded, self.flow_id(), self.checkpoints.entries(), recorder.charges)
 
     def _after_checkpoint(self) -> None:
         """A checkpoint listed at once in the interim report: the index outlives a lost pod."""
@@ -409,6 +412,7 @@ def _attempt(template: RunReport, run: _Run | None, step: Callable[[], Ending] |
         report.feedback_applied = run.feedback_applied
         report.flow_id = run.flow_id()
         report.checkpoints = run.checkpoints.entries()
+        report.charges = _safe(run.recorder.charges)
     report.finished_at = datetime.now(UTC)
     return report
 
@@ -481,6 +485,14 @@ def _record_ending(report: RunReport, ending: Ending, run: _Run) -> None:
             "; the conversation ended" if t.ended else "")
         reply = excerpt(t.reply) if t.reply is not None else None
         report.conversation = TurnReport(session_id=t.session_id, turn=t.turn, ended=t.ended, reply=reply)
+
+
+def _safe(read: Callable[[], list[Charge] | None]) -> list[Charge] | None:
+    try:
+        return read()
+    except Exception:
+        log.exception("could not read the run's charges")
+        return None
 
 
 def _safe_usage(run: _Run) -> Usage:

@@ -22,7 +22,7 @@ from flowkube_api.models.common import (
 from flowkube_api.models.spec import (
     FlowSpec,
 )
-from flowkube_api.report import CheckpointEntry, FeedbackRequest, SpentSoFar, Usage
+from flowkube_api.report import Charge, CheckpointEntry, FeedbackRequest, SpentSoFar, Usage
 
 # -------------------------------------------------------------------------------------------- status
 
@@ -46,6 +46,9 @@ class Run(Model):
     reason: str | None = None
     message: str | None = None
     usage: Usage | None = None
+    charges: list[Charge] | None = Field(
+        default=None, description="The run's usage by quarter hour (UTC) and model: what spend quotas charge, "
+        "at the time the calls were made. Absent: charged at finishedAt.")
     warm_seconds: float | None = Field(
         default=None, description="Time the run's pod waited warm for a conversation's next message or a "
         "feedback answer; not counted toward activeDeadlineSeconds.")

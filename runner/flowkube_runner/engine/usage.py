@@ -4,6 +4,7 @@ model-call hooks."""
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -20,7 +21,8 @@ from crewai.types.usage_metrics import UsageMetrics
 
 from flowkube_api.base import money_text
 from flowkube_api.models import Budget, BudgetLimit
-from flowkube_api.report import TokenUsage, Usage
+from flowkube_api.report import CHARGES_LIMIT, Charge, TokenUsage, Usage
+from flowkube_api.windows import bucket_of
 
 from .pricing import CallTokens, Price, Pricer
 
@@ -74,6 +76,8 @@ class UsageRecorder:
         self._cost = Decimal(0)
         self._cost_by_model: dict[str, Decimal] = {}
         self._unpriced_by_model: dict[str, int] = {}
+        # (quarter hour, model) -> (tokens, cost) of the calls made then: what quota windows charge
+        self._charges: dict[tuple[dt.datetime, str], tuple[int, Decimal]] = {}
         self._crossed: BudgetLimit | None = None  # which budget ended the run
         self._answered: dict[str, dict[str, Any]] = {}  # crewAI call id -> the provider's usage of its answer
         self.exceeded = False
@@ -128,6 +132,10 @@ class UsageRecorder:
             else:
                 self._cost += price.cost
                 self._cost_by_model[model] = self._cost_by_model.get(model, Decimal(0)) + price.cost
+            slot = (bucket_of(_when(event)), model)
+            tokens, cost = self._charges.get(slot, (0, Decimal(0)))
+            self._charges[slot] = (tokens + metrics.total_tokens, cost + (price.cost if price is not None else 0))
+            self._bound_charges_locked()
             self._check_locked(before_call=False)
         if self._on_call is not None:
             self._on_call(self)
@@ -212,6 +220,32 @@ class UsageRecorder:
             self._check_locked(before_call=False)
         return self.recorded()
 
+    def charges(self) -> list[Charge] | None:
+        """The calls counted so far by quarter hour and model, oldest first (None: no call; or, past
+        ``CHARGES_LIMIT`` entries that cannot be merged, none: the quotas then charge the run's usage
+        at its end)."""
+        with self._lock:
+            entries = sorted(self._charges.items())
+        if len(entries) > CHARGES_LIMIT:
+            return None
+        return [Charge(at=at, model=model, total_tokens=tokens, cost=cost)
+                for (at, model), (tokens, cost) in entries] or None
+
+    def _bound_charges_locked(self) -> None:
+        """Past ``CHARGES_LIMIT`` entries (a run of days), a model's oldest quarter hour is merged into
+        its next one: those calls then count a little later than they were made."""
+        if len(self._charges) <= CHARGES_LIMIT:
+            return
+        by_model: dict[str, list[dt.datetime]] = {}
+        for at, model in self._charges:
+            by_model.setdefault(model, []).append(at)
+        model, times = max(by_model.items(), key=lambda kv: len(kv[1]))
+        if len(times) >= 2:
+            first, second = sorted(times)[:2]
+            t1, c1 = self._charges.pop((first, model))
+            t2, c2 = self._charges[(second, model)]
+            self._charges[(second, model)] = (t1 + t2, c1 + c2)
+
     def recorded(self) -> Usage:
         """What the handlers have counted so far, without flushing the bus: safe inside a handler,
         where a flush would wait for the very handler calling it."""
@@ -220,6 +254,14 @@ class UsageRecorder:
             by_model = {m: _tokens(u, self._cost_by_model.get(m, Decimal(0)), self._unpriced_by_model.get(m, 0))
                         for m, u in self._by_model.items()}
         return Usage(**totals.model_dump(), by_model=by_model)
+
+
+def _when(event: Any) -> dt.datetime:
+    """When a call completed: its event's time (crewAI's, naive local or aware), else now."""
+    stamp = getattr(event, "timestamp", None)
+    if isinstance(stamp, dt.datetime):
+        return stamp if stamp.tzinfo is not None else stamp.astimezone(dt.UTC)
+    return dt.datetime.now(dt.UTC)
 
 
 @contextmanager

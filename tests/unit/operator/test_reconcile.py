@@ -963,3 +963,18 @@ def test_the_checkpoint_index_keeps_the_last_ones_and_none_when_keep_is_zero() -
     assert fold(entries(1), None, 3) == entries(1)
     assert fold(None, entries(1, 2), 0) is None
     assert kept({"checkpoints": {"keep": 0}}) == 0 and kept({}) == 5 and kept({"checkpoints": {"keep": 99}}) == 5
+
+
+def test_a_runs_charges_by_quarter_hour_are_kept_only_when_they_add_up_to_its_usage() -> None:
+    from flowkube_api.report import Charge
+
+    for tokens, kept in ((42, True), (41, False)):
+        body = flow()
+        step(body)
+        charges = [Charge(at=T0, model="gpt-4o-mini", total_tokens=tokens)]
+        rep = report("f-0", RunResult.SUCCEEDED, usage=usage(40, 2), charges=charges)
+        step(body, pod("f-0", "Succeeded", exit_code=0), rep, at=5)
+        run = body["status"]["runs"][0]
+        assert run["usage"]["totalTokens"] == 42
+        assert (run.get("charges") == [{"at": "2026-11-22T12:00:00Z", "model": "gpt-4o-mini", "totalTokens": 42,
+                                        "cost": "0"}]) is kept, run

@@ -342,3 +342,31 @@ def test_a_real_run_prices_an_overridden_model_and_counts_an_unknown_one_as_unpr
     assert unpriced.usage.cost == 0 and unpriced.usage.unpriced_tokens == unpriced.usage.total_tokens > 0
     assert unpriced.usage == ledger_usage(ledger[2:])
     assert sum("is unpriced" in line for line in harness.stderr(f"{harness.flow}-2").splitlines()) == 1
+
+
+def test_charges_are_the_usage_by_quarter_hour_and_model_and_stay_bounded() -> None:
+    import datetime as dt
+
+    from flowkube_api.report import CHARGES_LIMIT, matching_charges
+    from flowkube_runner.engine.usage import UsageRecorder
+
+    recorder = UsageRecorder(pricer=Pricer(parse_prices({"my-llama": LLAMA})))
+    start = dt.datetime(2026, 11, 28, 23, 50, tzinfo=dt.UTC)
+    for minutes, model in ((0, "my-llama"), (5, "my-llama"), (12, "gpt-4o-mini"), (12, "my-llama")):
+        call = event(model, 1000, 500)
+        call.timestamp = start + dt.timedelta(minutes=minutes)
+        recorder._on_llm_call_completed(None, call)
+    charges = recorder.charges() or []
+    assert [(c.at.isoformat(), c.model, c.total_tokens) for c in charges] == [
+        ("2026-11-28T23:45:00+00:00", "my-llama", 3000),  # 23:50 and 23:55
+        ("2026-11-29T00:00:00+00:00", "gpt-4o-mini", 1500), ("2026-11-29T00:00:00+00:00", "my-llama", 1500)]
+    assert matching_charges(recorder.recorded(), charges) == charges, "they add up to the usage, cost included"
+    # A run of days: past the bound, a model's oldest quarter hours merge into the next; nothing is lost.
+    long = UsageRecorder()
+    for q in range(CHARGES_LIMIT + 50):
+        call = event("ollama/llama3", 2, 1)
+        call.timestamp = start + dt.timedelta(minutes=15 * q)
+        long._on_llm_call_completed(None, call)
+    bounded = long.charges() or []
+    assert len(bounded) == CHARGES_LIMIT and sum(c.total_tokens for c in bounded) == 3 * (CHARGES_LIMIT + 50)
+    assert bounded[-1].at == start + dt.timedelta(minutes=15 * (CHARGES_LIMIT + 49)) - dt.timedelta(minutes=5)

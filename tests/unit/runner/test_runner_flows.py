@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from flowkube_api import constants as c
-from flowkube_api.report import RunReport, Usage
+from flowkube_api.report import RunReport, Usage, matching_charges
 from flowkube_devstack.cluster import wait_for
 from flowkube_devstack.stubmodel import Rules, StubModel, ledger_usage
 from flowkube_runner.__main__ import STOP_LOG
@@ -665,6 +665,7 @@ def test_checkpoints_are_kept_and_forks_run_from_them_with_their_own_usage(
     assert [(e.id, e.kind, e.method) for e in origin.checkpoints] == [
         (1, "Completed", "draft"), (2, "Paused", "review")]
     assert origin.checkpoints[0].usage.total_tokens == origin.usage.total_tokens  # draft made the only call
+    assert matching_charges(origin.usage, origin.charges), "its charges by quarter hour add up to its usage"
     snapshots = {n: harness.store.get(c.checkpoint_key(n)) for n in (1, 2)}
     assert all(snapshots.values())
     assert decode_json(snapshots[1] or b"", "checkpoint")["runtime"]["completedMethods"] == ["draft"]

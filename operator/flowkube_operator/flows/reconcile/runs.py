@@ -13,7 +13,7 @@ from flowkube_api.models import (
     Result,
     Run,
 )
-from flowkube_api.report import RunReport, Usage, excerpt
+from flowkube_api.report import RunReport, Usage, excerpt, matching_charges
 from flowkube_operator.flows.reconcile import forks
 from flowkube_operator.flows.reconcile.conversation import Conversation
 from flowkube_operator.flows.reconcile.feedback import Feedback
@@ -54,6 +54,7 @@ class Runs:
             if rep is not None and rep.pod == run.pod and _more(rep.usage, counted):
                 added = rep.usage.total_tokens - counted.total_tokens
                 run.usage = rep.usage
+                run.charges = matching_charges(rep.usage, rep.charges)
                 s.plan.event(Reason.LATE_REPORT, f"run {run.pod} reported {added} more tokens after it was "
                              f"closed; they count in its entry")
             if (pod is not None and pod.terminated and pod.finished_at and pod.finished_at > run.finished_at
@@ -190,6 +191,7 @@ class Runs:
         run.result, run.reason, run.message = result, str(reason), excerpt(message, 1024)
         if rep is not None:
             run.usage = rep.usage  # every LLM call the run made counts, however it ended
+            run.charges = matching_charges(rep.usage, rep.charges)
             if rep.flow_id:
                 s.st.flow_id = rep.flow_id
             s.st.checkpoints = forks.fold(s.st.checkpoints, rep.checkpoints, forks.kept(s.own_spec))

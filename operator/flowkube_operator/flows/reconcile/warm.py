@@ -10,7 +10,7 @@ from flowkube_api.constants import Phase, RunResult
 from flowkube_api.models import (
     Run,
 )
-from flowkube_api.report import Usage
+from flowkube_api.report import Usage, matching_charges
 from flowkube_operator.flows.reconcile.conversation import Conversation
 from flowkube_operator.flows.reconcile.feedback import Feedback
 from flowkube_operator.flows.reconcile.rules import _more
@@ -51,6 +51,7 @@ class Warm:
             return
         if _more(rep.usage, run.usage or Usage()):
             run.usage = rep.usage  # a run's reports are cumulative: everything it did so far
+            run.charges = matching_charges(rep.usage, rep.charges)
         if rep.flow_id:
             s.st.flow_id = rep.flow_id
         self.feedback.note_applied(rep)
