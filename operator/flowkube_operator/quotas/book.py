@@ -13,9 +13,10 @@ per limit:
 ``reserve`` checks and takes in one step: a call is let go only if, for every limit that covers it,
 used in the current window + reserved + its worst case stays within the limit. So however many calls
 start at once, their sum never passes a limit, provided each answers within its worst case. ``settle``
-then charges what the call really used, at its time, and frees the reservation; ``release`` frees
-every reservation of a run that ended (its pod lost mid-call: the call's real usage, if it was
-answered, comes with the run's report and is charged then). A refusal names the quota, the limit,
+then charges what the call really used, at its time, to its run, and frees the reservation;
+``release`` frees every reservation of a run that ended (its pod lost mid-call: the call's real
+usage, if it was answered, comes with the run's report). Once the ended run is in its Flow's status,
+the Flow's source (its runs' charges, ``status.runs[].charges``) replaces the run's, in one step. A refusal names the quota, the limit,
 the use, what the call needed and when the window resets.
 """
 
@@ -118,6 +119,7 @@ class Reservation:
     model: str
     spend: Spend
     limits: tuple[tuple[str, str], ...]
+    quotas: tuple[str, ...]
 
 
 @dataclass
@@ -127,9 +129,17 @@ class _Account:
     reserved: Spend = Spend()
 
 
+Charges = list[tuple[dt.datetime, str, Spend]]  # (when, model, spend)
+
+
 class QuotaBook:
+    """Every limit's account, fed by *sources*: a Flow (the charges of its ended runs, from its status;
+    a deleted Flow's stay), and a running pod (the calls it settled, until its run is folded into
+    its Flow's status). Each source says which quotas cover it."""
+
     def __init__(self) -> None:
         self._accounts: dict[tuple[str, str], _Account] = {}
+        self._sources: dict[str, tuple[frozenset[str], Charges]] = {}
         self._reservations: dict[int, Reservation] = {}
         self._by_holder: dict[str, set[int]] = defaultdict(set)
         self._ids = itertools.count(1)
@@ -137,28 +147,50 @@ class QuotaBook:
     # -- the limits ----------------------------------------------------------------------------------
 
     def set_limits(self, quota: str, limits: list[Limit]) -> None:
-        """The quota's limits as its spec says now; a limit that stays keeps its charges."""
+        """The quota's limits as its spec says now; a limit that stays keeps its charges and
+        reservations, a new one counts every source already in the book."""
         keep = {lim.key for lim in limits}
         for key in [k for k in self._accounts if k[0] == quota and k not in keep]:
             del self._accounts[key]
         for lim in limits:
             account = self._accounts.get(lim.key)
-            if account is None:
-                self._accounts[lim.key] = _Account(lim)
-            else:
+            if account is not None and account.limit.model == lim.model:
                 account.limit = lim
+                continue
+            account = self._accounts[lim.key] = _Account(lim)
+            for quotas, charges in self._sources.values():
+                if quota in quotas:
+                    self._add(account, charges, 1)
 
     def limits(self, quota: str) -> list[Limit]:
         return [a.limit for k, a in self._accounts.items() if k[0] == quota]
 
     # -- what is used --------------------------------------------------------------------------------
 
-    def charge(self, quotas: list[str], model: str, spend: Spend, at: dt.datetime) -> None:
-        """A settled call (or a run's calls reported at its end), charged at ``at`` to every limit of
-        ``quotas`` that covers ``model``."""
-        bucket = bucket_of(at)
-        for account in self._covering(quotas, model):
-            account.buckets[bucket] = account.buckets.get(bucket, Spend()) + spend
+    def set_source(self, source: str, quotas: list[str], charges: Charges) -> None:
+        """What ``source`` has charged, all of it (it replaces what it said before)."""
+        self.drop_source(source)
+        entry = (frozenset(quotas), list(charges))
+        self._sources[source] = entry
+        for account in self._covering(list(entry[0])):
+            self._add(account, entry[1], 1)
+
+    def drop_source(self, source: str) -> None:
+        old = self._sources.pop(source, None)
+        if old is not None:
+            for account in self._covering(list(old[0])):
+                self._add(account, old[1], -1)
+
+    def _add(self, account: _Account, charges: Charges, sign: int) -> None:
+        for at, model, spend in charges:
+            if not account.limit.covers(model):
+                continue
+            bucket = bucket_of(at)
+            total = account.buckets.get(bucket, Spend()) + (spend if sign > 0 else Spend() - spend)
+            if total == Spend():
+                account.buckets.pop(bucket, None)
+            else:
+                account.buckets[bucket] = total
 
     def used(self, key: tuple[str, str], now: dt.datetime) -> Spend:
         account = self._accounts[key]
@@ -172,29 +204,19 @@ class QuotaBook:
     def reserved(self, key: tuple[str, str]) -> Spend:
         return self._accounts[key].reserved
 
-    def forget_before(self, now: dt.datetime) -> None:
-        """Drop the buckets no window can count any more (calendar and rolling windows: before the
-        current window's start); a lifetime limit keeps one sum."""
-        for account in self._accounts.values():
-            start = window_at(account.limit.window, now).start
-            if start is None:
-                total = sum(account.buckets.values(), Spend())
-                account.buckets = {bucket_of(now): total} if total != Spend() else {}
-                continue
-            account.buckets = {b: s for b, s in account.buckets.items() if b >= start}
-
     # -- calls in flight -----------------------------------------------------------------------------
 
     def reserve(self, quotas: list[str], holder: str, model: str, worst: Spend,
                 now: dt.datetime) -> Reservation | Refusal:
         """Take ``worst`` from every limit of ``quotas`` covering ``model``, or nothing and say which
         limit it would pass."""
-        accounts = self._covering(quotas, model)
+        accounts = [a for a in self._covering(quotas) if a.limit.covers(model)]
         for account in accounts:
             used = self.used(account.limit.key, now)
             if not account.limit.fits(used + account.reserved + worst):
                 return Refusal(account.limit, used, account.reserved, worst, resets_at(account.limit.window, now))
-        reservation = Reservation(next(self._ids), holder, model, worst, tuple(a.limit.key for a in accounts))
+        reservation = Reservation(next(self._ids), holder, model, worst, tuple(a.limit.key for a in accounts),
+                                  tuple(sorted(set(quotas))))
         for account in accounts:
             account.reserved = account.reserved + worst
         self._reservations[reservation.id] = reservation
@@ -202,16 +224,15 @@ class QuotaBook:
         return reservation
 
     def settle(self, reservation_id: int, actual: Spend, at: dt.datetime) -> bool:
-        """The call answered with ``actual``: charged at ``at``, its reservation freed. False when the
-        reservation is not known (freed with its run already; the run's report charges the call)."""
+        """The call answered with ``actual``: charged at ``at`` to its run (the source ``run:<holder>``,
+        until the run is folded into its Flow), its reservation freed. False when the reservation is
+        not known (freed with its run already: the run's report charges the call)."""
         reservation = self._free(reservation_id)
         if reservation is None:
             return False
-        bucket = bucket_of(at)
-        for key in reservation.limits:
-            account = self._accounts.get(key)
-            if account is not None:
-                account.buckets[bucket] = account.buckets.get(bucket, Spend()) + actual
+        source = f"run:{reservation.holder}"
+        quotas, charges = self._sources.get(source, (frozenset(reservation.quotas), []))
+        self.set_source(source, list(quotas), [*charges, (at, reservation.model, actual)])
         return True
 
     def release(self, holder: str) -> int:
@@ -232,6 +253,6 @@ class QuotaBook:
                 account.reserved = account.reserved - reservation.spend
         return reservation
 
-    def _covering(self, quotas: list[str], model: str) -> list[_Account]:
+    def _covering(self, quotas: list[str]) -> list[_Account]:
         wanted = set(quotas)
-        return [a for k, a in self._accounts.items() if k[0] in wanted and a.limit.covers(model)]
+        return [a for k, a in self._accounts.items() if k[0] in wanted]

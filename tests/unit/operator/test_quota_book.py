@@ -48,7 +48,7 @@ def test_parallel_calls_never_reserve_past_the_limit_and_settling_charges_what_t
 def test_a_refusal_names_the_quota_the_limit_the_use_and_the_reset() -> None:
     b = book(Limit(Q, "monthly", MONTH, max_cost=Decimal("2.50")), Limit(Q, "daily-tokens", WindowSpec("Day"),
                                                                           max_tokens=1000))
-    b.charge([Q], "gpt-4o", Spend(400, Decimal("2.40")), T0)
+    b.set_source("flow:a", [Q], [(T0, "gpt-4o", Spend(400, Decimal("2.40")))])
     refusal = b.reserve([Q], "pod-0", "gpt-4o", Spend(300, Decimal("0.2")), T0)
     assert isinstance(refusal, Refusal)
     assert refusal.message() == (
@@ -79,19 +79,31 @@ def test_a_model_limit_counts_only_that_model_and_a_run_that_ended_frees_what_it
     assert isinstance(b.reserve(["FlowQuota other/q"], "pod-3", "gpt-4o", Spend(10**9), T0), Reservation)
 
 
-def test_rolling_windows_forget_what_rolled_out_and_a_lifetime_keeps_one_sum() -> None:
+def test_sources_replace_what_they_said_and_a_run_settled_in_flight_becomes_its_flows_charges() -> None:
     rolling = Limit(Q, "hourly", WindowSpec("Rolling", hours=1), max_tokens=10)
     life = Limit(Q, "ever", WindowSpec("Lifetime"), max_tokens=1000)
     b = book(rolling, life)
-    b.charge([Q], "m", Spend(10), T0)
+    b.set_source("flow:a", [Q], [(T0, "m", Spend(10))])
     assert isinstance(b.reserve([Q], "p", "m", Spend(1), T0 + dt.timedelta(minutes=30)), Refusal)
     later = T0 + dt.timedelta(minutes=75)
     assert b.used(rolling.key, later) == Spend() and b.used(life.key, later) == Spend(10)
-    b.forget_before(later)
-    assert b.used(life.key, later) == Spend(10) and b.used(rolling.key, later) == Spend()
-    # A limit taken out of the spec goes; one that stays keeps its charges.
+    # A run's calls settle as they answer; when the run is in its Flow's status, the Flow says it all.
+    r = b.reserve([Q], "pod-1", "m", Spend(5), later)
+    assert isinstance(r, Reservation) and b.settle(r.id, Spend(3), later)
+    assert b.used(life.key, later) == Spend(13) and b.reserved(life.key) == Spend()
+    b.set_source("flow:a", [Q], [(T0, "m", Spend(10)), (later, "m", Spend(3))])
+    b.drop_source("run:pod-1")
+    assert b.used(life.key, later) == Spend(13) and b.used(rolling.key, later) == Spend(3)
+    # A quota made after the Flows counts what they charged; a limit taken out of the spec goes.
+    b.set_limits("FlowQuota team-a/late", [Limit("FlowQuota team-a/late", "all", WindowSpec("Lifetime"),
+                                                 max_tokens=5)])
+    assert b.used(("FlowQuota team-a/late", "all"), later) == Spend(), "no source is covered by it"
+    b.set_source("flow:b", ["FlowQuota team-a/late"], [(later, "m", Spend(4))])
+    b.set_limits(Q, [life, Limit(Q, "new", WindowSpec("Lifetime"), max_tokens=99)])
+    assert b.used((Q, "new"), later) == Spend(13), "a new limit counts what its quota's Flows charged before"
     b.set_limits(Q, [life])
-    assert b.limits(Q) == [life] and b.used(life.key, later) == Spend(10)
+    assert b.limits(Q) == [life] and b.used(life.key, later) == Spend(13)
+    assert b.used(("FlowQuota team-a/late", "all"), later) == Spend(4)
 
 
 def test_a_quota_spec_names_its_bad_field_and_becomes_the_books_limits() -> None:
