@@ -16,8 +16,8 @@ start at once, their sum never passes a limit, provided each answers within its 
 then charges what the call really used, at its time, to its run, and frees the reservation;
 ``release`` frees every reservation of a run that ended (its pod lost mid-call: the call's real
 usage, if it was answered, comes with the run's report). Once the ended run is in its Flow's status,
-the Flow's source (its runs' charges, ``status.runs[].charges``) replaces the run's, in one step. A refusal names the quota, the limit,
-the use, what the call needed and when the window resets.
+the Flow's source (its runs' charges, ``status.runs[].charges``) replaces the run's, in one step. A
+refusal names the quota, the limit, the use, what the call needed and when the window resets.
 """
 
 from __future__ import annotations
