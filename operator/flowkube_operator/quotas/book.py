@@ -25,11 +25,16 @@ from __future__ import annotations
 import datetime as dt
 import itertools
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
+from typing import Any
 
-from flowkube_api.base import money_text
+from pydantic import ValidationError
+
+from flowkube_api.base import money_text, parse_time
 from flowkube_api.models.quota import FlowQuotaSpec
+from flowkube_api.report import Charge, Usage
 from flowkube_api.windows import WindowSpec, bucket_of, resets_at, window_at
 
 
@@ -130,6 +135,33 @@ class _Account:
 
 
 Charges = list[tuple[dt.datetime, str, Spend]]  # (when, model, spend)
+
+
+def flow_charges(status: Mapping[str, Any]) -> Charges:
+    """What a Flow's ended runs charged, from its status: each run's ``charges`` (by quarter hour and
+    model), or, for a run without them (an older operator's, or a report that only reached the
+    termination message), its usage by model at the time it ended. A run still going is not here:
+    its pod's settled calls are (``QuotaBook.settle``)."""
+    out: Charges = []
+    for run in status.get("runs") or []:
+        if not isinstance(run, dict) or not run.get("finishedAt"):
+            continue
+        charges = run.get("charges")
+        if isinstance(charges, list) and charges:
+            for c in charges:
+                try:
+                    charge = Charge.model_validate(c)
+                except ValidationError:
+                    continue
+                out.append((charge.at, charge.model, Spend(charge.total_tokens, charge.cost)))
+            continue
+        usage = Usage.read(run.get("usage"))
+        ended = parse_time(run.get("finishedAt"))
+        if ended is None or not usage.total_tokens:
+            continue
+        models = usage.by_model or {"unknown": usage}
+        out += [(ended, model, Spend(u.total_tokens, u.cost)) for model, u in models.items()]
+    return out
 
 
 class QuotaBook:

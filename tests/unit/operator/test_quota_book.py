@@ -128,3 +128,21 @@ def test_a_quota_spec_names_its_bad_field_and_becomes_the_books_limits() -> None
                        ({"name": "x", "maxCost": "1", "window": {"kind": "Rolling"}}, "window.hours")]:
         with pytest.raises(ValidationError, match=field):
             FlowQuotaSpec.model_validate({"limits": [bad]})
+
+
+def test_a_flows_charges_come_from_its_ended_runs_by_quarter_hour_or_by_model_when_they_ended() -> None:
+    from flowkube_operator.quotas.book import flow_charges
+
+    status = {"runs": [
+        {"pod": "f-0", "finishedAt": "2026-11-28T07:20:00Z", "usage": {"totalTokens": 42, "cost": "0.5"},
+         "charges": [{"at": "2026-11-28T07:00:00Z", "model": "gpt-4o", "totalTokens": 30, "cost": "0.4"},
+                     {"at": "2026-11-28T07:15:00Z", "model": "gpt-4o", "totalTokens": 12, "cost": "0.1"}]},
+        {"pod": "f-1", "finishedAt": "2026-11-28T09:00:00Z",  # no charges: its usage, when it ended
+         "usage": {"totalTokens": 7, "cost": "0.01", "byModel": {"m": {"totalTokens": 7, "cost": "0.01"}}}},
+        {"pod": "f-2", "startedAt": "2026-11-28T09:01:00Z", "usage": {"totalTokens": 99}},  # still going
+    ]}
+    at = dt.datetime(2026, 11, 28, 7, tzinfo=dt.UTC)
+    assert flow_charges(status) == [
+        (at, "gpt-4o", Spend(30, Decimal("0.4"))), (at + dt.timedelta(minutes=15), "gpt-4o", Spend(12, Decimal("0.1"))),
+        (at + dt.timedelta(hours=2), "m", Spend(7, Decimal("0.01")))]
+    assert flow_charges({}) == [] and flow_charges({"runs": ["junk", {"finishedAt": "2026-11-28T07:20:00Z"}]}) == []
