@@ -112,6 +112,7 @@ class Reason(StrEnum):
     INVALID_INPUTS = "InvalidInputs"
     TEMPLATE_NOT_FOUND = "TemplateNotFound"  # spec.templateRef names a template that is not there (yet)
     TEMPLATE_RESOLVED = "TemplateResolved"  # the Flow took its template's spec (status.template)
+    QUOTA_EXHAUSTED = "QuotaExhausted"  # a spend quota refused a model call (issue 41; permanent)
     FORKED = "Forked"  # a fork copied its origin's checkpoint into its own state (status.forkedFrom)
     FORK_SOURCE_UNAVAILABLE = "ForkSourceUnavailable"  # the origin or its checkpoint is not there (permanent)
     # The snapshot (ControllerRevision) status.template names is gone or not what the Flow took

@@ -323,6 +323,8 @@ class _Run:
     def classify(self, error: BaseException) -> RunFailure:
         if self.recorder.exceeded:
             return permanent(c.Reason.BUDGET_EXCEEDED, self.recorder.budget_message())
+        if self.recorder.quota is not None and self.recorder.quota.refused is not None:
+            return permanent(c.Reason.QUOTA_EXHAUSTED, self.recorder.quota.refused)
         causes = [*chain(error)]
         storage_failure = self.session.storage_failure if self.session is not None else None
         if storage_failure is not None:
@@ -391,6 +393,8 @@ def _attempt(template: RunReport, run: _Run | None, step: Callable[[], Ending] |
         usage = run.recorder.usage()
         if run.recorder.exceeded:
             raise permanent(c.Reason.BUDGET_EXCEEDED, run.recorder.budget_message())
+        if run.recorder.quota is not None and run.recorder.quota.refused is not None:
+            raise permanent(c.Reason.QUOTA_EXHAUSTED, run.recorder.quota.refused)  # even if the flow caught it
         report.usage = usage
         _record_ending(report, ending, run)
     except BaseException as error:

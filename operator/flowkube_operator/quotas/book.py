@@ -13,7 +13,8 @@ per limit:
 ``reserve`` checks and takes in one step: a call is let go only if, for every limit that covers it,
 used in the current window + reserved + its worst case stays within the limit. So however many calls
 start at once, their sum never passes a limit, provided each answers within its worst case. ``settle``
-then charges what the call really used, at its time, to its run, and frees the reservation;
+then takes the run's charges so far (what its calls really used, by quarter hour) and frees the
+reservation;
 ``release`` frees every reservation of a run that ended (its pod lost mid-call: the call's real
 usage, if it was answered, comes with the run's report). Once the ended run is in its Flow's status,
 the Flow's source (its runs' charges, ``status.runs[].charges``) replaces the run's, in one step. A
@@ -255,17 +256,16 @@ class QuotaBook:
         self._by_holder[holder].add(reservation.id)
         return reservation
 
-    def settle(self, reservation_id: int, actual: Spend, at: dt.datetime) -> bool:
-        """The call answered with ``actual``: charged at ``at`` to its run (the source ``run:<holder>``,
-        until the run is folded into its Flow), its reservation freed. False when the reservation is
-        not known (freed with its run already: the run's report charges the call)."""
+    def settle(self, reservation_id: int, holder: str, charges: Charges) -> bool:
+        """A call of ``holder``'s run answered: its reservation is freed, and ``charges`` (the run's, all
+        of them so far: cumulative, so a settle lost or repeated changes nothing) become the run's source
+        until the run is folded into its Flow. False when the reservation was not known (freed with
+        its run already); the charges count all the same."""
         reservation = self._free(reservation_id)
-        if reservation is None:
-            return False
-        source = f"run:{reservation.holder}"
-        quotas, charges = self._sources.get(source, (frozenset(reservation.quotas), []))
-        self.set_source(source, list(quotas), [*charges, (at, reservation.model, actual)])
-        return True
+        quotas = reservation.quotas if reservation is not None else tuple(
+            self._sources.get(f"run:{holder}", (frozenset(), []))[0])
+        self.set_source(f"run:{holder}", list(quotas), charges)
+        return reservation is not None
 
     def release(self, holder: str) -> int:
         """Free every reservation of ``holder`` (its run ended); how many there were."""

@@ -25,6 +25,7 @@ from flowkube_api.report import CHARGES_LIMIT, Charge, TokenUsage, Usage
 from flowkube_api.windows import bucket_of
 
 from .pricing import CallTokens, Price, Pricer
+from .quotagate import QuotaDesk, QuotaGate
 
 log = logging.getLogger("flowkube_runner")
 
@@ -63,6 +64,7 @@ class UsageRecorder:
         pricer: Pricer | None = None,
         on_call: Callable[[UsageRecorder], None] | None = None,
         stop: threading.Event | None = None,
+        quota: QuotaDesk | None = None,
     ) -> None:
         self._prior = prior_total_tokens
         self._prior_cost = prior_cost
@@ -82,6 +84,8 @@ class UsageRecorder:
         self._answered: dict[str, dict[str, Any]] = {}  # crewAI call id -> the provider's usage of its answer
         self.exceeded = False
         self.stopped = False
+        # Spend quotas: each call's worst case reserved before it is sent, settled after (quotagate.py).
+        self.quota = QuotaGate(quota, self._pricer, self.charges) if quota is not None else None
 
     def _price(self, model: str, metrics: UsageMetrics, event: Any) -> Price | None:
         tokens = CallTokens(prompt=metrics.prompt_tokens, completion=metrics.completion_tokens,
@@ -191,6 +195,9 @@ class UsageRecorder:
         hooks: list[tuple[InterceptionPoint, Callable[[Any], None]]] = []
         if self._budgeted() or self._stop is not None:
             hooks.append((InterceptionPoint.PRE_MODEL_CALL, self._check_before_call))
+        if self.quota is not None:
+            hooks.append((InterceptionPoint.PRE_MODEL_CALL, self.quota.before))  # after the budget's check
+            hooks.append((InterceptionPoint.POST_MODEL_CALL, self.quota.after))
         if self._budgeted():
             hooks.append((InterceptionPoint.POST_MODEL_CALL, self._check_after))
             hooks.append((InterceptionPoint.POST_STEP, self._check_after))

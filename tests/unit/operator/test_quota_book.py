@@ -36,12 +36,15 @@ def test_parallel_calls_never_reserve_past_the_limit_and_settling_charges_what_t
     assert refused and taken
     assert b.reserved(limit.key).cost <= Decimal("1.00"), "the worst cases in flight never pass the limit"
     # Each call answers within its worst case (here: half of it): what is used never passes the limit.
+    runs: dict[str, list[tuple[dt.datetime, str, Spend]]] = {}
     for r in taken:
-        assert b.settle(r.id, Spend(r.spend.tokens // 2, r.spend.cost / 2), T0)
+        runs.setdefault(r.holder, []).append((T0, r.model, Spend(r.spend.tokens // 2, r.spend.cost / 2)))
+        assert b.settle(r.id, r.holder, runs[r.holder])  # a run's charges so far, all of them
     assert b.reserved(limit.key) == Spend()
     used = b.used(limit.key, T0)
     assert used.cost == sum((r.spend.cost / 2 for r in taken), Decimal(0)) <= Decimal("1.00")
-    assert not b.settle(taken[0].id, Spend(1, Decimal(1)), T0), "settled once; again changes nothing"
+    last = taken[-1]
+    assert not b.settle(last.id, last.holder, runs[last.holder]), "settled once; again changes nothing"
     assert b.used(limit.key, T0) == used
 
 
@@ -74,7 +77,7 @@ def test_a_model_limit_counts_only_that_model_and_a_run_that_ended_frees_what_it
     assert isinstance(b.reserve([Q], "pod-2", "gpt-4o", Spend(1), T0), Refusal)
     assert b.release("pod-1") == 1 and b.reserved(only.key) == Spend()
     assert isinstance(b.reserve([Q], "pod-2", "gpt-4o", Spend(1), T0), Reservation)
-    assert not b.settle(held.id, Spend(100), T0), "freed with its run: its report charges the call"
+    assert not b.settle(held.id, "pod-1", []), "freed with its run: its report charges the call"
     # Quotas that do not cover the Flow are not asked.
     assert isinstance(b.reserve(["FlowQuota other/q"], "pod-3", "gpt-4o", Spend(10**9), T0), Reservation)
 
@@ -89,7 +92,7 @@ def test_sources_replace_what_they_said_and_a_run_settled_in_flight_becomes_its_
     assert b.used(rolling.key, later) == Spend() and b.used(life.key, later) == Spend(10)
     # A run's calls settle as they answer; when the run is in its Flow's status, the Flow says it all.
     r = b.reserve([Q], "pod-1", "m", Spend(5), later)
-    assert isinstance(r, Reservation) and b.settle(r.id, Spend(3), later)
+    assert isinstance(r, Reservation) and b.settle(r.id, "pod-1", [(later, "m", Spend(3))])
     assert b.used(life.key, later) == Spend(13) and b.reserved(life.key) == Spend()
     b.set_source("flow:a", [Q], [(T0, "m", Spend(10)), (later, "m", Spend(3))])
     b.drop_source("run:pod-1")

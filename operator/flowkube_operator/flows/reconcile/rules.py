@@ -21,7 +21,7 @@ PERMANENT_REASONS = frozenset({
     Reason.INVALID_DEFINITION, Reason.INVALID_FLOW_REF, Reason.INVALID_INPUTS, Reason.INVALID_SPEC,
     Reason.INVALID_IMAGE_NAME,
     Reason.STATE_CORRUPT,
-    Reason.STATE_TOO_LARGE, Reason.BUDGET_EXCEEDED, Reason.DEADLINE_EXCEEDED,
+    Reason.STATE_TOO_LARGE, Reason.BUDGET_EXCEEDED, Reason.DEADLINE_EXCEEDED, Reason.QUOTA_EXHAUSTED,
 })
 
 # A run that ended for one of these reasons was taken away by Kubernetes or by someone else, not

@@ -1,0 +1,96 @@
+"""Spend quotas at the model call (issue 41), with crewAI as the engine and the stub model at the far
+end: a desk backed by the operator's quota book (the state API's HTTP hop is the only thing left
+out) reserves each call's worst case before it is sent and settles it after. A call that does not fit
+is not sent, and the run ends QuotaExhausted naming the quota; what was used equals the stub's ledger."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import os
+import tempfile
+from collections.abc import Iterator
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+
+from flowkube_api.report import Charge
+from flowkube_api.windows import WindowSpec
+from flowkube_devstack.stubmodel import Rules, StubModel, ledger_usage
+from flowkube_operator.quotas.book import Limit, QuotaBook, Refusal, Spend
+from tests.definitions import crew_definition, part_rules, parts_of
+
+Q = "FlowQuota team-a/tokens"
+WRITER = {"role": "Writer", "goal": "Write well", "backstory": "A careful writer.", "settings": {"llm": "gpt-4o-mini"}}
+
+
+class BookDesk:
+    """The runner's quota desk, answered by the operator's book in this process."""
+
+    def __init__(self, book: QuotaBook, pod: str) -> None:
+        self.book, self.pod = book, pod
+        self.worst: list[int] = []
+
+    def reserve(self, model: str, tokens: int, cost: Decimal) -> int:
+        from flowkube_runner.engine.quotagate import QuotaRefused
+
+        self.worst.append(tokens)
+        r = self.book.reserve([Q], self.pod, model, Spend(tokens, cost), dt.datetime.now(dt.UTC))
+        if isinstance(r, Refusal):
+            raise QuotaRefused(r.message())
+        return r.id
+
+    def settle(self, reservation: int, charges: list[Charge] | None) -> None:
+        self.book.settle(reservation, self.pod, [(ch.at, ch.model, Spend(ch.total_tokens, ch.cost))
+                                                      for ch in charges or []])
+
+
+@pytest.fixture(scope="module")
+def stub() -> Iterator[StubModel]:
+    with StubModel(Rules.from_json({"default": "A plain reply.", "rules": part_rules(4)})) as model, \
+            tempfile.TemporaryDirectory() as home:
+        os.environ.update({"OPENAI_BASE_URL": model.base_url, "OPENAI_API_KEY": "stub", "HOME": home,
+                           "CREWAI_DISABLE_TELEMETRY": "true", "CREWAI_TRACING_ENABLED": "false",
+                           "OTEL_SDK_DISABLED": "true", "CREWAI_STORAGE_DIR": "flowkube-quota-test"})
+        yield model
+
+
+def run(stub: StubModel, root: Path, limit: int) -> tuple[BookDesk, QuotaBook, str | None, list[str]]:
+    """A four-task crew under a lifetime limit of ``limit`` tokens: (desk, book, the refusal, parts called)."""
+    from flowkube_runner.engine.session import FlowSession
+    from flowkube_runner.engine.usage import UsageRecorder
+    from flowkube_runner.store import FileStore
+
+    book = QuotaBook()
+    book.set_limits(Q, [Limit(Q, "all", WindowSpec("Lifetime"), max_tokens=limit)])
+    desk = BookDesk(book, "demo-0")
+    mark = len(stub.ledger())
+    recorder = UsageRecorder(quota=desk)
+    session = FlowSession(FileStore(root), "demo-0", None)
+    session.load(definition=crew_definition(WRITER, 4))
+    # The refused call ends the flow with crewAI's exception; the gate says why (quota.refused).
+    with recorder.recording(), contextlib.suppress(Exception):
+        session.kickoff({"topic": "quotas"})
+    assert recorder.quota is not None
+    return desk, book, recorder.quota.refused, parts_of(stub.ledger()[mark:])
+
+
+def test_a_call_whose_worst_case_does_not_fit_is_not_sent_and_the_book_holds_what_was_used(
+        stub: StubModel, tmp_path: Path) -> None:
+    # First with room for all: each call's worst case, and what each used.
+    desk, book, refused, parts = run(stub, tmp_path / "free", 10**9)
+    assert refused is None and parts == ["PART1", "PART2", "PART3", "PART4"]
+    ledger = stub.ledger()[-4:]
+    used = [e["usage"]["total_tokens"] for e in ledger]
+    assert book.used((Q, "all"), dt.datetime.now(dt.UTC)).tokens == sum(used) == ledger_usage(ledger).total_tokens
+    assert book.reserved((Q, "all")) == Spend()
+    assert all(w > u for w, u in zip(desk.worst, used, strict=True)), "a worst case bounds what the call used"
+    # Then with a limit one token short of what the third call may need after the first two.
+    limit = used[0] + used[1] + desk.worst[2] - 1
+    mark = len(stub.ledger())
+    desk, book, refused, parts = run(stub, tmp_path / "tight", limit)
+    assert parts == ["PART1", "PART2"], "the third call is not sent"
+    assert refused is not None and refused.startswith(f"{Q}: limit all (maxTotalTokens={limit}, lifetime)")
+    assert book.used((Q, "all"), dt.datetime.now(dt.UTC)).tokens == ledger_usage(stub.ledger()[mark:]).total_tokens
+    assert book.used((Q, "all"), dt.datetime.now(dt.UTC)).tokens <= limit and book.reserved((Q, "all")) == Spend()
