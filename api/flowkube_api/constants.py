@@ -212,6 +212,10 @@ STATE_KEY_PATTERN = r"[-._a-zA-Z0-9]{1,253}"  # what a ConfigMap key may be
 MESSAGE_API_PREFIX = "/v1/message/"
 # On a 503 of the state API: "true" when the value was stored, by a replica that does not reconcile.
 HEADER_STORED = "Flowkube-Stored"
+# + reserve or settle: a runner's model call under spend quotas (issue 41): its worst case reserved
+# before it is sent ({"model", "tokens", "cost"} -> {"id"}, or 402 and why), settled after
+# ({"id", "charges"}: the run's charges so far).
+QUOTA_API_PREFIX = "/v1/quota/"
 ANSWER_API_PREFIX = "/v1/answer/"  # + the feedback request id: a warm paused runner's long poll for its answer
 MESSAGE_POLL_SECONDS = 20  # the longest one long poll is held before "nothing yet" (204)
 DEFAULT_KEEP_WARM_SECONDS = 120  # spec.conversation.keepWarmSeconds when unset

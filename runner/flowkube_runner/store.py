@@ -14,13 +14,16 @@ import ssl
 import tempfile
 import time
 from collections.abc import Mapping
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
 
 from flowkube_api import constants as c
+from flowkube_api.base import money_text
 from flowkube_api.constants import STATE_LIMIT
+from flowkube_api.report import Charge
 
 KEY_PATTERN = re.compile(c.STATE_KEY_PATTERN)
 
@@ -52,6 +55,10 @@ class StateStore(Protocol):
     def put(self, key: str, value: bytes, *, leader_for: float | None = None) -> None:
         """Store ``value``. A replica that stored it but does not reconcile answers so; the value is
         sent again for ``leader_for`` seconds (None: for as long as any failure is retried)."""
+
+
+class QuotaRefused(Exception):
+    """A spend quota refused a model call: the message names the quota, its limit, the use and the reset."""
 
 
 class MessageGone(Exception):
@@ -170,15 +177,17 @@ class StateApiStore:
         client = httpx.Client(base_url=url.rstrip("/"), verify=verify, auth=_BearerFile(token), timeout=15.0)
         return cls(client, retry_for=retry_for)
 
-    def _request(self, method: str, key: str, leader_for: float | None = None, **kwargs: Any) -> httpx.Response:
-        if not KEY_PATTERN.fullmatch(key):
+    def _request(self, method: str, key: str, leader_for: float | None = None, *, path: str | None = None,
+                 **kwargs: Any) -> httpx.Response:
+        """``path`` (default: the state key's) is retried the same way."""
+        if path is None and not KEY_PATTERN.fullmatch(key):
             raise StoreError(f"invalid key {key!r}")
         delay = 0.25
         start = time.monotonic()
         while True:
             elapsed = time.monotonic() - start + delay
             try:
-                response = self._client.request(method, c.STATE_API_PREFIX + key, **kwargs)
+                response = self._client.request(method, path or c.STATE_API_PREFIX + key, **kwargs)
             except (httpx.TransportError, OSError) as e:
                 if elapsed > self._retry_for:
                     raise StoreError(f"{method} state {key}: state API unreachable: {e}") from e
@@ -210,6 +219,28 @@ class StateApiStore:
             raise StateTooLarge(len(value), STATE_LIMIT)
         if response.status_code not in (200, 204) and not (leader_for is not None and _stored_elsewhere(response)):
             raise StoreError(f"PUT state {key}: {_status_text(response)}")
+
+    def reserve(self, model: str, tokens: int, cost: Decimal) -> int:
+        """A model call's worst case, reserved under the Flow's spend quotas (its id; 0: the operator
+        enforces none). Raises ``QuotaRefused``."""
+        body = {"model": model, "tokens": tokens, "cost": money_text(cost)}
+        response = self._request("POST", "reserve", path=f"{c.QUOTA_API_PREFIX}reserve", json=body)
+        if response.status_code == 402:
+            raise QuotaRefused(_status_text(response).removeprefix("HTTP 402 "))
+        if response.status_code == 404:
+            return 0
+        if response.status_code != 200:
+            raise StoreError(f"POST quota reserve: {_status_text(response)}")
+        return int(response.json()["id"])
+
+    def settle(self, reservation: int, charges: list[Charge] | None) -> None:
+        """The call answered: its reservation freed, the run's charges so far recorded."""
+        if reservation == 0:
+            return
+        body = {"id": reservation, "charges": [ch.model_dump(mode="json", by_alias=True) for ch in charges or []]}
+        response = self._request("POST", "settle", path=f"{c.QUOTA_API_PREFIX}settle", json=body)
+        if response.status_code not in (204, 404):
+            raise StoreError(f"POST quota settle: {_status_text(response)}")
 
     def next_message(self, after: int, wait: float) -> dict[str, Any] | None:
         return self._long_poll(f"{c.MESSAGE_API_PREFIX}{after}", wait)

@@ -30,18 +30,21 @@ import re
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from decimal import Decimal
 from typing import Any, Protocol
 
 from aiohttp import web
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 
 from flowkube_api import constants as c
-from flowkube_api.report import ReportTooLarge, RunReport
+from flowkube_api.base import Model, Money
+from flowkube_api.report import CHARGES_LIMIT, COUNT_LIMIT, MODEL_NAME_LIMIT, Charge, ReportTooLarge, RunReport
 from flowkube_operator import selfmetrics
 from flowkube_operator.flows import checkpoints, resources
 from flowkube_operator.kube.client import ApiError, Kube, delete_namesake_garbage, ns_path
 from flowkube_operator.kube.issuerkeys import IssuerKeys
 from flowkube_operator.meta import owner_uid
+from flowkube_operator.quotas.book import Charges, Refusal, Reservation, Spend
 from flowkube_operator.serve.stateauth import (
     REVIEW_CONCURRENCY,
     ActiveRuns,
@@ -88,12 +91,37 @@ class Reports(Protocol):
         does not lead)."""
 
 
+class QuotaDesk(Protocol):
+    """The spend quotas' side of the state API (issue 41): the book of the Flows' quotas, on the
+    leader (None: this replica does not lead)."""
+
+    def reserve(self, t: Target, model: str, worst: Spend) -> Reservation | Refusal | None: ...
+
+    def settle(self, t: Target, reservation: int, charges: Charges) -> bool | None: ...
+
+
+QUOTA_BODY_LIMIT = 256 * 1024  # a settle's charges: at most CHARGES_LIMIT entries
+
+
+class Reserve(Model):
+    model: str = Field(max_length=MODEL_NAME_LIMIT)
+    tokens: int = Field(ge=0, le=COUNT_LIMIT)
+    cost: Money = Decimal(0)
+
+
+class Settle(Model):
+    id: int = Field(ge=1, le=COUNT_LIMIT)
+    charges: list[Charge] | None = Field(default=None, max_length=CHARGES_LIMIT)
+
+
 class StateApi:
     def __init__(self, kube: Callable[[], Kube | None], runs: Runs, reports: Reports, *,
                  issuer: IssuerKeys | None = None, limits: ClientLimits | None = None,
-                 token_reviews: int = REVIEW_CONCURRENCY) -> None:
+                 token_reviews: int = REVIEW_CONCURRENCY, quotas: QuotaDesk | None = None) -> None:
         """`issuer`: the keys tokens are checked with before a TokenReview (None: none, the TokenReview
-        alone decides). `limits`: per source address (default: the documented defaults)."""
+        alone decides). `limits`: per source address (default: the documented defaults). `quotas`: the
+        spend quotas' desk (None: quotas are not enforced, and the quota paths answer 404)."""
+        self._quotas = quotas
         self._kube = kube
         self._runs, self._reports = runs, reports
         self.auth = StateAuth(kube, runs, issuer=issuer, token_reviews=token_reviews)
@@ -202,7 +230,41 @@ class StateApi:
         app.router.add_put(c.STATE_API_PREFIX + "{key}", self._handle(self._put))
         app.router.add_get(c.MESSAGE_API_PREFIX + "{key}", self._handle(self._message, state_key=False))
         app.router.add_get(c.ANSWER_API_PREFIX + "{key}", self._handle(self._answer, state_key=False))
+        app.router.add_post(c.QUOTA_API_PREFIX + "{key}", self._handle(self._quota, state_key=False))
         return app
+
+    # -- spend quotas --------------------------------------------------------------------------------
+
+    async def _quota(self, request: web.Request, t: Target, what: str) -> web.Response:
+        """``POST /v1/quota/reserve`` (a call's worst case: ``{"id"}``, or 402 and why) and
+        ``POST /v1/quota/settle`` (the call answered: the run's charges so far; 204)."""
+        if self._quotas is None:
+            return _error(404, "spend quotas are not enforced by this operator")
+        if (request.content_length or 0) > QUOTA_BODY_LIMIT:
+            return _error(413, f"a quota request is at most {QUOTA_BODY_LIMIT} bytes")
+        body = await request.read()
+        if len(body) > QUOTA_BODY_LIMIT:
+            return _error(413, f"a quota request is at most {QUOTA_BODY_LIMIT} bytes")
+        try:
+            if what == "reserve":
+                asked = Reserve.model_validate_json(body)
+                outcome = self._quotas.reserve(t, asked.model, Spend(asked.tokens, asked.cost))
+                if isinstance(outcome, Refusal):
+                    return _error(402, outcome.message())  # Payment Required: not retried
+                if outcome is not None:
+                    return web.json_response({"id": outcome.id})
+            elif what == "settle":
+                settled = Settle.model_validate_json(body)
+                charges = [(ch.at, ch.model, Spend(ch.total_tokens, ch.cost)) for ch in settled.charges or []]
+                if self._quotas.settle(t, settled.id, charges) is not None:
+                    return web.Response(status=204)
+            else:
+                return _error(404, "the quota paths are reserve and settle")
+        except ValidationError as e:
+            return _error(422, f"{what}: {_first_error(e)}")
+        response = _error(503, "this operator replica does not lead: ask again")
+        response.headers["Connection"] = "close"
+        return response
 
     @contextlib.contextmanager
     def _pod_slot(self, t: Target) -> Iterator[None]:

@@ -6,7 +6,8 @@ The worst case of a call, without a tokenizer (none ships with crewAI 1.15.30, a
 downloaded in a pod without network): its prompt's UTF-8 bytes, a true upper bound on its tokens
 (a BPE or byte-fallback tokenizer never makes more tokens than bytes), plus the answer's bound, the
 model's ``max_tokens`` (``max_completion_tokens``) or ``DEFAULT_ANSWER_TOKENS`` when it sets none,
-priced as the call would be. Not wired to the operator yet: a run has a desk only in tests.
+priced as the call would be. The desk is the state API (``StateApiStore.reserve``/``settle``); not
+wired into a run yet: a run has a desk only in tests.
 """
 
 from __future__ import annotations
@@ -23,15 +24,12 @@ from crewai.hooks.dispatch import HookAborted
 
 from flowkube_api.report import Charge
 
+from ..store import QuotaRefused
 from .pricing import CallTokens, Pricer
 
 log = logging.getLogger("flowkube_runner")
 
 DEFAULT_ANSWER_TOKENS = 16384  # an answer's bound when the model sets no max_tokens
-
-
-class QuotaRefused(Exception):
-    """The desk refused the call: the message names the quota, its limit, the use and the reset."""
 
 
 class QuotaDesk(Protocol):

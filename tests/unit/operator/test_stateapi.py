@@ -803,3 +803,60 @@ def test_a_runner_sending_any_number_of_checkpoints_leaves_at_most_keep_configma
             assert big.status == 413
 
     asyncio.run(scenario())
+
+
+def test_quota_reservations_through_the_state_api_are_the_books_and_bad_bodies_are_refused() -> None:
+    import datetime as dt
+    from decimal import Decimal
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from flowkube_api.windows import WindowSpec
+    from flowkube_operator.quotas.book import Limit, QuotaBook, Spend
+
+    q = "FlowQuota ns/tokens"
+    book = QuotaBook()
+    book.set_limits(q, [Limit(q, "all", WindowSpec("Lifetime"), max_tokens=100)])
+    leading = [True]
+
+    class Desk:
+        def reserve(self, t: Any, model: str, worst: Spend) -> Any:
+            return book.reserve([q], t.pod, model, worst, dt.datetime.now(dt.UTC)) if leading[0] else None
+
+        def settle(self, t: Any, reservation: int, charges: Any) -> Any:
+            return book.settle(reservation, t.pod, charges) if leading[0] else None
+
+    runs = FakeRuns({("ns", "demo-0"): ("demo", FLOW_UID, "pod-uid")})
+    auth = {"Authorization": f"Bearer {jwt('good')}"}
+
+    async def scenario() -> None:
+        state = StateApi(lambda: FakeKube(), runs, runs, quotas=Desk())  # type: ignore[arg-type,return-value]
+        async with TestClient(TestServer(state.app())) as client:
+            url = c.QUOTA_API_PREFIX
+            ok = await client.post(url + "reserve", json={"model": "m", "tokens": 60, "cost": "0.1"}, headers=auth)
+            assert ok.status == 200
+            first = (await ok.json())["id"]
+            refused = await client.post(url + "reserve", json={"model": "m", "tokens": 41}, headers=auth)
+            assert refused.status == 402
+            assert (await refused.json())["message"].startswith(f"{q}: limit all (maxTotalTokens=100, lifetime)")
+            charges = [{"at": "2026-11-28T08:00:00Z", "model": "m", "totalTokens": 30, "cost": "0.05"}]
+            settled = await client.post(url + "settle", json={"id": first, "charges": charges}, headers=auth)
+            assert settled.status == 204
+            assert book.used((q, "all"), dt.datetime.now(dt.UTC)) == Spend(30, Decimal("0.05"))
+            assert book.reserved((q, "all")) == Spend()
+            for bad, field in (({"model": "m", "tokens": -1}, "tokens"), ({"model": "m" * 600, "tokens": 1}, "model"),
+                               ({"tokens": 1}, "model")):
+                answer = await client.post(url + "reserve", json=bad, headers=auth)
+                assert answer.status == 422 and field in (await answer.json())["message"], bad
+            big = await client.post(url + "settle", data=b"x" * (300 * 1024), headers=auth)
+            assert big.status == 413
+            assert (await client.post(url + "spend", json={}, headers=auth)).status == 404
+            assert (await client.post(url + "reserve", json={"model": "m", "tokens": 1})).status == 401
+            leading[0] = False
+            assert (await client.post(url + "reserve", json={"model": "m", "tokens": 1}, headers=auth)).status == 503
+        off = StateApi(lambda: FakeKube(), runs, runs)  # type: ignore[arg-type,return-value]
+        async with TestClient(TestServer(off.app())) as client:
+            answer = await client.post(c.QUOTA_API_PREFIX + "reserve", json={"model": "m", "tokens": 1}, headers=auth)
+            assert answer.status == 404
+
+    asyncio.run(scenario())

@@ -33,7 +33,7 @@ class BookDesk:
         self.worst: list[int] = []
 
     def reserve(self, model: str, tokens: int, cost: Decimal) -> int:
-        from flowkube_runner.engine.quotagate import QuotaRefused
+        from flowkube_runner.store import QuotaRefused
 
         self.worst.append(tokens)
         r = self.book.reserve([Q], self.pod, model, Spend(tokens, cost), dt.datetime.now(dt.UTC))

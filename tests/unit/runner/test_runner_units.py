@@ -312,3 +312,38 @@ def test_the_finished_tasks_kept_never_make_a_methods_state_too_large() -> None:
     cache._slots = {"a|crew|h|0": [{"raw": "A1"}], "c|crew|h|0": [{"raw": "C1"}]}
     persistence.save_state("flow-1", "a", {"topic": "y"})
     assert decode_json(store.value, "state")["tasks"] == {"c|crew|h|0": [{"raw": "C1"}]}, "a's own tasks dropped"
+
+
+def test_quota_reservations_go_to_the_state_api_and_a_refusal_is_quota_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import datetime as dt
+
+    from flowkube_api.report import Charge
+    from flowkube_runner.store import QuotaRefused
+
+    monkeypatch.setattr("flowkube_runner.store.time.sleep", lambda _s: None)
+    seen: list[tuple[str, Any]] = []
+    answers = iter([httpx.Response(503, json={"message": "not the leader"}), httpx.Response(200, json={"id": 7}),
+                    httpx.Response(204), httpx.Response(402, json={"message": "FlowQuota ns/q: limit all ..."}),
+                    httpx.Response(404, json={"message": "spend quotas are not enforced"})])
+
+    def server(request: httpx.Request) -> httpx.Response:
+        assert request.headers["Authorization"] == "Bearer pod-token"
+        seen.append((request.url.path, json.loads(request.content)))
+        return next(answers)
+
+    store = state_store(tmp_path, server)
+    assert store.reserve("gpt-4o", 1200, Decimal("0.0105")) == 7  # a follower's 503 is asked again
+    at = dt.datetime(2026, 11, 28, 8, tzinfo=dt.UTC)
+    store.settle(7, [Charge(at=at, model="gpt-4o", total_tokens=300, cost=Decimal("0.002"))])
+    with pytest.raises(QuotaRefused, match=r"^FlowQuota ns/q: limit all"):
+        store.reserve("gpt-4o", 1200, Decimal("0.0105"))
+    assert store.reserve("gpt-4o", 1, Decimal(0)) == 0, "an operator that enforces no quota: nothing to settle"
+    store.settle(0, None)
+    assert seen == [
+        ("/v1/quota/reserve", {"model": "gpt-4o", "tokens": 1200, "cost": "0.0105"}),
+        ("/v1/quota/reserve", {"model": "gpt-4o", "tokens": 1200, "cost": "0.0105"}),
+        ("/v1/quota/settle", {"id": 7, "charges": [{"at": "2026-11-28T08:00:00Z", "model": "gpt-4o",
+                                                    "totalTokens": 300, "cost": "0.002"}]}),
+        ("/v1/quota/reserve", {"model": "gpt-4o", "tokens": 1200, "cost": "0.0105"}),
+        ("/v1/quota/reserve", {"model": "gpt-4o", "tokens": 1, "cost": "0"})]
