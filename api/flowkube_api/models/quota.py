@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
+from flowkube_api import selectors
 from flowkube_api.base import Model, Money, Time
 from flowkube_api.models.common import FreeObject, cel
 from flowkube_api.report import SpentSoFar
@@ -76,6 +77,15 @@ class FlowQuotaSpec(Model):
     action: Literal["Refuse", "Queue"] = Field(
         default="Refuse", description="A new Flow while a limit is exhausted: Refuse it at apply, or Queue it "
         "(accepted, Pending with reason QuotaExhausted, started when the window resets).")
+
+    @model_validator(mode="after")
+    def _selectors(self) -> FlowQuotaSpec:
+        try:
+            selectors.parse(self.selector, "selector")
+            selectors.parse(getattr(self, "namespace_selector", None), "namespaceSelector")
+        except selectors.SelectorError as e:
+            raise ValueError(str(e)) from None
+        return self
 
 
 class ClusterFlowQuotaSpec(FlowQuotaSpec):

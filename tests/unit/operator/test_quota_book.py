@@ -131,6 +131,9 @@ def test_a_quota_spec_names_its_bad_field_and_becomes_the_books_limits() -> None
                        ({"name": "x", "maxCost": "1", "window": {"kind": "Rolling"}}, "window.hours")]:
         with pytest.raises(ValidationError, match=field):
             FlowQuotaSpec.model_validate({"limits": [bad]})
+    with pytest.raises(ValidationError, match=r"selector.matchExpressions\[0\].operator"):
+        FlowQuotaSpec.model_validate({"limits": spec.model_dump(by_alias=True, mode="json")["limits"],
+                                      "selector": {"matchExpressions": [{"key": "team", "operator": "Is"}]}})
 
 
 def test_a_flows_charges_come_from_its_ended_runs_by_quarter_hour_or_by_model_when_they_ended() -> None:
