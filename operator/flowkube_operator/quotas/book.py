@@ -208,6 +208,9 @@ class QuotaBook:
         for account in self._covering(list(entry[0])):
             self._add(account, entry[1], 1)
 
+    def source_charges(self, source: str) -> Charges:
+        return list(self._sources.get(source, (frozenset(), []))[1])
+
     def drop_source(self, source: str) -> None:
         old = self._sources.pop(source, None)
         if old is not None:
