@@ -63,7 +63,8 @@ def test_a_quotas_status_has_each_limits_use_window_and_conditions() -> None:
         ("Exhausted", "False", ""), ("Warning", "True", "daily at 80%")]
     t.flow_event("team", "b", flow("b", {}, ended("b-0", 20)))
     _, conditions = t.status("team", "tokens", NOW)
-    assert [(x.type, x.status, x.message) for x in conditions][0] == ("Exhausted", "True", "daily at 100%")
+    exhausted = conditions[0]
+    assert (exhausted.type, exhausted.status, exhausted.message) == ("Exhausted", "True", "daily at 100%")
 
 
 def test_a_quota_whose_spec_cannot_be_used_says_why_and_covers_nothing() -> None:
