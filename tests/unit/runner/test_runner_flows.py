@@ -728,3 +728,23 @@ def test_a_fork_retried_before_it_saved_its_edits_still_applies_them(
     report = paused(fork.run(c.Trigger.RETRY, edited))
     assert report.feedback_request is not None and report.feedback_request.output == "EDITED facts."
     assert report.flow_id and report.flow_id != origin.flow_id
+
+
+def test_a_fork_of_a_class_flow_with_a_state_field_edited_runs_on_from_it(
+        harness: Harness, stub: StubModel, tmp_path: Path) -> None:
+    """A Flow class keeps its results in its state: a fork sets a field (`inputs`) and the next method
+    reads it, under a new flow id; the method before the checkpoint is not called again."""
+    spec: dict[str, Any] = {"flowRef": ARTICLE_FLOW, "inputs": {"topic": "cats"}}
+    origin = succeeded(harness.run(c.Trigger.KICKOFF, spec))
+    assert [(e.id, e.method) for e in origin.checkpoints or []] == [(1, "write_draft"), (2, "summarize")]
+    fork = Harness(tmp_path / "class-fork", stub, flow="class-fork")
+    fork.store.put(c.STATE_KEY, harness.store.get(c.checkpoint_key(1)) or b"")
+    mark = len(stub.ledger())
+    edited = {**spec, "forkFrom": {"name": "demo", "checkpoint": 1, "inputs": {"draft": "EDITED draft on dogs"}}}
+    report = succeeded(fork.run(c.Trigger.FORK, edited))
+    calls = stub.ledger()[mark:]
+    assert len(calls) == 1 and "Summarise in one line: EDITED draft on dogs" in calls[0]["lastUser"]
+    assert report.usage == ledger_usage(calls) and report.flow_id != origin.flow_id
+    state = fork.state()
+    assert state is not None and state["state"]["draft"] == "EDITED draft on dogs"
+    assert state["state"]["id"] == report.flow_id, "the state's own id is the fork's new flow id"
