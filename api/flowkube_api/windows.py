@@ -9,7 +9,8 @@ a rolling window never resets at once: each charge leaves it ``hours`` after it 
 Charges are counted in quarter-hour buckets (``bucket_of``): every time zone in use has an offset
 that is a whole number of quarter hours, so a calendar window's edges always fall on a bucket's
 edge and a bucket lies wholly inside or outside it. A rolling window counts the buckets that begin
-within its span: its trailing edge moves in quarter hours.
+within its span, the one its trailing edge falls in included: a charge leaves it up to a quarter
+hour after ``hours`` have passed, never before.
 """
 
 from __future__ import annotations
@@ -98,7 +99,9 @@ def window_at(spec: WindowSpec, now: dt.datetime) -> Window:
         return Window(None, None)
     if spec.kind == "Rolling":
         assert spec.hours is not None
-        return Window(bucket_of(now - dt.timedelta(hours=spec.hours)) + BUCKET, None)
+        # The quarter hour the window's edge falls in counts whole: a charge leaves up to a quarter hour
+        # late, never early (no overspend).
+        return Window(bucket_of(now - dt.timedelta(hours=spec.hours)), None)
     zone = spec.zone()
     local = now.astimezone(zone).date()
     first = _first_day(spec, local)

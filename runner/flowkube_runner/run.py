@@ -85,15 +85,15 @@ class InterimReport:
         self._lock = threading.Lock()
         self._closed = False
 
-    def update(self, usage: Callable[[], Usage], flow_id: str | None = None,
-               checkpoints: list[CheckpointEntry] | None = None,
-               charges: Callable[[], list[Charge] | None] | None = None) -> None:
+    def update(self, counted: Callable[[], tuple[Usage, list[Charge] | None]], flow_id: str | None = None,
+               checkpoints: list[CheckpointEntry] | None = None) -> None:
+        """``counted``: the usage and its charges, read at one moment."""
         with self._lock:
             if self._closed:
                 return
-            report = self._template.model_copy(update={"usage": usage(), "flow_id": flow_id,
-                                                       "checkpoints": checkpoints,
-                                                       "charges": charges() if charges is not None else None})
+            usage, charges = counted()
+            report = self._template.model_copy(update={"usage": usage, "flow_id": flow_id,
+                                                       "checkpoints": checkpoints, "charges": charges})
             try:
                 self._store.put(c.report_key(report.pod), report.encode())
             except Exception as e:
@@ -156,7 +156,7 @@ class _Run:
 
     def _after_model_call(self, recorder: UsageRecorder) -> None:
         if self.interim is not None:
-            self.interim.update(recorder.recorded, self.flow_id(), self.checkpoints.entries(), recorder.charges)
+            self.interim.update(recorder.recorded_with_charges, self.flow_id(), self.checkpoints.entries())
 
     def _after_checkpoint(self) -> None:
         """A checkpoint listed at once in the interim report: the index outlives a lost pod."""
@@ -320,6 +320,14 @@ class _Run:
                 return self.resume(session, document)
             return self.retry(session, document)  # a retry, or a fork's first run
 
+    def refuse_if_stopped_by_spend(self) -> None:
+        """A budget crossed, or a quota refused a call: the run ends so, even if the flow caught
+        crewAI's exception and went on."""
+        if self.recorder.exceeded:
+            raise permanent(c.Reason.BUDGET_EXCEEDED, self.recorder.budget_message())
+        if self.recorder.quota is not None and self.recorder.quota.refused is not None:
+            raise permanent(c.Reason.QUOTA_EXHAUSTED, self.recorder.quota.refused)
+
     def classify(self, error: BaseException) -> RunFailure:
         if self.recorder.exceeded:
             return permanent(c.Reason.BUDGET_EXCEEDED, self.recorder.budget_message())
@@ -390,11 +398,8 @@ def _attempt(template: RunReport, run: _Run | None, step: Callable[[], Ending] |
         if run is None:
             raise RuntimeError("no run to step")
         ending = step()
-        usage = run.recorder.usage()
-        if run.recorder.exceeded:
-            raise permanent(c.Reason.BUDGET_EXCEEDED, run.recorder.budget_message())
-        if run.recorder.quota is not None and run.recorder.quota.refused is not None:
-            raise permanent(c.Reason.QUOTA_EXHAUSTED, run.recorder.quota.refused)  # even if the flow caught it
+        usage, report.charges = run.recorder.counted()
+        run.refuse_if_stopped_by_spend()
         report.usage = usage
         _record_ending(report, ending, run)
     except BaseException as error:
@@ -403,6 +408,7 @@ def _attempt(template: RunReport, run: _Run | None, step: Callable[[], Ending] |
         failure = run.classify(error) if run is not None else fallback_failure(error)
         if run is not None:
             report.usage = _safe_usage(run)
+            report.charges = _safe(run.recorder.charges)  # the operator keeps them only if they add up
         expected = isinstance(error, RunFailure | InvalidFlow | InvalidInputs)  # no traceback for the flow's own faults
         log.error("run failed: %s: %s", failure.reason, failure, exc_info=not expected)
         report.result = c.RunResult.FAILED
@@ -416,7 +422,6 @@ def _attempt(template: RunReport, run: _Run | None, step: Callable[[], Ending] |
         report.feedback_applied = run.feedback_applied
         report.flow_id = run.flow_id()
         report.checkpoints = run.checkpoints.entries()
-        report.charges = _safe(run.recorder.charges)
     report.finished_at = datetime.now(UTC)
     return report
 

@@ -220,10 +220,10 @@ class StateApiStore:
         if response.status_code not in (200, 204) and not (leader_for is not None and _stored_elsewhere(response)):
             raise StoreError(f"PUT state {key}: {_status_text(response)}")
 
-    def reserve(self, model: str, tokens: int, cost: Decimal) -> int:
+    def reserve(self, model: str, tokens: int, cost: Decimal | None) -> int:
         """A model call's worst case, reserved under the Flow's spend quotas (its id; 0: the operator
-        enforces none). Raises ``QuotaRefused``."""
-        body = {"model": model, "tokens": tokens, "cost": money_text(cost)}
+        enforces none); ``cost`` None: the model has no price. Raises ``QuotaRefused``."""
+        body = {"model": model, "tokens": tokens, "cost": money_text(cost or Decimal(0)), "priced": cost is not None}
         response = self._request("POST", "reserve", path=f"{c.QUOTA_API_PREFIX}reserve", json=body)
         if response.status_code == 402:
             raise QuotaRefused(_status_text(response).removeprefix("HTTP 402 "))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime as dt
 import itertools
+import secrets
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -100,8 +101,12 @@ class Refusal:
     reserved: Spend
     needed: Spend
     resets: dt.datetime | None
+    unpriced: str | None = None  # the model with no price a cost limit cannot bound
 
     def message(self) -> str:
+        if self.unpriced is not None:
+            return (f"{self.limit.describe()}: model {self.unpriced} has no price, so this limit cannot bound "
+                    "its calls (price it in the operator's FLOWKUBE_PRICES)")
         total = self.used + self.reserved + self.needed
         if self.limit.max_cost is not None and total.cost > self.limit.max_cost:
             what = (f"USD {money_text(self.used.cost)} used + USD {money_text(self.reserved.cost)} reserved by "
@@ -175,7 +180,8 @@ class QuotaBook:
         self._sources: dict[str, tuple[frozenset[str], Charges]] = {}
         self._reservations: dict[int, Reservation] = {}
         self._by_holder: dict[str, set[int]] = defaultdict(set)
-        self._ids = itertools.count(1)
+        # Random ids: a settle a pod sends to a new leader names no reservation of another pod.
+        self._ids = (secrets.randbits(52) + 1 for _ in itertools.count())  # exact in JSON numbers
 
     # -- the limits ----------------------------------------------------------------------------------
 
@@ -194,6 +200,11 @@ class QuotaBook:
             for quotas, charges in self._sources.values():
                 if quota in quotas:
                     self._add(account, charges, 1)
+            # Calls in flight count under the new account too (a limit remade, a quota made again).
+            for r in self._reservations.values():
+                if quota in r.quotas and lim.covers(r.model):
+                    account.reserved = account.reserved + r.spend
+                    r.limits = (*r.limits, lim.key) if lim.key not in r.limits else r.limits
 
     def limits(self, quota: str) -> list[Limit]:
         return [a.limit for k, a in self._accounts.items() if k[0] == quota]
@@ -243,10 +254,14 @@ class QuotaBook:
     # -- calls in flight -----------------------------------------------------------------------------
 
     def reserve(self, quotas: list[str], holder: str, model: str, worst: Spend,
-                now: dt.datetime) -> Reservation | Refusal:
+                now: dt.datetime, *, priced: bool = True) -> Reservation | Refusal:
         """Take ``worst`` from every limit of ``quotas`` covering ``model``, or nothing and say which
-        limit it would pass."""
+        limit it would pass. A call of a model with no price (``priced`` false: its cost is unknown,
+        not zero) is refused under any limit with a cost cap."""
         accounts = [a for a in self._covering(quotas) if a.limit.covers(model)]
+        for account in accounts:
+            if not priced and account.limit.max_cost is not None:
+                return Refusal(account.limit, Spend(), account.reserved, worst, None, unpriced=model)
         for account in accounts:
             used = self.used(account.limit.key, now)
             if not account.limit.fits(used + account.reserved + worst):
@@ -264,7 +279,7 @@ class QuotaBook:
         of them so far: cumulative, so a settle lost or repeated changes nothing) become the run's source
         until the run is folded into its Flow. False when the reservation was not known (freed with
         its run already); the charges count all the same."""
-        reservation = self._free(reservation_id)
+        reservation = self._free(reservation_id, holder)
         quotas = reservation.quotas if reservation is not None else tuple(
             self._sources.get(f"run:{holder}", (frozenset(), []))[0])
         self.set_source(f"run:{holder}", list(quotas), charges)
@@ -277,10 +292,12 @@ class QuotaBook:
             self._free(reservation_id)
         return len(ids)
 
-    def _free(self, reservation_id: int) -> Reservation | None:
-        reservation = self._reservations.pop(reservation_id, None)
-        if reservation is None:
+    def _free(self, reservation_id: int, holder: str | None = None) -> Reservation | None:
+        """Free a reservation (only ``holder``'s, when given: a pod frees no other pod's)."""
+        reservation = self._reservations.get(reservation_id)
+        if reservation is None or (holder is not None and reservation.holder != holder):
             return None
+        del self._reservations[reservation_id]
         self._by_holder.get(reservation.holder, set()).discard(reservation_id)
         for key in reservation.limits:
             account = self._accounts.get(key)

@@ -102,9 +102,9 @@ class QuotaTracker:
         return sorted(q.name for q in self._quotas.values() if q.namespace == namespace and q.selector.matches(labels))
 
     def reserve(self, namespace: str, flow: str, pod: str, model: str, worst: Spend,
-                now: dt.datetime) -> Reservation | Refusal:
+                now: dt.datetime, *, priced: bool = True) -> Reservation | Refusal:
         self._running.setdefault(pod, self._flows.get((namespace, flow), ("", {}))[0])
-        return self.book.reserve(self.covering(namespace, flow), pod, model, worst, now)
+        return self.book.reserve(self.covering(namespace, flow), pod, model, worst, now, priced=priced)
 
     def settle(self, pod: str, reservation: int, charges: list[tuple[dt.datetime, str, Spend]]) -> bool:
         return self.book.settle(reservation, pod, charges)

@@ -95,7 +95,7 @@ class QuotaDesk(Protocol):
     """The spend quotas' side of the state API (issue 41): the book of the Flows' quotas, on the
     leader (None: this replica does not lead)."""
 
-    def reserve(self, t: Target, model: str, worst: Spend) -> Reservation | Refusal | None: ...
+    def reserve(self, t: Target, model: str, worst: Spend, priced: bool) -> Reservation | Refusal | None: ...
 
     def settle(self, t: Target, reservation: int, charges: Charges) -> bool | None: ...
 
@@ -107,6 +107,7 @@ class Reserve(Model):
     model: str = Field(max_length=MODEL_NAME_LIMIT)
     tokens: int = Field(ge=0, le=COUNT_LIMIT)
     cost: Money = Decimal(0)
+    priced: bool = True  # false: the model has no price (its cost is unknown, not zero)
 
 
 class Settle(Model):
@@ -248,7 +249,7 @@ class StateApi:
         try:
             if what == "reserve":
                 asked = Reserve.model_validate_json(body)
-                outcome = self._quotas.reserve(t, asked.model, Spend(asked.tokens, asked.cost))
+                outcome = self._quotas.reserve(t, asked.model, Spend(asked.tokens, asked.cost), asked.priced)
                 if isinstance(outcome, Refusal):
                     return _error(402, outcome.message())  # Payment Required: not retried
                 if outcome is not None:

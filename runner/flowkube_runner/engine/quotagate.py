@@ -33,8 +33,9 @@ DEFAULT_ANSWER_TOKENS = 16384  # an answer's bound when the model sets no max_to
 
 
 class QuotaDesk(Protocol):
-    def reserve(self, model: str, tokens: int, cost: Decimal) -> int:
-        """A reservation of this worst case (its id); raises ``QuotaRefused``."""
+    def reserve(self, model: str, tokens: int, cost: Decimal | None) -> int:
+        """A reservation of this worst case (its id; ``cost`` None: the model has no price); raises
+        ``QuotaRefused``."""
         ...
 
     def settle(self, reservation: int, charges: list[Charge] | None) -> None:
@@ -42,14 +43,14 @@ class QuotaDesk(Protocol):
         ...
 
 
-def worst_case(llm: Any, messages: Any, pricer: Pricer) -> tuple[str, int, Decimal]:
-    """(model, tokens, cost) a call may use at most."""
+def worst_case(llm: Any, messages: Any, pricer: Pricer) -> tuple[str, int, Decimal | None]:
+    """(model, tokens, cost) a call may use at most; the cost is None for a model with no price."""
     model = str(getattr(llm, "model", None) or "unknown")
     prompt = len(json.dumps(messages, default=str, ensure_ascii=False).encode("utf-8"))
     answer = getattr(llm, "max_tokens", None) or getattr(llm, "max_completion_tokens", None) or DEFAULT_ANSWER_TOKENS
     answer = int(answer) if isinstance(answer, int | float | str) and str(answer).isdigit() else DEFAULT_ANSWER_TOKENS
     price = pricer.price(model, CallTokens(prompt=prompt, completion=answer))
-    return model, prompt + answer, price.cost if price is not None else Decimal(0)
+    return model, prompt + answer, price.cost if price is not None else None
 
 
 class QuotaGate:
@@ -62,13 +63,18 @@ class QuotaGate:
         self.refused: str | None = None  # why a call was refused: the run ends with it
 
     def before(self, ctx: Any) -> None:
-        model, tokens, cost = worst_case(getattr(ctx, "llm", None), getattr(ctx, "messages", None), self._pricer)
+        model = "unknown"
         try:
+            model, tokens, cost = worst_case(getattr(ctx, "llm", None), getattr(ctx, "messages", None), self._pricer)
             reservation = self._desk.reserve(model, tokens, cost)
-        except QuotaRefused as e:
-            self.refused = str(e)
-            log.error("quota: the call to %s was not sent: %s", model, e)
-            raise HookAborted(str(e), source="flowkube quota") from e
+        except Exception as e:
+            # Fail closed: crewAI sends the call when a hook raises anything but HookAborted, so a desk
+            # that cannot be reached (or any error here) must stop the call, not let it go unreserved.
+            why = str(e) if isinstance(e, QuotaRefused) else (
+                f"the quota desk could not reserve the call ({type(e).__name__}: {e}); it was not sent")
+            self.refused = why
+            log.error("quota: the call to %s was not sent: %s", model, why)
+            raise HookAborted(why, source="flowkube quota") from e
         stack: list[int] = getattr(self._held, "stack", [])
         self._held.stack = [*stack, reservation]
 

@@ -227,16 +227,27 @@ class UsageRecorder:
             self._check_locked(before_call=False)
         return self.recorded()
 
+    def counted(self) -> tuple[Usage, list[Charge] | None]:
+        """``usage()`` (the bus flushed, the budget checked) with its charges, read at one moment."""
+        self.usage()
+        return self.recorded_with_charges()
+
     def charges(self) -> list[Charge] | None:
         """The calls counted so far by quarter hour and model, oldest first (None: no call; or, past
         ``CHARGES_LIMIT`` entries that cannot be merged, none: the quotas then charge the run's usage
         at its end)."""
+        return self.recorded_with_charges()[1]
+
+    def recorded_with_charges(self) -> tuple[Usage, list[Charge] | None]:
+        """``recorded()`` and ``charges()`` read at one moment, so they add up (a call counted between
+        two readings would make the operator refuse the charges)."""
         with self._lock:
+            usage = self._recorded_locked()
             entries = sorted(self._charges.items())
         if len(entries) > CHARGES_LIMIT:
-            return None
-        return [Charge(at=at, model=model, total_tokens=tokens, cost=cost)
-                for (at, model), (tokens, cost) in entries] or None
+            return usage, None
+        return usage, [Charge(at=at, model=model, total_tokens=tokens, cost=cost)
+                       for (at, model), (tokens, cost) in entries] or None
 
     def _bound_charges_locked(self) -> None:
         """Past ``CHARGES_LIMIT`` entries (a run of days), a model's oldest quarter hour is merged into
@@ -257,9 +268,12 @@ class UsageRecorder:
         """What the handlers have counted so far, without flushing the bus: safe inside a handler,
         where a flush would wait for the very handler calling it."""
         with self._lock:
-            totals = _tokens(self._totals, self._cost, sum(self._unpriced_by_model.values()))
-            by_model = {m: _tokens(u, self._cost_by_model.get(m, Decimal(0)), self._unpriced_by_model.get(m, 0))
-                        for m, u in self._by_model.items()}
+            return self._recorded_locked()
+
+    def _recorded_locked(self) -> Usage:
+        totals = _tokens(self._totals, self._cost, sum(self._unpriced_by_model.values()))
+        by_model = {m: _tokens(u, self._cost_by_model.get(m, Decimal(0)), self._unpriced_by_model.get(m, 0))
+                    for m, u in self._by_model.items()}
         return Usage(**totals.model_dump(), by_model=by_model)
 
 

@@ -62,8 +62,10 @@ def test_every_calendar_edge_falls_on_a_quarter_hour_bucket_and_rolling_windows_
             assert bucket_of(w.start) == w.start and bucket_of(w.end) == w.end, (zone, kind)
     assert bucket_of(now) == dt.datetime(2026, 11, 28, 7, 30, tzinfo=UTC)
     rolling = window_at(WindowSpec("Rolling", hours=24), now)
-    assert rolling.start == dt.datetime(2026, 11, 27, 7, 45, tzinfo=UTC) and rolling.end is None
-    assert not rolling.holds(bucket_of(now - dt.timedelta(hours=24))) and rolling.holds(bucket_of(now))
+    assert rolling.start == dt.datetime(2026, 11, 27, 7, 30, tzinfo=UTC) and rolling.end is None
+    # A charge 23 h 57 min old still counts (its quarter hour is in); one 24 h 15 min old does not.
+    assert rolling.holds(bucket_of(now - dt.timedelta(hours=23, minutes=57))) and rolling.holds(bucket_of(now))
+    assert not rolling.holds(bucket_of(now - dt.timedelta(hours=24, minutes=15)))
     assert resets_at(WindowSpec("Rolling", hours=24), now) is None
     assert window_at(WindowSpec("Lifetime"), now).holds(dt.datetime(1999, 1, 1, tzinfo=UTC))
     assert dt.timedelta(minutes=15) == BUCKET

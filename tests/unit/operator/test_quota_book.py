@@ -152,3 +152,29 @@ def test_a_flows_charges_come_from_its_ended_runs_by_quarter_hour_or_by_model_wh
         (at, "gpt-4o", Spend(30, Decimal("0.4"))), (at + dt.timedelta(minutes=15), "gpt-4o", Spend(12, Decimal("0.1"))),
         (at + dt.timedelta(hours=2), "m", Spend(7, Decimal("0.01")))]
     assert flow_charges({}) == [] and flow_charges({"runs": ["junk", {"finishedAt": "2026-11-28T07:20:00Z"}]}) == []
+
+
+def test_a_pod_frees_only_its_own_reservations_and_a_remade_limit_still_counts_calls_in_flight() -> None:
+    limit = Limit(Q, "all", WindowSpec("Lifetime"), max_tokens=100)
+    b = book(limit)
+    mine = b.reserve([Q], "pod-a", "m", Spend(90), T0)
+    assert isinstance(mine, Reservation)
+    assert not b.settle(mine.id, "pod-b", []), "another pod's settle does not free it"
+    assert b.reserved(limit.key) == Spend(90)
+    # The quota is deleted and made again (or its spec was briefly invalid): the call is still in flight.
+    b.set_limits(Q, [])
+    b.set_limits(Q, [limit])
+    assert b.reserved(limit.key) == Spend(90)
+    assert isinstance(b.reserve([Q], "pod-b", "m", Spend(20), T0), Refusal), "90 held + 20 > 100"
+    assert b.settle(mine.id, "pod-a", [(T0, "m", Spend(10))]) and b.reserved(limit.key) == Spend()
+
+
+def test_a_call_of_a_model_with_no_price_is_refused_under_a_cost_limit_and_counted_under_a_token_one() -> None:
+    cost = Limit(Q, "usd", WindowSpec("Lifetime"), max_cost=Decimal("5"))
+    tokens = Limit("FlowQuota team-a/tokens", "all", WindowSpec("Lifetime"), max_tokens=1000)
+    b = QuotaBook()
+    b.set_limits(Q, [cost])
+    b.set_limits(tokens.quota, [tokens])
+    refused = b.reserve([Q, tokens.quota], "p", "ollama/llama3", Spend(10), T0, priced=False)
+    assert isinstance(refused, Refusal) and "model ollama/llama3 has no price" in refused.message()
+    assert isinstance(b.reserve([tokens.quota], "p", "ollama/llama3", Spend(10), T0, priced=False), Reservation)

@@ -820,8 +820,9 @@ def test_quota_reservations_through_the_state_api_are_the_books_and_bad_bodies_a
     leading = [True]
 
     class Desk:
-        def reserve(self, t: Any, model: str, worst: Spend) -> Any:
-            return book.reserve([q], t.pod, model, worst, dt.datetime.now(dt.UTC)) if leading[0] else None
+        def reserve(self, t: Any, model: str, worst: Spend, priced: bool) -> Any:
+            now = dt.datetime.now(dt.UTC)
+            return book.reserve([q], t.pod, model, worst, now, priced=priced) if leading[0] else None
 
         def settle(self, t: Any, reservation: int, charges: Any) -> Any:
             return book.settle(reservation, t.pod, charges) if leading[0] else None

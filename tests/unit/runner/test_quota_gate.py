@@ -32,11 +32,12 @@ class BookDesk:
         self.book, self.pod = book, pod
         self.worst: list[int] = []
 
-    def reserve(self, model: str, tokens: int, cost: Decimal) -> int:
+    def reserve(self, model: str, tokens: int, cost: Decimal | None) -> int:
         from flowkube_runner.store import QuotaRefused
 
         self.worst.append(tokens)
-        r = self.book.reserve([Q], self.pod, model, Spend(tokens, cost), dt.datetime.now(dt.UTC))
+        r = self.book.reserve([Q], self.pod, model, Spend(tokens, cost or Decimal(0)), dt.datetime.now(dt.UTC),
+                              priced=cost is not None)
         if isinstance(r, Refusal):
             raise QuotaRefused(r.message())
         return r.id
@@ -94,3 +95,26 @@ def test_a_call_whose_worst_case_does_not_fit_is_not_sent_and_the_book_holds_wha
     assert refused is not None and refused.startswith(f"{Q}: limit all (maxTotalTokens={limit}, lifetime)")
     assert book.used((Q, "all"), dt.datetime.now(dt.UTC)).tokens == ledger_usage(stub.ledger()[mark:]).total_tokens
     assert book.used((Q, "all"), dt.datetime.now(dt.UTC)).tokens <= limit and book.reserved((Q, "all")) == Spend()
+
+
+def test_a_desk_that_cannot_be_reached_stops_the_call_instead_of_letting_it_go_unreserved(
+        stub: StubModel, tmp_path: Path) -> None:
+    from flowkube_runner.engine.session import FlowSession
+    from flowkube_runner.engine.usage import UsageRecorder
+    from flowkube_runner.store import FileStore, StoreError
+
+    class Down:
+        def reserve(self, model: str, tokens: int, cost: Decimal | None) -> int:
+            raise StoreError("POST quota reserve: state API unreachable")
+
+        def settle(self, reservation: int, charges: list[Charge] | None) -> None:
+            raise AssertionError("nothing was reserved")
+
+    mark = len(stub.ledger())
+    recorder = UsageRecorder(quota=Down())
+    session = FlowSession(FileStore(tmp_path), "demo-0", None)
+    session.load(definition=crew_definition(WRITER, 4))
+    with recorder.recording(), contextlib.suppress(Exception):
+        session.kickoff({"topic": "quotas"})
+    assert parts_of(stub.ledger()[mark:]) == [], "crewAI sends a call whose hook raised anything else"
+    assert recorder.quota is not None and "could not reserve the call" in (recorder.quota.refused or "")

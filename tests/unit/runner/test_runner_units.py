@@ -338,12 +338,41 @@ def test_quota_reservations_go_to_the_state_api_and_a_refusal_is_quota_refused(
     store.settle(7, [Charge(at=at, model="gpt-4o", total_tokens=300, cost=Decimal("0.002"))])
     with pytest.raises(QuotaRefused, match=r"^FlowQuota ns/q: limit all"):
         store.reserve("gpt-4o", 1200, Decimal("0.0105"))
-    assert store.reserve("gpt-4o", 1, Decimal(0)) == 0, "an operator that enforces no quota: nothing to settle"
+    assert store.reserve("gpt-4o", 1, None) == 0, "an operator that enforces no quota: nothing to settle"
     store.settle(0, None)
     assert seen == [
-        ("/v1/quota/reserve", {"model": "gpt-4o", "tokens": 1200, "cost": "0.0105"}),
-        ("/v1/quota/reserve", {"model": "gpt-4o", "tokens": 1200, "cost": "0.0105"}),
+        ("/v1/quota/reserve", {"model": "gpt-4o", "tokens": 1200, "cost": "0.0105", "priced": True}),
+        ("/v1/quota/reserve", {"model": "gpt-4o", "tokens": 1200, "cost": "0.0105", "priced": True}),
         ("/v1/quota/settle", {"id": 7, "charges": [{"at": "2026-11-28T08:00:00Z", "model": "gpt-4o",
                                                     "totalTokens": 300, "cost": "0.002"}]}),
-        ("/v1/quota/reserve", {"model": "gpt-4o", "tokens": 1200, "cost": "0.0105"}),
-        ("/v1/quota/reserve", {"model": "gpt-4o", "tokens": 1, "cost": "0"})]
+        ("/v1/quota/reserve", {"model": "gpt-4o", "tokens": 1200, "cost": "0.0105", "priced": True}),
+        ("/v1/quota/reserve", {"model": "gpt-4o", "tokens": 1, "cost": "0", "priced": False})]
+
+
+def test_an_edited_output_undoes_what_completed_after_it_and_the_edit_is_applied_once() -> None:
+    from flowkube_api.models import ForkFrom
+    from flowkube_runner.engine.checkpoints import ForkRefused, fork
+    from flowkube_runner.engine.state import PendingRequest, StateDocument
+
+    doc = StateDocument(flow_id="origin", state={"id": "origin", "topic": "x"}, checkpoint=4, runtime={
+        "completedMethods": ["draft", "research", "merge"],
+        "methodOutputs": [{"method": "draft", "output": {"raw": "old", "pydantic": {"a": 1}}},
+                          {"method": "research", "output": "facts"}, {"method": "merge", "output": "both"}],
+        "methodExecutionCounts": {"draft": 1, "research": 1, "merge": 1},
+        "methodCallCounts": {"draft": 1, "research": 1, "merge": 1},
+        "firedOrListeners": ["merge"], "pendingEvents": {"publish": ["merge", "draft"]},
+        "humanFeedbackHistory": [{"method_name": "merge", "feedback": "ok"}, {"method_name": "draft"}]},
+        pending=PendingRequest(request_id="publish-1", context={"method_name": "publish", "flow_id": "origin"}),
+        tasks={"merge|k|h|0": [{"raw": "t"}]})
+    edited = fork(doc, ForkFrom(name="origin", checkpoint=4, outputs={"draft": "new"}, inputs={"topic": "y"}))
+    rt = edited.runtime
+    assert rt["methodOutputs"] == [{"method": "draft", "output": {"raw": "new"}}]
+    assert rt["completedMethods"] == ["draft"]
+    assert rt["methodExecutionCounts"] == rt["methodCallCounts"] == {"draft": 1}
+    assert rt["firedOrListeners"] == [] and rt["pendingEvents"] == {"publish": ["draft"]}
+    assert rt["humanFeedbackHistory"] == [{"method_name": "draft"}]
+    assert edited.pending is None and edited.tasks == {}, "asked again, about the new output"
+    assert edited.state["topic"] == "y" and edited.state["id"] == edited.flow_id != "origin"
+    assert edited.forked == "/origin#4" and doc.runtime["completedMethods"] == ["draft", "research", "merge"]
+    with pytest.raises(ForkRefused, match=r"spec\.forkFrom\.outputs\.publish"):
+        fork(doc, ForkFrom(name="origin", checkpoint=4, outputs={"publish": "x"}))
