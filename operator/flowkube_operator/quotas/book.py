@@ -37,7 +37,7 @@ from pydantic import ValidationError
 from flowkube_api.base import money_text, parse_time
 from flowkube_api.models.quota import FlowQuotaSpec
 from flowkube_api.report import Charge, Usage
-from flowkube_api.windows import WindowSpec, bucket_of, resets_at, window_at
+from flowkube_api.windows import Window, WindowSpec, bucket_of, resets_at, window_at
 
 
 @dataclass(frozen=True)
@@ -138,6 +138,11 @@ class _Account:
     limit: Limit
     buckets: dict[dt.datetime, Spend] = field(default_factory=dict)
     reserved: Spend = Spend()
+    # The window last asked about and its total, kept current as charges come and go: a reservation
+    # costs O(1) per limit, and the buckets are added up again only when the window moves on (a
+    # calendar window once per window, a rolling one once per quarter hour).
+    window: Window | None = None
+    total: Spend = Spend()
 
 
 Charges = list[tuple[dt.datetime, str, Spend]]  # (when, model, spend)
@@ -233,20 +238,22 @@ class QuotaBook:
             if not account.limit.covers(model):
                 continue
             bucket = bucket_of(at)
-            total = account.buckets.get(bucket, Spend()) + (spend if sign > 0 else Spend() - spend)
+            delta = spend if sign > 0 else Spend() - spend
+            total = account.buckets.get(bucket, Spend()) + delta
             if total == Spend():
                 account.buckets.pop(bucket, None)
             else:
                 account.buckets[bucket] = total
+            if account.window is not None and account.window.holds(bucket):
+                account.total = account.total + delta
 
     def used(self, key: tuple[str, str], now: dt.datetime) -> Spend:
         account = self._accounts[key]
         window = window_at(account.limit.window, now)
-        total = Spend()
-        for bucket, spend in account.buckets.items():
-            if window.holds(bucket):
-                total = total + spend
-        return total
+        if window != account.window:
+            account.window = window
+            account.total = sum((s for b, s in account.buckets.items() if window.holds(b)), Spend())
+        return account.total
 
     def reserved(self, key: tuple[str, str]) -> Spend:
         return self._accounts[key].reserved

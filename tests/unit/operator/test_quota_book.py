@@ -6,7 +6,7 @@ import datetime as dt
 import random
 from decimal import Decimal
 
-from flowkube_api.windows import WindowSpec
+from flowkube_api.windows import WindowSpec, bucket_of, window_at
 from flowkube_operator.quotas.book import Limit, QuotaBook, Refusal, Reservation, Spend
 
 T0 = dt.datetime(2026, 11, 30, 22, 50, tzinfo=dt.UTC)  # 23:50 in Berlin, the last day of the month
@@ -178,3 +178,31 @@ def test_a_call_of_a_model_with_no_price_is_refused_under_a_cost_limit_and_count
     refused = b.reserve([Q, tokens.quota], "p", "ollama/llama3", Spend(10), T0, priced=False)
     assert isinstance(refused, Refusal) and "model ollama/llama3 has no price" in refused.message()
     assert isinstance(b.reserve([tokens.quota], "p", "ollama/llama3", Spend(10), T0, priced=False), Reservation)
+
+
+def test_the_kept_window_totals_equal_adding_the_buckets_up_whatever_comes_and_goes() -> None:
+    limits = [Limit(Q, "day", WindowSpec("Day", "Europe/Berlin"), max_tokens=10**9),
+              Limit(Q, "roll", WindowSpec("Rolling", hours=2), max_tokens=10**9),
+              Limit(Q, "life", WindowSpec("Lifetime"), max_tokens=10**9)]
+    b = book(*limits)
+    rng = random.Random(11)
+    now = T0
+    sources: dict[str, list[tuple[dt.datetime, str, Spend]]] = {}
+    for step in range(400):
+        now += dt.timedelta(minutes=rng.choice([0, 1, 7, 29]))
+        name = f"flow:{rng.randint(0, 9)}"
+        if rng.random() < 0.2:
+            b.drop_source(name)
+            sources.pop(name, None)
+        else:
+            made = now - dt.timedelta(minutes=rng.randint(0, 300))
+            charges = [*sources.get(name, []), (made, "m", Spend(rng.randint(1, 50)))]
+            b.set_source(name, [Q], charges)
+            sources[name] = charges
+        if step % 7 == 0:
+            for limit in limits:
+                w = window_at(limit.window, now)
+                naive = sum((s for cs in sources.values() for at, _, s in cs if w.holds(bucket_of(at))), Spend())
+                assert b.used(limit.key, now) == naive, (step, limit.name)
+
+
