@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import ValidationError
 
@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from .engine.usage import UsageRecorder
 
 log = logging.getLogger("flowkube_runner")
+T = TypeVar("T")
 
 
 INTERRUPTED_MESSAGE = "the runner stopped before finishing"
@@ -407,8 +408,8 @@ def _attempt(template: RunReport, run: _Run | None, step: Callable[[], Ending] |
             raise
         failure = run.classify(error) if run is not None else fallback_failure(error)
         if run is not None:
-            report.usage = _safe_usage(run)
-            report.charges = _safe(run.recorder.charges)  # the operator keeps them only if they add up
+            report.usage = _safe(run.recorder.usage, Usage(), "usage")
+            report.charges = _safe(run.recorder.charges, None, "charges")  # kept only if they add up
         expected = isinstance(error, RunFailure | InvalidFlow | InvalidInputs)  # no traceback for the flow's own faults
         log.error("run failed: %s: %s", failure.reason, failure, exc_info=not expected)
         report.result = c.RunResult.FAILED
@@ -496,20 +497,13 @@ def _record_ending(report: RunReport, ending: Ending, run: _Run) -> None:
         report.conversation = TurnReport(session_id=t.session_id, turn=t.turn, ended=t.ended, reply=reply)
 
 
-def _safe(read: Callable[[], list[Charge] | None]) -> list[Charge] | None:
+def _safe(read: Callable[[], T], default: T, what: str) -> T:
+    """``read()``, or ``default`` when it fails (logged): a report is written however the run ended."""
     try:
         return read()
     except Exception:
-        log.exception("could not read the run's charges")
-        return None
-
-
-def _safe_usage(run: _Run) -> Usage:
-    try:
-        return run.recorder.usage()
-    except Exception:
-        log.exception("could not read usage")
-        return Usage()
+        log.exception("could not read the run's %s", what)
+        return default
 
 
 def publish(report: RunReport, store: StateStore | None, termination_log: Path) -> None:

@@ -16,15 +16,11 @@ store is a local file, so the difference is the runner's own work per checkpoint
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from flowkube_devstack.stubmodel import Rules, StubModel
-from tests.benchmarks.bench_tasks import WRITER, CountingKeys, prose
+from tests.benchmarks.bench_tasks import WRITER, CountingKeys, paired_rounds, print_sides, prose
 
 
 def chain(methods: int) -> dict[str, Any]:
@@ -63,28 +59,13 @@ def main() -> None:
     rules = {"default": "A plain reply.",
              "rules": [{"contains": f"STEP{i} after", "reply": f"Step {i}: {prose(i, args.words)}"}
                        for i in range(1, args.methods + 1)]}
-    with StubModel(Rules.from_json(rules)) as stub, tempfile.TemporaryDirectory() as tmp:
-        os.environ.update({"OPENAI_BASE_URL": stub.base_url, "OPENAI_API_KEY": "stub", "HOME": tmp,
-                           "CREWAI_DISABLE_TELEMETRY": "true", "CREWAI_TRACING_ENABLED": "false",
-                           "OTEL_SDK_DISABLED": "true", "CREWAI_STORAGE_DIR": "flowkube-bench"})
-        run_once(True, args.methods, Path(tmp) / "warmup")  # imports and first-call costs out of the figures
-        times: dict[bool, list[float]] = {True: [], False: []}
-        sizes: dict[bool, list[int]] = {True: [], False: []}
-        for r in range(args.rounds):
-            for taking in ((True, False) if r % 2 == 0 else (False, True)):
-                took, written = run_once(taking, args.methods, Path(tmp) / f"{r}-{taking}")
-                times[taking].append(took)
-                sizes[taking] = written
-        on, off = statistics.median(times[True]), statistics.median(times[False])
-        print(f"{args.methods} chained agent methods, answers of ~{args.words} words, {args.rounds} rounds "
-              f"(medians; min-max)")
-        for taking, label in ((True, "checkpoints (default)"), (False, "keep: 0 (peer)")):
-            ts = times[taking]
-            spread = f"{min(ts) * 1000:.1f}-{max(ts) * 1000:.1f}"
-            print(f"  {label:22} run {statistics.median(ts) * 1000:7.1f} ms ({spread}); "
-                  f"checkpoint writes {len(sizes[taking])}, bytes {sizes[taking]}")
-        print(f"  checkpoints / peer: {on / off:.3f}; per method: {(on - off) / args.methods * 1000:+.2f} ms; "
-              f"{sum(sizes[True])} bytes gzipped sent in all (the last, {sizes[True][-1]}, is the whole document)")
+    sides = paired_rounds(rules, args.rounds, lambda taking, root: run_once(taking, args.methods, root))
+    print(f"{args.methods} chained agent methods, answers of ~{args.words} words, {args.rounds} rounds "
+          f"(medians; min-max)")
+    on, off = print_sides(sides, {True: "checkpoints (default)", False: "keep: 0 (peer)"}, "checkpoint writes")
+    sent = sides[1][True]
+    print(f"  checkpoints / peer: {on / off:.3f}; per method: {(on - off) / args.methods * 1000:+.2f} ms; "
+          f"{sum(sent)} bytes gzipped sent in all (the last, {sent[-1]}, is the whole document)")
 
 
 if __name__ == "__main__":

@@ -15,16 +15,16 @@ difference is the runner's own work per task (its output serialised, the documen
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
-import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from flowkube_api.constants import STATE_KEY
 from flowkube_devstack.stubmodel import Rules, StubModel
-from tests.definitions import crew_definition
+from tests.definitions import crew_definition, crewai_in_process
 
 MODEL = "gpt-4o-mini"
 WRITER = {"role": "Writer", "goal": "Write well", "backstory": "A careful writer.", "settings": {"llm": MODEL}}
@@ -72,6 +72,35 @@ def run_once(keep: bool, tasks: int, root: Path) -> tuple[float, list[int]]:
     return took, store.sizes(STATE_KEY)
 
 
+Sides = tuple[dict[bool, list[float]], dict[bool, list[int]]]
+
+
+def paired_rounds(rules: dict[str, Any], rounds: int, run: Callable[[bool, Path], tuple[float, list[int]]]) -> Sides:
+    """``run(on, root)`` against ``run(off, root)`` in each of ``rounds``, alternating which goes first,
+    each in a fresh store, after one warm-up (imports and first-call costs out of the figures), the
+    stub model answering by ``rules``: each side's run times, and the byte sizes of its last run's writes."""
+    with StubModel(Rules.from_json(rules)) as stub, crewai_in_process(stub.base_url) as tmp:
+        run(True, tmp / "warmup")
+        times: dict[bool, list[float]] = {True: [], False: []}
+        sizes: dict[bool, list[int]] = {True: [], False: []}
+        for r in range(rounds):
+            for on in ((True, False) if r % 2 == 0 else (False, True)):
+                took, sizes[on] = run(on, tmp / f"{r}-{on}")
+                times[on].append(took)
+    return times, sizes
+
+
+def print_sides(sides: Sides, labels: dict[bool, str], writes: str) -> tuple[float, float]:
+    """Each side's median run (min-max) and its writes; (median on, median off)."""
+    times, sizes = sides
+    for on in (True, False):
+        ts = times[on]
+        spread = f"{min(ts) * 1000:.1f}-{max(ts) * 1000:.1f}"
+        print(f"  {labels[on]:24} run {statistics.median(ts) * 1000:7.1f} ms ({spread}); "
+              f"{writes} {len(sizes[on])}, bytes {sizes[on]}")
+    return statistics.median(times[True]), statistics.median(times[False])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=7)
@@ -81,31 +110,14 @@ def main() -> None:
     rules = {"default": "A plain reply.",
              "rules": [{"contains": f"PART{i} of", "reply": f"Part {i}: {prose(i, args.words)}"}
                        for i in range(1, args.tasks + 1)]}
-    with StubModel(Rules.from_json(rules)) as stub, tempfile.TemporaryDirectory() as tmp:
-        os.environ.update({"OPENAI_BASE_URL": stub.base_url, "OPENAI_API_KEY": "stub", "HOME": tmp,
-                           "CREWAI_DISABLE_TELEMETRY": "true", "CREWAI_TRACING_ENABLED": "false",
-                           "OTEL_SDK_DISABLED": "true", "CREWAI_STORAGE_DIR": "flowkube-bench"})
-        run_once(True, args.tasks, Path(tmp) / "warmup")  # imports and first-call costs out of the figures
-        times: dict[bool, list[float]] = {True: [], False: []}
-        writes: dict[bool, list[int]] = {True: [], False: []}
-        for r in range(args.rounds):
-            for keep in ((True, False) if r % 2 == 0 else (False, True)):
-                took, sizes = run_once(keep, args.tasks, Path(tmp) / f"{r}-{keep}")
-                times[keep].append(took)
-                writes[keep] = sizes
-        on, off = statistics.median(times[True]), statistics.median(times[False])
-        print(f"a {args.tasks}-task crew in one method, answers of ~{args.words} words, {args.rounds} rounds "
-              f"(medians; min-max)")
-        for keep, label in ((True, "tasks kept (default)"), (False, "keepTasks: false (peer)")):
-            ts = times[keep]
-            sizes = writes[keep]
-            spread = f"{min(ts) * 1000:.1f}-{max(ts) * 1000:.1f}"
-            print(f"  {label:24} run {statistics.median(ts) * 1000:7.1f} ms ({spread}); "
-                  f"state writes {len(sizes)}, bytes {sizes}")
-        kept = writes[True][:args.tasks]  # one write per finished task, before the method's own
-        print(f"  kept / peer: {on / off:.3f}; per task: {(on - off) / args.tasks * 1000:+.2f} ms; the document "
-              f"grows {(kept[-1] - kept[0]) / max(args.tasks - 1, 1):.0f} bytes gzipped per kept task "
-              f"({kept[-1]} with all {args.tasks})")
+    sides = paired_rounds(rules, args.rounds, lambda keep, root: run_once(keep, args.tasks, root))
+    print(f"a {args.tasks}-task crew in one method, answers of ~{args.words} words, {args.rounds} rounds "
+          f"(medians; min-max)")
+    on, off = print_sides(sides, {True: "tasks kept (default)", False: "keepTasks: false (peer)"}, "state writes")
+    kept = sides[1][True][:args.tasks]  # one write per finished task, before the method's own
+    print(f"  kept / peer: {on / off:.3f}; per task: {(on - off) / args.tasks * 1000:+.2f} ms; the document "
+          f"grows {(kept[-1] - kept[0]) / max(args.tasks - 1, 1):.0f} bytes gzipped per kept task "
+          f"({kept[-1]} with all {args.tasks})")
 
 
 if __name__ == "__main__":

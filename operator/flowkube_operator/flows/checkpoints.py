@@ -18,6 +18,7 @@ fork depends on nothing of its origin.
 from __future__ import annotations
 
 import base64
+from collections.abc import Callable
 from typing import Any
 
 from flowkube_api import constants as c
@@ -40,27 +41,41 @@ async def store(kube: Kube, flow: Body, checkpoint: int, keep: int, data: bytes)
     """Put checkpoint ``checkpoint`` into its slot of ``flow``'s ring (``flow``: its metadata)."""
     if keep <= 0:
         raise CheckpointRefused(409, "spec.checkpoints.keep is 0: this Flow keeps no checkpoints")
+
+    def later_held(existing: Body) -> bool:
+        """A later checkpoint is in the slot already (this one was sent late): it stays."""
+        held = ((existing["metadata"].get("annotations") or {}).get(c.CHECKPOINT_ANNOTATION) or "")
+        return held.isdigit() and int(held) > checkpoint
+
     obj = resources.checkpoint_configmap(flow, checkpoint, keep, data)
+    await _put_owned(kube, obj, flow, keep_existing=later_held)
+
+
+async def _put_owned(kube: Kube, obj: Body, flow: Body, keep_existing: Callable[[Body], bool] | None = None) -> None:
+    """Create ``obj``, a ConfigMap owned by ``flow``, or write its annotations and binaryData into the one
+    of that name if it is ``flow``'s (its uid a precondition: never into a namesake's), unless
+    ``keep_existing`` says the one there stays. One an earlier Flow of the same name left behind is
+    deleted first; one that is not ``flow``'s is a 409 ``CheckpointRefused``."""
     meta = obj["metadata"]
     path = ns_path(meta["namespace"], "configmaps", meta["name"])
+    uid = flow["metadata"]["uid"]
     for _ in range(3):
         if await kube.create(ns_path(meta["namespace"], "configmaps"), obj) is not None:
             return
         existing = await kube.get(path)
         if existing is None:
             continue  # deleted in between: create it again
-        uid = flow["metadata"]["uid"]
         if await delete_namesake_garbage(kube, path, existing, flow["metadata"]["name"], uid):
             continue
         if owner_uid(existing["metadata"]) != uid:
             raise CheckpointRefused(409, f"configmap {meta['name']} still belongs to an earlier Flow of the same "
                                          "name; retry once it is garbage-collected")
-        held = ((existing["metadata"].get("annotations") or {}).get(c.CHECKPOINT_ANNOTATION) or "")
-        if held.isdigit() and int(held) > checkpoint:
-            return  # a later checkpoint is in the slot already (this one was sent late): it stays
+        if keep_existing is not None and keep_existing(existing):
+            return
         try:
             await kube.merge_patch(path, {"metadata": {"uid": existing["metadata"]["uid"],
-                                                       "annotations": meta["annotations"]},
+                                                       **({"annotations": meta["annotations"]}
+                                                          if "annotations" in meta else {})},
                                           "binaryData": obj["binaryData"]})
             return
         except ApiError as e:
@@ -123,16 +138,11 @@ async def _read_source(kube: Kube, ref: Body, namespace: str, name: str, what: s
 
 async def copy_into_state(kube: Kube, fork: Body, data: bytes) -> None:
     """The fork's own state, made from the checkpoint (before the status write that says it forked:
-    until then nothing of the fork ran, so writing it again after a crash changes nothing)."""
-    meta = fork["metadata"]
-    path = ns_path(meta["namespace"], "configmaps", c.state_configmap_name(meta["name"]))
+    until then nothing of the fork ran, so writing it again after a crash changes nothing). A
+    ConfigMap of that name not yet the fork's is an ``ApiError`` 409: the reconcile is tried again."""
     value = {c.STATE_KEY: base64.b64encode(data).decode("ascii")}
-    if await kube.create(ns_path(meta["namespace"], "configmaps"), {**resources.state_configmap(fork),
-                                                                      "binaryData": value}) is not None:
-        return
-    existing = await kube.get(path)
-    if existing is None or owner_uid(existing["metadata"]) != meta["uid"]:
-        if existing is not None:
-            await delete_namesake_garbage(kube, path, existing, meta["name"], meta["uid"])
-        raise ApiError(409, "the fork's state ConfigMap is not its own yet; retry", "POST", path)
-    await kube.merge_patch(path, {"metadata": {"uid": existing["metadata"]["uid"]}, "binaryData": value})
+    try:
+        await _put_owned(kube, {**resources.state_configmap(fork), "binaryData": value}, fork)
+    except CheckpointRefused as e:
+        path = ns_path(fork["metadata"]["namespace"], "configmaps", c.state_configmap_name(fork["metadata"]["name"]))
+        raise ApiError(409, str(e), "POST", path) from e

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import os
-import tempfile
 from collections.abc import Iterator
 from decimal import Decimal
 from pathlib import Path
@@ -19,7 +17,7 @@ from flowkube_api.report import Charge
 from flowkube_api.windows import WindowSpec
 from flowkube_devstack.stubmodel import Rules, StubModel, ledger_usage
 from flowkube_operator.quotas.book import Limit, QuotaBook, Refusal, Spend
-from tests.definitions import crew_definition, part_rules, parts_of
+from tests.definitions import crew_definition, crewai_in_process, part_rules, parts_of
 
 Q = "FlowQuota team-a/tokens"
 WRITER = {"role": "Writer", "goal": "Write well", "backstory": "A careful writer.", "settings": {"llm": "gpt-4o-mini"}}
@@ -50,10 +48,7 @@ class BookDesk:
 @pytest.fixture(scope="module")
 def stub() -> Iterator[StubModel]:
     with StubModel(Rules.from_json({"default": "A plain reply.", "rules": part_rules(4)})) as model, \
-            tempfile.TemporaryDirectory() as home:
-        os.environ.update({"OPENAI_BASE_URL": model.base_url, "OPENAI_API_KEY": "stub", "HOME": home,
-                           "CREWAI_DISABLE_TELEMETRY": "true", "CREWAI_TRACING_ENABLED": "false",
-                           "OTEL_SDK_DISABLED": "true", "CREWAI_STORAGE_DIR": "flowkube-quota-test"})
+            crewai_in_process(model.base_url):
         yield model
 
 

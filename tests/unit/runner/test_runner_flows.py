@@ -22,26 +22,11 @@ from flowkube_devstack.stubmodel import Rules, StubModel, ledger_usage
 from flowkube_runner.__main__ import STOP_LOG
 from flowkube_runner.run import STOPPED_MESSAGE
 from flowkube_runner.store import FileStore, decode_json
-from tests.definitions import crew_definition, part_rules, parts_of
+from tests.definitions import crew_definition, part_rules, parts_of, quiet_crewai_env
 
 pytestmark = pytest.mark.slow
 
 MODEL = "gpt-4o-mini"
-
-
-def quiet_crewai_env(home: Path) -> dict[str, str]:
-    """No telemetry, no tracing prompt, and crewAI's own storage kept inside the test dir."""
-    home.mkdir(parents=True, exist_ok=True)
-    return {
-        "HOME": str(home),
-        "XDG_DATA_HOME": str(home / "data"),
-        "CREWAI_STORAGE_DIR": "flowkube-test",
-        "CREWAI_DISABLE_TELEMETRY": "true",
-        "CREWAI_TRACING_ENABLED": "false",
-        "OTEL_SDK_DISABLED": "true",
-        "OPENAI_API_KEY": "stub",
-        "PYTHONUNBUFFERED": "1",
-    }
 
 
 @dataclass

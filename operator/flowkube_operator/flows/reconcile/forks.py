@@ -6,19 +6,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from flowkube_api import constants as c
-from flowkube_api.models import FlowSpec
+from pydantic import ValidationError
+
+from flowkube_api.models import CheckpointsSpec, FlowSpec
 from flowkube_api.report import CheckpointEntry
 
 Body = dict[str, Any]
 
 
 def kept(spec: Body | FlowSpec | None) -> int:
-    """``spec.checkpoints.keep`` of a Flow's own spec (default when unset)."""
-    if isinstance(spec, FlowSpec):
-        return spec.checkpoints.keep if spec.checkpoints is not None else c.DEFAULT_CHECKPOINTS_KEPT
-    keep = ((spec or {}).get("checkpoints") or {}).get("keep", c.DEFAULT_CHECKPOINTS_KEPT)
-    return keep if isinstance(keep, int) and 0 <= keep <= c.CHECKPOINTS_KEPT_LIMIT else c.DEFAULT_CHECKPOINTS_KEPT
+    """``spec.checkpoints.keep`` of a Flow's own spec (the model's default when unset or not valid)."""
+    raw = spec.checkpoints if isinstance(spec, FlowSpec) else (spec or {}).get("checkpoints")
+    try:
+        return CheckpointsSpec.model_validate(raw or {}).keep
+    except ValidationError:
+        return CheckpointsSpec().keep
 
 
 def fold(old: list[CheckpointEntry] | None, reported: list[CheckpointEntry] | None, keep: int,
