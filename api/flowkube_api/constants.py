@@ -26,6 +26,11 @@ LABEL_TEMPLATE = "flowkube.io/template"  # on a template snapshot (a ControllerR
 CRONFLOW_KIND = "CronFlow"
 CRONFLOW_PLURAL = "cronflows"
 CRONFLOW_NAME_LIMIT = 52  # + "-" + minutes since the epoch (8 digits until 2160) fits a Flow's 63
+# FlowQuotas: a team's spend and token limits over time windows (issue 41).
+QUOTA_KIND = "FlowQuota"
+QUOTA_PLURAL = "flowquotas"
+QUOTAS_PER_NAMESPACE_LIMIT = 16  # FlowQuotas one namespace's Flows are held to (more: the rest are not used)
+QUOTA_LABEL_KEYS_LIMIT = 32  # label keys all quota selectors together may name (Flow caches keep those labels)
 
 PREFIX = GROUP  # label / annotation key prefix
 
@@ -183,6 +188,7 @@ ENV_KEEP_WARM_SECONDS = "FLOWKUBE_KEEP_WARM_SECONDS"
 ENV_FEEDBACK_KEEP_WARM_SECONDS = "FLOWKUBE_FEEDBACK_KEEP_WARM_SECONDS"
 ENV_PRIOR_TOTAL_TOKENS = "FLOWKUBE_PRIOR_TOTAL_TOKENS"
 ENV_PRIOR_COST = "FLOWKUBE_PRIOR_COST"  # USD spent by earlier runs, a decimal string ("0.0123")
+ENV_QUOTAS = "FLOWKUBE_QUOTAS"  # "true": every model request is reserved at the quota desk first (issue 41)
 ENV_PRICES = "FLOWKUBE_PRICES"  # JSON: price overrides by model (flowkube_api.prices), set by the operator
 ENV_TERMINATION_LOG = "FLOWKUBE_TERMINATION_LOG"  # default /dev/termination-log
 ENV_STATE_DIR = "FLOWKUBE_STATE_DIR"  # development only: a directory instead of the ConfigMap
@@ -194,7 +200,7 @@ RUNNER_ENV = (
     ENV_FLOW_NAME, ENV_NAMESPACE, ENV_POD_NAME, ENV_TRIGGER, ENV_SPEC, ENV_STATE_URL, ENV_STATE_CA,
     ENV_STATE_TOKEN_FILE, ENV_STATE_RETRY_SECONDS, ENV_FEEDBACK, ENV_MESSAGE, ENV_KEEP_WARM_SECONDS,
     ENV_FEEDBACK_KEEP_WARM_SECONDS, ENV_PRIOR_TOTAL_TOKENS, ENV_PRIOR_COST, ENV_PRICES, ENV_TERMINATION_LOG,
-    ENV_STATE_DIR,
+    ENV_STATE_DIR, ENV_QUOTAS,
 )
 RUNNER_TUNABLE_ENV = (ENV_STATE_RETRY_SECONDS, ENV_STATE_TOKEN_FILE)
 

@@ -1,5 +1,5 @@
-"""The CustomResourceDefinitions (Flow, FlowTemplate, ClusterFlowTemplate), rendered from the pydantic
-models.
+"""The CustomResourceDefinitions (Flow, FlowTemplate, ClusterFlowTemplate, CronFlow, FlowQuota),
+rendered from the pydantic models.
 
 The output is committed as crds/flowkube.io_<plural>.yaml; `./dev generate` rewrites them and
 `./dev test` fails when one is stale.
@@ -14,12 +14,13 @@ import yaml
 
 from flowkube_api import constants as c
 from flowkube_api.models import CronFlowSpec, CronFlowStatus, FlowSpec, FlowStatus, FlowTemplateSpec
+from flowkube_api.models.quota import FlowQuotaSpec, FlowQuotaStatus
 
 CRD_DIR = Path(__file__).resolve().parents[2] / "crds"
 CRD_FILE = CRD_DIR / f"{c.GROUP}_{c.PLURAL}.yaml"
-KINDS = (c.KIND, c.TEMPLATE_KIND, c.CLUSTER_TEMPLATE_KIND, c.CRONFLOW_KIND)
+KINDS = (c.KIND, c.TEMPLATE_KIND, c.CLUSTER_TEMPLATE_KIND, c.CRONFLOW_KIND, c.QUOTA_KIND)
 PLURALS = {c.KIND: c.PLURAL, c.TEMPLATE_KIND: c.TEMPLATE_PLURAL, c.CLUSTER_TEMPLATE_KIND: c.CLUSTER_TEMPLATE_PLURAL,
-           c.CRONFLOW_KIND: c.CRONFLOW_PLURAL}
+           c.CRONFLOW_KIND: c.CRONFLOW_PLURAL, c.QUOTA_KIND: c.QUOTA_PLURAL}
 CRD_FILES = {kind: CRD_DIR / f"{c.GROUP}_{plural}.yaml" for kind, plural in PLURALS.items()}
 
 _DROP = {"title", "default"}  # defaults are applied by the operator, not stored by the API server
@@ -87,6 +88,8 @@ def crd(kind: str = c.KIND) -> dict[str, Any]:
     """The CRD of ``kind`` (one of KINDS)."""
     if kind == c.CRONFLOW_KIND:
         return _cronflow_crd()
+    if kind == c.QUOTA_KIND:
+        return _quota_crd()
     if kind != c.KIND:
         return _template_crd(kind)
     printer_columns: list[dict[str, Any]] = [
@@ -145,6 +148,23 @@ def _cronflow_crd() -> dict[str, Any]:
                      (c.CRONFLOW_NAME_LIMIT, "its Flows are named <name>-<scheduled minute>"))
     names = {"kind": c.CRONFLOW_KIND, "listKind": f"{c.CRONFLOW_KIND}List", "plural": c.CRONFLOW_PLURAL,
              "singular": "cronflow", "shortNames": ["cfl"], "categories": ["flowkube", "all"]}
+    return _definition(names, "Namespaced", schema, printer_columns, status=True)
+
+
+def _quota_crd() -> dict[str, Any]:
+    printer_columns: list[dict[str, Any]] = [
+        {"name": "Used", "type": "string", "jsonPath": ".status.summary",
+         "description": "Each limit's share used in its window"},
+        {"name": "Exhausted", "type": "string", "jsonPath": ".status.conditions[?(@.type==\"Exhausted\")].status"},
+        {"name": "Resets", "type": "date", "jsonPath": ".status.nextReset",
+         "description": "When the first of its calendar windows resets"},
+        {"name": "Action", "type": "string", "jsonPath": ".spec.action", "priority": 1},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+    schema = _object("Spend and token limits over time windows for the Flows of a namespace it selects "
+                     "(a team's quota).", FlowQuotaSpec, FlowQuotaStatus)
+    names = {"kind": c.QUOTA_KIND, "listKind": f"{c.QUOTA_KIND}List", "plural": c.QUOTA_PLURAL,
+             "singular": "flowquota", "shortNames": ["fq"], "categories": ["flowkube"]}
     return _definition(names, "Namespaced", schema, printer_columns, status=True)
 
 

@@ -264,8 +264,9 @@ class StubModel:
             self._held -= 1
             return not self._stopping
 
-    def complete(self, body: dict[str, Any]) -> tuple[int, dict[str, Any] | None]:
-        """Answer one chat completion request: (HTTP status, body); body None means drop."""
+    def complete(self, body: dict[str, Any], size: int = 0) -> tuple[int, dict[str, Any] | None]:
+        """Answer one chat completion request: (HTTP status, body); body None means drop. ``size``:
+        the request body's bytes (the ledger keeps them: a quota's worst case of the call is made of them)."""
         received = time.time()
         model = str(body.get("model", "stub"))
         messages = [m for m in body.get("messages", []) if isinstance(m, dict)]
@@ -298,7 +299,7 @@ class StubModel:
         }
         last_user = next((_content_text(m) for m in reversed(messages) if m.get("role") == "user"), "")
         self._record({"time": time.time(), "received": received, "model": model, "usage": usage,
-                      "lastUser": last_user[:2000]})
+                      "lastUser": last_user[:2000], "bytes": size, "maxTokens": body.get("max_tokens")})
         return 200, {
             "id": f"chatcmpl-stub-{prompt_tokens}-{completion_tokens}",
             "object": "chat.completion",
@@ -351,7 +352,7 @@ def _handler_for(stub: StubModel) -> type[BaseHTTPRequestHandler]:
             except ValueError:
                 self._send(400, {"error": {"message": "body is not JSON"}})
                 return
-            status, payload = stub.complete(body)
+            status, payload = stub.complete(body, len(raw))
             if payload is None:
                 # Lost connection as the client sees it: no status line at all.
                 self.close_connection = True

@@ -8,6 +8,8 @@ Read this file to see the whole operator at once:
 - the `Controller`: two watches (informer.py) feed its caches, a queue feeds its workers, each
   worker plans (reconcile) and applies;
 - the `StateApi`, the runner pods' only way to their Flow's state, answering from the controller;
+- `Quotas` (with quotas enforced): the FlowQuotas' watch and book, the desk the state API reserves
+  model calls at, and their status;
 - the admission webhook server, `/metrics` and `/healthz` + `/readyz`.
 
 Nothing is wired by assigning callbacks after construction: each object gets what it uses in its
@@ -44,6 +46,7 @@ from flowkube_operator.kube.issuerkeys import IssuerKeys
 from flowkube_operator.kube.leader import LeaderElector, LeaseConfig
 from flowkube_operator.kube.reviews import MetricsAuth
 from flowkube_operator.notify.notifier import Notifier
+from flowkube_operator.quotas.service import Quotas
 from flowkube_operator.serve import webhook
 from flowkube_operator.serve.stateapi import StateApi
 from flowkube_operator.serve.stateauth import ClientLimits
@@ -107,15 +110,21 @@ class App:
             settings, wake=lambda key: self.controller.notified(key),
             wake_namespace=lambda ns: self.controller.requeue_namespace(ns),
             flow_of=lambda key: self.controller.cache.flow(key)) if settings.notifications_enabled else None
+        # FlowQuotas (when enforced): fed by their watch and the Flow cache; the leader answers the
+        # runner pods' reservations through the state API and writes the quotas' status.
+        self.quotas = Quotas(lambda: self.kube, lambda: self.controller.leading,
+                             status_seconds=settings.quota_status_seconds,
+                             recovery_seconds=settings.quota_recovery_seconds) if settings.quotas_enabled else None
         self.controller = Controller(
-            settings, listeners=[self.metrics.update], notifier=self.notifier,
-            fence=self.elector.still_leading if self.elector is not None else lambda: True,
-            state_ca=serving.ca_pem.decode() if serving is not None else "")
+            settings, listeners=[self.metrics.update, *([self.quotas.flow_changed] if self.quotas else [])],
+            notifier=self.notifier, fence=self.elector.still_leading if self.elector is not None else lambda: True,
+            state_ca=serving.ca_pem.decode() if serving is not None else "",
+            flow_labels=self.quotas.tracker.label_keys if self.quotas is not None else frozenset)
         self.state_api = StateApi(
             lambda: self.kube, self.controller.cache, self.controller, issuer=IssuerKeys(lambda: self.kube),
             limits=ClientLimits(settings.state_client_rate, settings.state_client_burst,
                                 settings.state_client_authenticating),
-            token_reviews=settings.state_token_reviews)
+            token_reviews=settings.state_token_reviews, quotas=self.quotas)
         self.metrics_auth = MetricsAuth(lambda: self.kube) if settings.metrics_auth else None
         self.webhook_server: webhook.FlowkubeWebhookServer | None = None
         if settings.webhook_enabled and serving is not None:
@@ -163,8 +172,12 @@ class App:
             await old.close()
             return
         # The first login: the watches start (every replica keeps its caches warm), then reconciling.
-        self._watches = [asyncio.create_task(informer.run())
-                         for informer in self.controller.informers(lambda: self.kube, self.settings.watch_namespaces)]
+        informers = self.controller.informers(lambda: self.kube, self.settings.watch_namespaces)
+        if self.quotas is not None:
+            informers += self.quotas.informers(lambda: self.kube, self.settings.watch_namespaces)
+        self._watches = [asyncio.create_task(informer.run()) for informer in informers]
+        if self.quotas is not None:
+            self._watches.append(asyncio.create_task(self.quotas.run()))
         if self.elector is not None:
             self._leadership = asyncio.create_task(self._lead(self.elector))
         else:

@@ -9,7 +9,8 @@ watch event goes through one function here where it enters its cache, so what is
   deletes). `managedFields`, `finalizers` and kubectl's `last-applied-configuration` (a second
   copy of the whole spec) are never kept; nor is any label or annotation the operator does not read.
 - **Flow**: `ownerReferences` (a CronFlow's Flows: `meta.owner_uid`), the label
-  `flowkube.io/cronflow` (the CronFlow index and the per-CronFlow metrics), the annotation
+  `flowkube.io/cronflow` (the CronFlow index and the per-CronFlow metrics), the labels whose keys
+  FlowQuota selectors name (at most `QUOTA_LABEL_KEYS_LIMIT` keys in all), the annotation
   `flowkube.io/scheduled-at` (the time a CronFlow started it for); `spec` (what it runs, bounded by the
   webhook and checked again by the reconcile) and `status` (the reconcile's input).
 - **FlowTemplate / ClusterFlowTemplate**: the metadata above only (`template_meta`: is it there,
@@ -61,9 +62,10 @@ def _kind(body: Mapping[str, Any], meta: Body) -> Body:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def flow(body: Mapping[str, Any]) -> Body:
-    """A Flow as the Flow cache keeps it (and its listeners hear it)."""
-    out = _kind(body, _meta(body, FLOW_LABELS, FLOW_ANNOTATIONS, owners=True))
+def flow(body: Mapping[str, Any], labels: frozenset[str] = frozenset()) -> Body:
+    """A Flow as the Flow cache keeps it (and its listeners hear it); ``labels``: the keys FlowQuota
+    selectors name (at most ``QUOTA_LABEL_KEYS_LIMIT``), kept too."""
+    out = _kind(body, _meta(body, (*FLOW_LABELS, *sorted(labels)), FLOW_ANNOTATIONS, owners=True))
     for part in ("spec", "status"):
         if part in body:
             out[part] = body[part]

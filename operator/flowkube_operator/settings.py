@@ -227,6 +227,17 @@ class Settings(BaseSettings):
         default="", description="URL of the definition validator (runner image sidecar); empty: none."
     )
 
+    quotas_enabled: bool = Field(
+        default=False, description="Enforce FlowQuotas (spend and token limits over time windows): the operator "
+        "watches FlowQuotas, keeps their book, writes their status, and every runner pod reserves each model "
+        "request's worst case at the state API before it is sent. false: FlowQuotas are not read.")
+    quota_status_seconds: float = Field(
+        default=5.0, ge=0.2, le=300, description="A FlowQuota's status is written at most once per this period "
+        "(only when it changed): its used, reserved and conditions lag its book by at most this long.")
+    quota_recovery_seconds: float = Field(
+        default=30.0, ge=0, le=600, description="A new leader (a restart, a failover) lets no model call through "
+        "until each running pod under a FlowQuota has told it what it holds, or for at most this long (a pod "
+        "silent that long has no call in flight): the calls in flight at the change are counted, not overspent.")
     notifications_enabled: bool = Field(
         default=True, description="Send notifications (spec.notifications, namespace defaults): the operator "
         "watches the Secrets labelled flowkube.io/notifications. false: no notification is sent.")

@@ -68,6 +68,7 @@ class RunnerConfig:
     state_dir: Path | None = None
     keep_warm_seconds: float = 0.0  # a conversation's pod waits this long for its next message
     feedback_keep_warm_seconds: float = 0.0  # a paused run's pod waits this long for the answer
+    quotas: bool = False  # every model request is reserved at the quota desk (the state API) first
 
     @staticmethod
     def termination_log_from_env(env: Mapping[str, str] | None = None) -> Path:
@@ -125,6 +126,7 @@ class RunnerConfig:
             state_dir=Path(state_dir) if state_dir else None,
             keep_warm_seconds=keep_warm,
             feedback_keep_warm_seconds=feedback_keep_warm,
+            quotas=env.get(c.ENV_QUOTAS, "").strip().lower() == "true",
         )
 
 

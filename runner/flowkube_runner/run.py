@@ -41,7 +41,7 @@ from .engine.checkpoints import CheckpointLog, ForkRefused, fork
 from .engine.pricing import Pricer
 from .engine.state import StateDocument
 from .failures import RunFailure, chain, fallback_failure, is_api_error, is_connection_error, known_failure, permanent
-from .store import Inbox, StateCorrupt, StateStore
+from .store import Inbox, StateApiStore, StateCorrupt, StateStore
 from .waiting import answered_and_open, paused_on, release_memory, wait_warm
 
 if TYPE_CHECKING:
@@ -143,6 +143,8 @@ class _Run:
             pricer=Pricer(config.prices),
             on_call=self._after_model_call,
             stop=stop,
+            # Spend quotas: the state API is the desk (a pod without one, e.g. a local run, has none).
+            quota=store if config.quotas and isinstance(store, StateApiStore) else None,
         )
         self.session: FlowSession | None = None
         self.feedback_applied: FeedbackApplied | None = None

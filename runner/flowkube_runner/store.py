@@ -220,10 +220,15 @@ class StateApiStore:
         if response.status_code not in (200, 204) and not (leader_for is not None and _stored_elsewhere(response)):
             raise StoreError(f"PUT state {key}: {_status_text(response)}")
 
-    def reserve(self, model: str, tokens: int, cost: Decimal | None) -> int:
-        """A model call's worst case, reserved under the Flow's spend quotas (its id; 0: the operator
-        enforces none); ``cost`` None: the model has no price. Raises ``QuotaRefused``."""
-        body = {"model": model, "tokens": tokens, "cost": money_text(cost or Decimal(0)), "priced": cost is not None}
+    def reserve(self, model: str, tokens: int, cost: Decimal | None, *, charges: list[Charge] | None = None,
+                held: list[tuple[int, str, int, Decimal]] | None = None) -> int:
+        """A model call's worst case, reserved under the Flow's spend quotas (its id; 0: no quota
+        covers the Flow, or the operator enforces none); ``cost`` None: the model has no price.
+        ``charges`` (the run's so far) and ``held`` (its other reservations in flight) let a new
+        leader know what this pod has. Raises ``QuotaRefused``; a 503 (a follower, a leader
+        recovering its book) is asked again."""
+        body = {"model": model, "tokens": tokens, "cost": money_text(cost or Decimal(0)), "priced": cost is not None,
+                "charges": _charges_json(charges), "held": _held_json(held)}
         response = self._request("POST", "reserve", path=f"{c.QUOTA_API_PREFIX}reserve", json=body)
         if response.status_code == 402:
             raise QuotaRefused(_status_text(response).removeprefix("HTTP 402 "))
@@ -233,11 +238,12 @@ class StateApiStore:
             raise StoreError(f"POST quota reserve: {_status_text(response)}")
         return int(response.json()["id"])
 
-    def settle(self, reservation: int, charges: list[Charge] | None) -> None:
+    def settle(self, reservation: int, charges: list[Charge] | None, *,
+               held: list[tuple[int, str, int, Decimal]] | None = None) -> None:
         """The call answered: its reservation freed, the run's charges so far recorded."""
         if reservation == 0:
             return
-        body = {"id": reservation, "charges": [ch.model_dump(mode="json", by_alias=True) for ch in charges or []]}
+        body = {"id": reservation, "charges": _charges_json(charges), "held": _held_json(held)}
         response = self._request("POST", "settle", path=f"{c.QUOTA_API_PREFIX}settle", json=body)
         if response.status_code not in (204, 404):
             raise StoreError(f"POST quota settle: {_status_text(response)}")
@@ -266,6 +272,15 @@ class StateApiStore:
             time.sleep(min(1.0, wait))
             return None
         raise MessageGone(_status_text(response))
+
+
+def _charges_json(charges: list[Charge] | None) -> list[dict[str, Any]]:
+    return [ch.model_dump(mode="json", by_alias=True) for ch in charges or []]
+
+
+def _held_json(held: list[tuple[int, str, int, Decimal]] | None) -> list[dict[str, Any]]:
+    """At most 64: what the operator takes of them (a pod holds far fewer)."""
+    return [{"id": i, "model": m, "tokens": t, "cost": money_text(cost)} for i, m, t, cost in (held or [])[:64]]
 
 
 def _status_text(response: httpx.Response) -> str:

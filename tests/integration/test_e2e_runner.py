@@ -71,7 +71,9 @@ LOOP_MESSAGE = "A listener triggered by its own completion creates an infinite l
 
 @pytest.fixture(scope="module")
 def stack(cluster: LocalCluster) -> Iterator[RealRunnerStack]:
-    with real_runner_stack(cluster, RULES, "e2e") as s:
+    # FlowQuotas enforced: every runner pod of this module reserves each model request at the operator
+    # first, so every exactness test here holds with the quota gate in the path.
+    with real_runner_stack(cluster, RULES, "e2e", values=["quotas.enabled=true", "quotas.statusSeconds=0.5"]) as s:
         yield s
 
 
@@ -439,3 +441,105 @@ def test_forks_start_from_checkpoints_with_an_edit_or_the_other_answer_and_outli
     st = flows.wait_phase("other-way", "Succeeded", timeout=RUN_TIMEOUT)
     assert st["result"]["output"] == "shelved" and st["feedback"]["history"][0]["outcome"] == "rejected"
     assert usage_of(st) == stack.usage_since(mark)
+
+
+# -- spend quotas (issue 41) -------------------------------------------------------------------------
+
+CAPPED_WRITER = {**WRITER, "settings": {"llm": {"model": MODEL, "max_tokens": 64}}}
+
+
+def quota_object(name: str, max_tokens: int, team: str) -> dict[str, Any]:
+    return {"apiVersion": "flowkube.io/v1alpha1", "kind": "FlowQuota", "metadata": {"name": name},
+            "spec": {"selector": {"matchLabels": {"team": team}},
+                     "limits": [{"name": "tokens", "maxTotalTokens": max_tokens,
+                                 "window": {"kind": "Day", "timeZone": "Europe/Berlin"}}]}}
+
+
+def labelled_flow(name: str, team: str | None, topic: str) -> dict[str, Any]:
+    return {"apiVersion": "flowkube.io/v1alpha1", "kind": "Flow",
+            "metadata": {"name": name, **({"labels": {"team": team}} if team else {})},
+            "spec": {"definition": crew_definition(CAPPED_WRITER, 4), "inputs": {"topic": topic}}}
+
+
+def quota_status(stack: RealRunnerStack, namespace: str, name: str) -> dict[str, Any]:
+    out = stack.cluster.kubectl("get", "flowquota", name, "-n", namespace, "-o", "json")
+    status: dict[str, Any] = json.loads(out.stdout).get("status") or {}
+    return status
+
+
+def wait_quota(stack: RealRunnerStack, namespace: str, name: str, predicate: Any, what: str) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+
+    def check() -> bool:
+        seen.clear()
+        seen.update(quota_status(stack, namespace, name))
+        return bool(predicate(seen))
+
+    wait_for(check, 60, f"FlowQuota {name}: {what}", interval=0.2)
+    return seen
+
+
+def test_a_flowquota_stops_a_flow_at_the_call_that_would_pass_it_and_counts_what_the_model_served(
+        stack: RealRunnerStack, flows: Flows) -> None:
+    """A probe Flow (its own generous quota) shows what each of a four-call crew's requests weighs; a
+    second quota is set to let two such calls through and not the third's worst case. The capped Flow
+    makes exactly two calls, ends QuotaExhausted naming the quota, its limit and reset; the quota's
+    used equals the stub's ledger and nothing stays reserved. A Flow outside the selector is not held.
+    With the limit then set just above what was used, the next Flow of the team makes no call at all."""
+    ns = flows.ns
+    apply_object(stack, quota_object("probe", 10**9, "probe"), ns)
+    wait_quota(stack, ns, "probe", lambda s: any(x["type"] == "Ready" and x["status"] == "True"
+                                                 for x in s.get("conditions") or []), "Ready")
+    mark = len(stack.stub.ledger())
+    apply_object(stack, labelled_flow("probe", "probe", "probe"), ns)
+    flows.wait_phase("probe", "Succeeded", timeout=RUN_TIMEOUT)
+    probe = stack.stub.ledger()[mark:]
+    assert parts_of(probe) == ["PART1", "PART2", "PART3", "PART4"] and all(e["maxTokens"] == 64 for e in probe)
+    used = [e["usage"]["total_tokens"] for e in probe]
+    worst = [e["bytes"] + 64 for e in probe]
+    assert all(w > u for w, u in zip(worst, used, strict=True))
+    wait_quota(stack, ns, "probe", lambda s: s["limits"][0]["used"].get("totalTokens") == sum(used), "probe's use")
+
+    # "quota" is as long as "probe": the capped Flow's requests weigh what the probe's did.
+    limit = used[0] + used[1] + worst[2] - 1
+    apply_object(stack, quota_object("writers", limit, "writers"), ns)
+    wait_quota(stack, ns, "writers", lambda s: any(x["type"] == "Ready" and x["status"] == "True"
+                                                   for x in s.get("conditions") or []), "Ready")
+    mark = len(stack.stub.ledger())
+    capped_flow = labelled_flow("capped", "writers", "quota")
+    capped_flow["spec"]["retries"] = {"limit": 2, "backoffSeconds": 0}  # a quota's refusal is not retried
+    apply_object(stack, capped_flow, ns)
+    apply_object(stack, labelled_flow("free", None, "freer"), ns)
+    st = flows.wait_phase("capped", "Failed", timeout=RUN_TIMEOUT)
+    flows.wait_phase("free", "Succeeded", timeout=RUN_TIMEOUT)
+    served = stack.stub.ledger()[mark:]
+    capped = [e for e in served if "about quota" in e["lastUser"]]
+    assert parts_of(capped) == ["PART1", "PART2"], "the third call is not sent"
+    assert parts_of([e for e in served if "about freer" in e["lastUser"]]) == ["PART1", "PART2", "PART3", "PART4"]
+    assert cond(st, "Succeeded")["reason"] == "QuotaExhausted", json.dumps(st, indent=1)
+    assert len(st["runs"]) == 1 and st["runs"][0]["reason"] == "QuotaExhausted", "not retried"
+    assert st["message"].startswith(f"FlowQuota {ns}/writers: limit tokens (maxTotalTokens={limit}, per day in "
+                                    "Europe/Berlin)"), st["message"]
+    assert "the window resets at" in st["message"]
+    assert usage_of(st) == ledger_usage(capped), "the Flow counts what the model served it"
+    spent = ledger_usage(capped).total_tokens
+    assert spent <= limit
+    status = wait_quota(stack, ns, "writers", lambda s: s["limits"][0]["used"].get("totalTokens") == spent,
+                        "the ledger's tokens")
+    (tokens,) = status["limits"]
+    assert tokens["reserved"].get("totalTokens", 0) == 0 and tokens["resetsAt"] and tokens["windowStart"]
+    assert status["summary"] == f"tokens {100 * spent / limit:.0f}%"
+    columns = stack.cluster.kubectl("get", "flowquota", "writers", "-n", ns).stdout
+    assert f"tokens {100 * spent / limit:.0f}%" in columns and "RESETS" in columns
+
+    # Room for less than any request weighs: the next Flow of the team is refused at its first call.
+    patched = quota_object("writers", spent + 50, "writers")
+    apply_object(stack, patched, ns)
+    wait_quota(stack, ns, "writers", lambda s: s.get("summary") == f"tokens {100 * spent / (spent + 50):.0f}%",
+               "the new limit")
+    mark = len(stack.stub.ledger())
+    apply_object(stack, labelled_flow("next", "writers", "later"), ns)
+    nxt = flows.wait_phase("next", "Failed", timeout=RUN_TIMEOUT)
+    assert cond(nxt, "Succeeded")["reason"] == "QuotaExhausted" and f"FlowQuota {ns}/writers" in nxt["message"]
+    assert [e for e in stack.stub.ledger()[mark:] if "about later" in e["lastUser"]] == []
+    assert usage_of(nxt).total_tokens == 0

@@ -1,12 +1,12 @@
 """FlowQuota and ClusterFlowQuota: a team's spend and token limits over time windows (issue 41).
 
-Not served yet: these models are not among the CRDs the operator installs (``crd.KINDS``) until the
-operator enforces them; they fix the API the quota book (``flowkube_operator.quotas.book``) serves.
+FlowQuota is served (``crd.KINDS``) and enforced by an operator with quotas on (the chart's
+``quotas.enabled``). ClusterFlowQuota is not served yet: its model fixes the API it will have.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
@@ -72,8 +72,9 @@ class FlowQuotaSpec(Model):
                                         "namespace.")
     limits: list[QuotaLimit] = Field(min_length=1, max_length=QUOTA_LIMITS_LIMIT, json_schema_extra={
         "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]})
-    warn_at: list[int] | None = Field(default=None, max_length=4, description="Percentages of a limit at which "
-                                      "its Warning condition is set (default 80).")
+    warn_at: list[Annotated[int, Field(ge=1, le=100)]] | None = Field(
+        default=None, max_length=4, description="Percentages of a limit at which its Warning condition is set "
+        "(default 80).")
     action: Literal["Refuse", "Queue"] = Field(
         default="Refuse", description="A new Flow while a limit is exhausted: Refuse it at apply, or Queue it "
         "(accepted, Pending with reason QuotaExhausted, started when the window resets).")
@@ -103,7 +104,7 @@ class LimitStatus(Model):
 
 
 class QuotaCondition(Model):
-    type: Literal["Exhausted", "Warning"]
+    type: Literal["Ready", "Exhausted", "Warning"]
     status: Literal["True", "False", "Unknown"]
     reason: str
     message: str = ""
@@ -112,6 +113,9 @@ class QuotaCondition(Model):
 
 class FlowQuotaStatus(Model):
     observed_generation: int | None = None
+    summary: str | None = Field(default=None, max_length=1024, description="Each limit's share used, for "
+                                "`kubectl get flowquotas` (\"daily 42%, monthly 7%\").")
+    next_reset: Time | None = Field(default=None, description="The earliest resetsAt of its limits.")
     limits: list[LimitStatus] | None = None
     conditions: list[QuotaCondition] | None = None
 

@@ -58,7 +58,7 @@ class Controller:
 
     def __init__(self, settings: Settings, listeners: Sequence[FlowListener] = (), *,
                  fence: Callable[[], bool] = lambda: True, state_ca: str = "",
-                 notifier: Notifier | None = None) -> None:
+                 notifier: Notifier | None = None, flow_labels: Callable[[], frozenset[str]] = frozenset) -> None:
         self.settings = settings
         self.kube: Kube | None = None
         self.notifier = notifier
@@ -72,7 +72,8 @@ class Controller:
         self.snapshots = Snapshots(lambda: self.kube, settings.template_snapshot_cache_entries,
                                    settings.template_snapshot_cache_mib * 1024 * 1024)
         self.cache = FlowCache([*listeners, self.cron.flow_changed, self.snapshots.index.flow_changed,
-                                self._forget_hints], wake=self.shell.add, stale_warm=self._read_warm_report)
+                                self._forget_hints], wake=self.shell.add, stale_warm=self._read_warm_report,
+                                labels=flow_labels)
         self.templates = TemplateCache(wake=self.shell.add, kube=lambda: self.kube)
         self.writer = PlanWriter(self.writes, self.cache, settings, state_ca)
         # Reports the state API took from pods of closed runs, not yet folded into the status. Lost

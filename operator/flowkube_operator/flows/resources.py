@@ -290,6 +290,8 @@ def runner_pod(  # noqa: PLR0913 - keyword-only: every input of the pod spec, ea
         {"name": "HOME", "value": "/tmp"},
         {"name": "CREWAI_DISABLE_TELEMETRY", "value": "true"},
         {"name": "OTEL_SDK_DISABLED", "value": "true"},
+        # Spend quotas enforced: every model request is reserved at the state API before it is sent.
+        *([{"name": c.ENV_QUOTAS, "value": "true"}] if settings.quotas_enabled else []),
     ]
     if settings.runner_policy and not settings.runner_allow_scripts:
         env.append({"name": SCRIPTS_ENV, "value": "false"})  # set here: envFrom cannot turn it on

@@ -281,16 +281,39 @@ class QuotaBook:
         self._by_holder[holder].add(reservation.id)
         return reservation
 
-    def settle(self, reservation_id: int, holder: str, charges: Charges) -> bool:
+    def settle(self, reservation_id: int, holder: str, charges: Charges,
+               quotas: list[str] | tuple[str, ...] = ()) -> bool:
         """A call of ``holder``'s run answered: its reservation is freed, and ``charges`` (the run's, all
         of them so far: cumulative, so a settle lost or repeated changes nothing) become the run's source
         until the run is folded into its Flow. False when the reservation was not known (freed with
-        its run already); the charges count all the same."""
+        its run already, or made with another leader); the charges count all the same, under
+        ``quotas`` (the run's covering quotas) then."""
         reservation = self._free(reservation_id, holder)
-        quotas = reservation.quotas if reservation is not None else tuple(
-            self._sources.get(f"run:{holder}", (frozenset(), []))[0])
-        self.set_source(f"run:{holder}", list(quotas), charges)
+        self.run_charges(holder, list(reservation.quotas) if reservation is not None else list(quotas), charges)
         return reservation is not None
+
+    def restore(self, reservation_id: int, holder: str, model: str, spend: Spend, quotas: list[str]) -> bool:
+        """A reservation a pod says it holds that this book does not know (it was made with another
+        leader): taken again as it was, without a check (its call is in flight already). False when
+        it is known."""
+        if reservation_id in self._reservations:
+            return False
+        accounts = [a for a in self._covering(quotas) if a.limit.covers(model)]
+        for account in accounts:
+            account.reserved = account.reserved + spend
+        keys = tuple(a.limit.key for a in accounts)
+        self._reservations[reservation_id] = Reservation(reservation_id, holder, model, spend, keys,
+                                                         tuple(sorted(set(quotas))))
+        self._by_holder[holder].add(reservation_id)
+        return True
+
+    def run_charges(self, holder: str, quotas: list[str], charges: Charges) -> None:
+        """A running pod's charges so far (cumulative), unless the book has a later word from it
+        already (more spent: a request that overtook this one)."""
+        known = self._sources.get(f"run:{holder}")
+        if known is not None and _total(known[1]) > _total(charges):
+            return
+        self.set_source(f"run:{holder}", quotas or (list(known[0]) if known is not None else []), charges)
 
     def release(self, holder: str) -> int:
         """Free every reservation of ``holder`` (its run ended); how many there were."""
@@ -315,3 +338,7 @@ class QuotaBook:
     def _covering(self, quotas: list[str]) -> list[_Account]:
         wanted = set(quotas)
         return [a for k, a in self._accounts.items() if k[0] in wanted]
+
+
+def _total(charges: Charges) -> tuple[int, Decimal]:
+    return sum(s.tokens for _, _, s in charges), sum((s.cost for _, _, s in charges), Decimal(0))

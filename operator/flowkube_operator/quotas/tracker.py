@@ -1,30 +1,47 @@
 """Which FlowQuotas cover which Flows, the book they are kept in, and each quota's status (issue 41).
 Pure: the caches hand it bodies (a quota's, a Flow's) as their watches see them; it does no I/O and
-keeps only a bounded projection of each: a quota's parsed limits and selector, a Flow's labels and
-the charges of its ended runs.
+keeps only a bounded projection of each: a quota's parsed limits and selector (at most
+``QUOTAS_PER_NAMESPACE_LIMIT`` used per namespace, the rest only named), a Flow's uid, the labels
+quota selectors name and the charges of its ended runs.
 
 A Flow's ended runs are its source in the book (``flow:<uid>``); a running pod's settled calls are
-the pod's (``run:<pod>``) until the Flow's status shows the run ended, and then the Flow's source,
-which now holds them, replaces the pod's in the same step.
+the pod's (``run:<namespace>/<pod>``) until the Flow's status shows the run ended, and then the
+Flow's source, which now holds them, replaces the pod's in the same step.
+
+Coverage is sticky against a Flow's labels: a Flow stays under every quota that covered it while it
+exists, so relabelling a Flow moves none of its spend out of a quota (it can only add a quota). A
+quota's own spec, changed, decides its coverage afresh: that is its owner's act.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+from collections import OrderedDict
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
 from pydantic import ValidationError
 
+from flowkube_api import constants as c
 from flowkube_api import selectors
 from flowkube_api.models.quota import FlowQuotaSpec, LimitStatus, QuotaCondition
 from flowkube_api.report import SpentSoFar
 from flowkube_api.windows import resets_at, window_at
-from flowkube_operator.quotas.book import Limit, QuotaBook, Refusal, Reservation, Spend, flow_charges, limits_of
+from flowkube_operator.quotas.book import (
+    Charges,
+    Limit,
+    QuotaBook,
+    Refusal,
+    Reservation,
+    Spend,
+    flow_charges,
+    limits_of,
+)
 
 Body = dict[str, Any]
 DEFAULT_WARN_AT = 80
+ENDED_KEPT = 4096  # pods whose runs ended lately: a late word from one charges nothing twice
 
 
 @dataclass(frozen=True)
@@ -33,6 +50,14 @@ class _Quota:
     namespace: str
     selector: selectors.Selector
     warn_at: tuple[int, ...]
+    created: str  # creationTimestamp: a namespace's first QUOTAS_PER_NAMESPACE_LIMIT are used
+
+
+@dataclass
+class _Flow:
+    uid: str
+    labels: dict[str, str]  # only the keys some quota's selector names
+    quotas: frozenset[str]  # every quota that has covered it (sticky: see the module's docstring)
 
 
 def quota_name(namespace: str, name: str) -> str:
@@ -43,73 +68,160 @@ class QuotaTracker:
     def __init__(self) -> None:
         self.book = QuotaBook()
         self._quotas: dict[str, _Quota] = {}
-        self._flows: dict[tuple[str, str], tuple[str, dict[str, str]]] = {}  # (ns, name) -> (uid, labels)
-        self._running: dict[str, str] = {}  # pod -> flow uid: pods whose settled calls are their own source
+        self._waiting: dict[str, tuple[str, str]] = {}  # over a namespace's limit: key -> (created, name)
+        self._flows: dict[tuple[str, str], _Flow] = {}
+        self._running: dict[str, str] = {}  # "<namespace>/<pod>" -> flow uid: pods whose settled calls are theirs
+        self._ended: OrderedDict[str, None] = OrderedDict()  # holders whose runs are in their Flow's status
+        self._active: dict[tuple[str, str], str] = {}  # a covered Flow -> the pod of its run going on
 
     # -- what the watches see ------------------------------------------------------------------------
 
+    def label_keys(self) -> frozenset[str]:
+        """The label keys quota selectors name: the only labels of a Flow anything keeps."""
+        return frozenset(r.key for q in self._quotas.values() for r in q.selector.requirements)
+
     def quota_event(self, body: Body | None, namespace: str, name: str) -> str | None:
-        """A FlowQuota seen (or gone: None). Returns why its spec cannot be used (None: it can)."""
+        """A FlowQuota seen (or gone: None). Returns why it is not used (None: it is)."""
         key = quota_name(namespace, name)
         if body is None:
-            self._quotas.pop(key, None)
-            self.book.set_limits(key, [])
+            self._waiting.pop(key, None)
+            self._drop(key)
             return None
+        created = str((body.get("metadata") or {}).get("creationTimestamp") or "")
         try:
             spec = FlowQuotaSpec.model_validate(body.get("spec") or {})
             selector = selectors.parse(spec.selector, "spec.selector")
         except (ValidationError, selectors.SelectorError) as e:
-            self._quotas.pop(key, None)
-            self.book.set_limits(key, [])
+            self._drop(key)
             return str(e)
-        self._quotas[key] = _Quota(key, namespace, selector, tuple(spec.warn_at or (DEFAULT_WARN_AT,)))
+        if key not in self._quotas and self._full(namespace):
+            self._waiting[key] = (created, name)
+            return (f"namespace {namespace} has {c.QUOTAS_PER_NAMESPACE_LIMIT} FlowQuotas already: this one is used "
+                    "once an older one is deleted")
+        keys = self.label_keys() | {r.key for r in selector.requirements}
+        if len(keys) > c.QUOTA_LABEL_KEYS_LIMIT:
+            self._drop(key)
+            return (f"spec.selector: quota selectors together may name at most {c.QUOTA_LABEL_KEYS_LIMIT} label "
+                    "keys, and this one would make more")
+        self._waiting.pop(key, None)
+        self._quotas[key] = _Quota(key, namespace, selector, tuple(spec.warn_at or (DEFAULT_WARN_AT,)), created)
         self.book.set_limits(key, limits_of(key, spec))
-        for (ns, flow), (uid, _labels) in self._flows.items():
-            if ns == namespace:
-                self._cover_again(uid, self.covering(ns, flow))
+        for (ns, _flow), f in self._flows.items():
+            if ns == namespace:  # the quota's coverage decided afresh (its spec may have changed)
+                quotas = (f.quotas - {key}) | ({key} if selector.matches(f.labels) else set())
+                self._cover(f, quotas)
         return None
+
+    def _full(self, namespace: str) -> bool:
+        return sum(q.namespace == namespace for q in self._quotas.values()) >= c.QUOTAS_PER_NAMESPACE_LIMIT
+
+    def next_waiting(self, namespace: str) -> str | None:
+        """The name of the oldest FlowQuota of ``namespace`` waiting for a free place, if one is free."""
+        if self._full(namespace):
+            return None
+        prefix = quota_name(namespace, "")
+        waiting = sorted(v for k, v in self._waiting.items() if k.startswith(prefix))
+        return waiting[0][1] if waiting else None
+
+    def _drop(self, key: str) -> None:
+        if self._quotas.pop(key, None) is None:
+            return
+        self.book.set_limits(key, [])
+        for f in self._flows.values():
+            if key in f.quotas:
+                self._cover(f, f.quotas - {key})
 
     def flow_event(self, namespace: str, name: str, body: Body | None) -> None:
         """A Flow seen (or gone: None; a deleted Flow's charges stay in the book: they were spent)."""
         if body is None:
             self._flows.pop((namespace, name), None)
+            self._active.pop((namespace, name), None)
             return
         meta = body.get("metadata") or {}
         uid = str(meta.get("uid") or "")
-        labels = {str(k): str(v) for k, v in (meta.get("labels") or {}).items()}
-        self._flows[(namespace, name)] = (uid, labels)
+        keys = self.label_keys()
+        labels = {str(k): str(v) for k, v in (meta.get("labels") or {}).items() if k in keys}
+        known = self._flows.get((namespace, name))
+        sticky = known.quotas if known is not None and known.uid == uid else frozenset()
+        matched = {q.name for q in self._quotas.values() if q.namespace == namespace and q.selector.matches(labels)}
+        f = self._flows[(namespace, name)] = _Flow(uid, labels, sticky | matched)
         status = body.get("status") or {}
-        quotas = self.covering(namespace, name)
-        self.book.set_source(f"flow:{uid}", quotas, flow_charges(status))
+        self.book.set_source(f"flow:{uid}", sorted(f.quotas), flow_charges(status))
+        self._active.pop((namespace, name), None)
         for run in status.get("runs") or []:
-            if isinstance(run, dict) and run.get("finishedAt") and run.get("pod") in self._running:
-                pod = str(run["pod"])
-                del self._running[pod]
-                self.book.drop_source(f"run:{pod}")  # its calls are in the Flow's source now
-                self.book.release(pod)
+            if not isinstance(run, dict) or not run.get("pod"):
+                continue
+            holder = f"{namespace}/{run['pod']}"
+            if not run.get("finishedAt"):
+                if f.quotas:
+                    self._active[(namespace, name)] = str(run["pod"])
+                continue
+            if holder in self._running:
+                del self._running[holder]
+                self.book.drop_source(f"run:{holder}")  # its calls are in the Flow's source now
+                self.book.release(holder)
+                self._ended[holder] = None
+                while len(self._ended) > ENDED_KEPT:
+                    self._ended.popitem(last=False)
 
-    def _cover_again(self, uid: str, quotas: list[str]) -> None:
+    def _cover(self, f: _Flow, quotas: frozenset[str] | set[str]) -> None:
         """A Flow whose covering quotas changed: its source again, under them."""
-        source = f"flow:{uid}"
-        charges = self.book.source_charges(source)
-        self.book.set_source(source, quotas, charges)
+        f.quotas = frozenset(quotas)
+        source = f"flow:{f.uid}"
+        self.book.set_source(source, sorted(f.quotas), self.book.source_charges(source))
 
     # -- the desk ------------------------------------------------------------------------------------
 
     def covering(self, namespace: str, flow: str) -> list[str]:
-        """The quotas that cover a Flow: its namespace's whose selector matches its labels."""
-        labels = self._flows.get((namespace, flow), ("", {}))[1]
-        return sorted(q.name for q in self._quotas.values() if q.namespace == namespace and q.selector.matches(labels))
+        """The quotas that cover a Flow (its namespace's whose selector matches it, or once did)."""
+        f = self._flows.get((namespace, flow))
+        return sorted(f.quotas & self._quotas.keys()) if f is not None else []
 
     def reserve(self, namespace: str, flow: str, pod: str, model: str, worst: Spend,
-                now: dt.datetime, *, priced: bool = True) -> Reservation | Refusal:
-        self._running.setdefault(pod, self._flows.get((namespace, flow), ("", {}))[0])
-        return self.book.reserve(self.covering(namespace, flow), pod, model, worst, now, priced=priced)
+                now: dt.datetime, *, priced: bool = True) -> Reservation | Refusal | None:
+        """A reservation (None: no quota covers the Flow, nothing to reserve)."""
+        quotas = self.covering(namespace, flow)
+        if not quotas:
+            return None
+        holder = f"{namespace}/{pod}"
+        f = self._flows.get((namespace, flow))
+        self._running.setdefault(holder, f.uid if f is not None else "")
+        return self.book.reserve(quotas, holder, model, worst, now, priced=priced)
 
-    def settle(self, pod: str, reservation: int, charges: list[tuple[dt.datetime, str, Spend]]) -> bool:
-        return self.book.settle(reservation, pod, charges)
+    def settle(self, namespace: str, flow: str, pod: str, reservation: int, charges: Charges) -> bool:
+        holder = f"{namespace}/{pod}"
+        if holder in self._ended:  # late: its run's calls are counted from its Flow's status already
+            return self.book.release(holder) > 0
+        return self.book.settle(reservation, holder, charges, self.covering(namespace, flow))
+
+    def adopt(self, namespace: str, flow: str, pod: str, charges: Charges | None,
+              held: list[tuple[int, str, Spend]]) -> int:
+        """What a running pod says it has: its charges so far and the reservations it holds (each
+        ``(id, model, worst)``); a reservation this book does not know (made with another leader) is
+        taken again. How many were."""
+        holder = f"{namespace}/{pod}"
+        quotas = self.covering(namespace, flow)
+        if holder in self._ended or not quotas:
+            return 0
+        f = self._flows.get((namespace, flow))
+        self._running.setdefault(holder, f.uid if f is not None else "")
+        if charges is not None:
+            self.book.run_charges(holder, quotas, charges)
+        return sum(self.book.restore(rid, holder, model, spend, quotas) for rid, model, spend in held)
+
+    def flow_uid(self, namespace: str, flow: str) -> str:
+        f = self._flows.get((namespace, flow))
+        return f.uid if f is not None else ""
+
+    def active(self) -> list[tuple[str, str, str]]:
+        """(namespace, flow, pod) of each covered Flow's run going on."""
+        return [(ns, flow, pod) for (ns, flow), pod in self._active.items()]
 
     # -- status --------------------------------------------------------------------------------------
+
+    def quotas(self) -> list[tuple[str, str]]:
+        """(namespace, name) of every quota in use."""
+        return [(q.namespace, q.name.split("/", 1)[1]) for q in self._quotas.values()]
 
     def status(self, namespace: str, name: str, now: dt.datetime) -> tuple[list[LimitStatus], list[QuotaCondition]]:
         """The quota's ``status.limits`` and conditions as of ``now``."""
@@ -137,6 +249,12 @@ class QuotaTracker:
         ]
         return out, conditions
 
+    def summary(self, namespace: str, name: str, now: dt.datetime) -> str:
+        """Each limit's share used ("daily 42%, monthly 7%"), for the printer column."""
+        key = quota_name(namespace, name)
+        limits = self.book.limits(key)
+        return ", ".join(f"{lim.name} {_share(lim, self.book.used(lim.key, now)):.0f}%" for lim in limits)
+
 
 def _share(limit: Limit, used: Spend) -> float:
     """How much of the limit is used, in percent (the larger of its token and cost shares)."""
@@ -146,4 +264,3 @@ def _share(limit: Limit, used: Spend) -> float:
     if limit.max_cost:
         shares.append(float(Decimal(100) * used.cost / limit.max_cost))
     return max(shares, default=0.0)
-

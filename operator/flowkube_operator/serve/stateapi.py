@@ -44,7 +44,7 @@ from flowkube_operator.flows import checkpoints, resources
 from flowkube_operator.kube.client import ApiError, Kube, delete_namesake_garbage, ns_path
 from flowkube_operator.kube.issuerkeys import IssuerKeys
 from flowkube_operator.meta import owner_uid
-from flowkube_operator.quotas.book import Charges, Refusal, Reservation, Spend
+from flowkube_operator.quotas.book import Charges, Refusal, Spend
 from flowkube_operator.serve.stateauth import (
     REVIEW_CONCURRENCY,
     ActiveRuns,
@@ -95,12 +95,25 @@ class QuotaDesk(Protocol):
     """The spend quotas' side of the state API (issue 41): the book of the Flows' quotas, on the
     leader (None: this replica does not lead)."""
 
-    def reserve(self, t: Target, model: str, worst: Spend, priced: bool) -> Reservation | Refusal | None: ...
+    def reserve(self, t: Target, model: str, worst: Spend, priced: bool, charges: Charges | None,
+                held: list[tuple[int, str, Spend]]) -> int | Refusal | str | None:
+        """The reservation's id (0: no quota covers the Flow), a refusal, why to ask again (str), or
+        None (not the leader). ``charges``: the run's so far; ``held``: the pod's reservations in
+        flight, ``(id, model, worst)``."""
 
-    def settle(self, t: Target, reservation: int, charges: Charges) -> bool | None: ...
+    def settle(self, t: Target, reservation: int, charges: Charges,
+               held: list[tuple[int, str, Spend]]) -> bool | None: ...
 
 
-QUOTA_BODY_LIMIT = 256 * 1024  # a settle's charges: at most CHARGES_LIMIT entries
+QUOTA_BODY_LIMIT = 512 * 1024  # the run's charges (at most CHARGES_LIMIT entries) and what it holds
+HELD_LIMIT = 64  # reservations one pod says it holds
+
+
+class Held(Model):
+    id: int = Field(ge=1, le=COUNT_LIMIT)
+    model: str = Field(max_length=MODEL_NAME_LIMIT)
+    tokens: int = Field(ge=0, le=COUNT_LIMIT)
+    cost: Money = Decimal(0)
 
 
 class Reserve(Model):
@@ -108,11 +121,22 @@ class Reserve(Model):
     tokens: int = Field(ge=0, le=COUNT_LIMIT)
     cost: Money = Decimal(0)
     priced: bool = True  # false: the model has no price (its cost is unknown, not zero)
+    charges: list[Charge] | None = Field(default=None, max_length=CHARGES_LIMIT)  # the run's so far
+    held: list[Held] | None = Field(default=None, max_length=HELD_LIMIT)  # the pod's other calls in flight
 
 
 class Settle(Model):
     id: int = Field(ge=1, le=COUNT_LIMIT)
     charges: list[Charge] | None = Field(default=None, max_length=CHARGES_LIMIT)
+    held: list[Held] | None = Field(default=None, max_length=HELD_LIMIT)
+
+
+def _charges(charges: list[Charge] | None) -> Charges:
+    return [(ch.at, ch.model, Spend(ch.total_tokens, ch.cost)) for ch in charges or []]
+
+
+def _held(held: list[Held] | None) -> list[tuple[int, str, Spend]]:
+    return [(h.id, h.model, Spend(h.tokens, h.cost)) for h in held or []]
 
 
 class StateApi:
@@ -248,16 +272,12 @@ class StateApi:
             return _error(413, f"a quota request is at most {QUOTA_BODY_LIMIT} bytes")
         try:
             if what == "reserve":
-                asked = Reserve.model_validate_json(body)
-                outcome = self._quotas.reserve(t, asked.model, Spend(asked.tokens, asked.cost), asked.priced)
-                if isinstance(outcome, Refusal):
-                    return _error(402, outcome.message())  # Payment Required: not retried
-                if outcome is not None:
-                    return web.json_response({"id": outcome.id})
+                answer = self._reserved(self._quotas, t, Reserve.model_validate_json(body))
+                if answer is not None:
+                    return answer
             elif what == "settle":
                 settled = Settle.model_validate_json(body)
-                charges = [(ch.at, ch.model, Spend(ch.total_tokens, ch.cost)) for ch in settled.charges or []]
-                if self._quotas.settle(t, settled.id, charges) is not None:
+                if self._quotas.settle(t, settled.id, _charges(settled.charges), _held(settled.held)) is not None:
                     return web.Response(status=204)
             else:
                 return _error(404, "the quota paths are reserve and settle")
@@ -266,6 +286,17 @@ class StateApi:
         response = _error(503, "this operator replica does not lead: ask again")
         response.headers["Connection"] = "close"
         return response
+
+    @staticmethod
+    def _reserved(desk: QuotaDesk, t: Target, asked: Reserve) -> web.Response | None:
+        """The desk's answer to a reservation (None: this replica does not lead)."""
+        outcome = desk.reserve(t, asked.model, Spend(asked.tokens, asked.cost), asked.priced,
+                               _charges(asked.charges) if asked.charges is not None else None, _held(asked.held))
+        if isinstance(outcome, Refusal):
+            return _error(402, outcome.message())  # Payment Required: not retried
+        if isinstance(outcome, str):
+            return _error(503, outcome)  # asked again by the runner
+        return web.json_response({"id": outcome}) if outcome is not None else None
 
     @contextlib.contextmanager
     def _pod_slot(self, t: Target) -> Iterator[None]:

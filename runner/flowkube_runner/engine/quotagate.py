@@ -1,17 +1,38 @@
-"""Spend quotas at the model call (issue 41): before a call is sent, its worst case is reserved at the
-quota desk (the operator's state API); after it answered, the run's charges settle it. A call whose
-worst case does not fit a quota is not sent: the run ends ``QuotaExhausted``, with the desk's message.
+"""Spend quotas at the model call (issue 41): before a model request is sent, its worst case is
+reserved at the quota desk (the operator's state API); once the call is counted, the run's charges
+settle it. A request whose worst case does not fit a quota is not sent: the run ends
+``QuotaExhausted``, with the desk's message.
 
-The worst case of a call, without a tokenizer (none ships with crewAI 1.15.30, and none can be
-downloaded in a pod without network): its prompt's UTF-8 bytes, a true upper bound on its tokens
-(a BPE or byte-fallback tokenizer never makes more tokens than bytes), plus the answer's bound, the
-model's ``max_tokens`` (``max_completion_tokens``) or ``DEFAULT_ANSWER_TOKENS`` when it sets none,
-priced as the call would be. The desk is the state API (``StateApiStore.reserve``/``settle``); not
-wired into a run yet: a run has a desk only in tests.
+Where: at the HTTP request, not at crewAI's model-call hooks. crewAI 1.15.30 calls its pre-call hooks
+once per call (sometimes before the call's id exists, from the agent executor) and its post-call
+hooks only for some answers (not for tool calls, failures or async calls), so a reservation made in
+one and freed in the other could leak or go unpaired. Every provider SDK crewAI drives sends through
+httpx (``Client.send`` / ``AsyncClient.send``), inside crewAI's call scope (``_current_call_id``):
+there each request is reserved, and its reservation is settled
+
+- at once, when the request failed or the provider refused it (nothing was billed);
+- when crewAI's completed or failed event for its call has been counted (``UsageRecorder._count``),
+  so the charges the settle carries already hold the call: the book never sees the call's
+  reservation go before its usage comes;
+- at the latest when the recording ends (``settle_all``); a pod lost mid-call leaves its reservations
+  to the operator, which frees them when the pod's run ends.
+
+A refused request is answered here with HTTP 402 and ``x-should-retry: false`` (the SDKs then raise
+without retrying), and the pre-call hook refuses every later call of the run (crewAI's own
+``HookAborted``): the crossing call is the one refused, nothing after it.
+
+The worst case, without a tokenizer (none ships with crewAI 1.15.30, and none can be downloaded in a
+pod without network): the request body's bytes, a true upper bound on its prompt tokens (the body
+holds the messages, tools and schema, and a BPE or byte-fallback tokenizer never makes more tokens
+than bytes), plus its answers' bound: ``max_tokens`` (``max_completion_tokens``,
+``max_output_tokens``) times ``n``, or ``DEFAULT_ANSWER_TOKENS`` when the request sets none, priced
+as the call would be. The one overshoot left: a model that answers a request with no ``max_tokens``
+with more than ``DEFAULT_ANSWER_TOKENS`` tokens (set ``max_tokens`` on the LLM for a hard bound).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
@@ -19,8 +40,9 @@ from collections.abc import Callable
 from decimal import Decimal
 from typing import Any, Protocol
 
-from crewai.events.event_bus import crewai_event_bus
+import httpx
 from crewai.hooks.dispatch import HookAborted
+from crewai.llms.base_llm import _current_call_id
 
 from flowkube_api.report import Charge
 
@@ -29,59 +51,174 @@ from .pricing import CallTokens, Pricer
 
 log = logging.getLogger("flowkube_runner")
 
-DEFAULT_ANSWER_TOKENS = 16384  # an answer's bound when the model sets no max_tokens
+DEFAULT_ANSWER_TOKENS = 16384  # an answer's bound when the request sets no max_tokens
+ANSWER_BOUNDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+
+
+Held = tuple[int, str, int, Decimal]  # a reservation in flight: (id, model, tokens, cost)
 
 
 class QuotaDesk(Protocol):
-    def reserve(self, model: str, tokens: int, cost: Decimal | None) -> int:
-        """A reservation of this worst case (its id; ``cost`` None: the model has no price); raises
-        ``QuotaRefused``."""
+    def reserve(self, model: str, tokens: int, cost: Decimal | None, *, charges: list[Charge] | None = None,
+                held: list[Held] | None = None) -> int:
+        """A reservation of this worst case (its id, 0: no quota covers the run; ``cost`` None: the
+        model has no price); raises ``QuotaRefused``. ``charges``: the run's so far, ``held``: its
+        other reservations in flight (a new leader takes them again)."""
         ...
 
-    def settle(self, reservation: int, charges: list[Charge] | None) -> None:
-        """The call answered: free the reservation; ``charges`` are the run's, all of them so far."""
+    def settle(self, reservation: int, charges: list[Charge] | None, *, held: list[Held] | None = None) -> None:
+        """The call is counted (or was not billed): free the reservation; ``charges`` are the
+        run's, all of them so far."""
         ...
 
 
-def worst_case(llm: Any, messages: Any, pricer: Pricer) -> tuple[str, int, Decimal | None]:
-    """(model, tokens, cost) a call may use at most; the cost is None for a model with no price."""
-    model = str(getattr(llm, "model", None) or "unknown")
-    prompt = len(json.dumps(messages, default=str, ensure_ascii=False).encode("utf-8"))
-    answer = getattr(llm, "max_tokens", None) or getattr(llm, "max_completion_tokens", None) or DEFAULT_ANSWER_TOKENS
-    answer = int(answer) if isinstance(answer, int | float | str) and str(answer).isdigit() else DEFAULT_ANSWER_TOKENS
-    price = pricer.price(model, CallTokens(prompt=prompt, completion=answer))
-    return model, prompt + answer, price.cost if price is not None else None
+def worst_case(body: bytes, model: str | None, pricer: Pricer) -> tuple[str, int, Decimal | None]:
+    """(model, tokens, cost) a model request may use at most; the cost is None for a model with no price."""
+    try:
+        asked = json.loads(body) if body else {}
+    except ValueError:
+        asked = {}
+    asked = asked if isinstance(asked, dict) else {}
+    model = model or str(asked.get("model") or "unknown")
+    answer = next((v for k in ANSWER_BOUNDS if isinstance(v := asked.get(k), int) and v > 0), DEFAULT_ANSWER_TOKENS)
+    n = asked.get("n")
+    choices = n if isinstance(n, int) and n > 1 else 1
+    prompt, answers = len(body), answer * choices
+    price = pricer.price(model, CallTokens(prompt=prompt, completion=answers))
+    return model, prompt + answers, price.cost if price is not None else None
 
 
 class QuotaGate:
-    """The model-call hooks of a run with a quota desk: reserve before, settle after (per thread: a
-    call's hooks run on its thread, and parallel branches each hold their own)."""
+    """The quota side of a run's model calls (see the module's docstring)."""
 
     def __init__(self, desk: QuotaDesk, pricer: Pricer, charges: Callable[[], list[Charge] | None]) -> None:
         self._desk, self._pricer, self._charges = desk, pricer, charges
-        self._held = threading.local()
-        self.refused: str | None = None  # why a call was refused: the run ends with it
+        self._lock = threading.Lock()
+        self._held: dict[str, list[int]] = {}  # crewAI call id -> reservations of its answered requests
+        self._outstanding: dict[int, Held] = {}  # every reservation not settled yet
+        self._model = threading.local()  # the model of the call this thread is about to make
+        self._asking = threading.local()  # set while this thread asks the desk: its own requests pass
+        self.refused: str | None = None  # why a request was refused: the run ends with it
+
+    # -- crewAI's pre-call hook ----------------------------------------------------------------------
 
     def before(self, ctx: Any) -> None:
-        model = "unknown"
-        try:
-            model, tokens, cost = worst_case(getattr(ctx, "llm", None), getattr(ctx, "messages", None), self._pricer)
-            reservation = self._desk.reserve(model, tokens, cost)
-        except Exception as e:
-            # Fail closed: crewAI sends the call when a hook raises anything but HookAborted, so a desk
-            # that cannot be reached (or any error here) must stop the call, not let it go unreserved.
-            why = str(e) if isinstance(e, QuotaRefused) else (
-                f"the quota desk could not reserve the call ({type(e).__name__}: {e}); it was not sent")
-            self.refused = why
-            log.error("quota: the call to %s was not sent: %s", model, why)
-            raise HookAborted(why, source="flowkube quota") from e
-        stack: list[int] = getattr(self._held, "stack", [])
-        self._held.stack = [*stack, reservation]
+        """Once a request was refused no call starts; else note the call's model as crewAI names it
+        (usage and quotas count it under that name; the request body may name it otherwise)."""
+        if self.refused is not None:
+            raise HookAborted(self.refused, source="flowkube quota")
+        self._model.name = getattr(getattr(ctx, "llm", None), "model", None)
 
-    def after(self, _ctx: Any) -> None:
-        stack: list[int] = getattr(self._held, "stack", [])
-        if not stack:
+    # -- the HTTP request ----------------------------------------------------------------------------
+
+    def _reserve(self, request: httpx.Request) -> int | httpx.Response:
+        """The request's reservation, or the refusal to answer it with."""
+        if self.refused is None:
+            model = getattr(self._model, "name", None)
+            self._model.name = None
+            try:
+                name, tokens, cost = worst_case(request.content, model, self._pricer)
+                self._asking.on = True
+                try:
+                    reservation = self._desk.reserve(name, tokens, cost, charges=self._charges(),
+                                                     held=self._in_flight())
+                finally:
+                    self._asking.on = False
+                if reservation:
+                    with self._lock:
+                        self._outstanding[reservation] = (reservation, name, tokens, cost or Decimal(0))
+                return reservation
+            except Exception as e:
+                # Fail closed: a desk that cannot be reached (or any error here) stops the request
+                # rather than letting it go unreserved.
+                self.refused = str(e) if isinstance(e, QuotaRefused) else (
+                    f"the quota desk could not reserve the call ({type(e).__name__}: {e}); it was not sent")
+                log.error("quota: a model request was not sent: %s", self.refused)
+        return httpx.Response(402, request=request, headers={"x-should-retry": "false"}, json={"error": {
+            "message": self.refused, "type": "flowkube_quota_exhausted", "code": "quota_exhausted"}})
+
+    def _answered(self, call_id: str, reservation: int, response: httpx.Response | None) -> None:
+        """A reserved request came back: held until its call is counted, or settled now when nothing
+        was billed (no answer, or an error status)."""
+        if reservation == 0:
             return
-        self._held.stack = stack[:-1]
-        crewai_event_bus.flush()  # the call is counted before the run's charges are read
-        self._desk.settle(stack[-1], self._charges())
+        if response is None or response.status_code >= 400:
+            self._settle([reservation])
+            return
+        with self._lock:
+            self._held.setdefault(call_id, []).append(reservation)
+
+    def _gated(self, request: httpx.Request) -> str | None:
+        """The crewAI call a request is made in, if it is a model request (not the desk's own)."""
+        if request.method != "POST" or getattr(self._asking, "on", False):
+            return None
+        call_id: str | None = _current_call_id.get()
+        return call_id
+
+    def send(self, original: Callable[..., httpx.Response], client: httpx.Client, request: httpx.Request,
+             *args: Any, **kwargs: Any) -> httpx.Response:
+        call_id = self._gated(request)
+        if call_id is None:
+            return original(client, request, *args, **kwargs)
+        reservation = self._reserve(request)
+        if isinstance(reservation, httpx.Response):
+            return reservation
+        response = None
+        try:
+            response = original(client, request, *args, **kwargs)
+            return response
+        finally:
+            self._answered(call_id, reservation, response)
+
+    async def send_async(self, original: Callable[..., Any], client: httpx.AsyncClient, request: httpx.Request,
+                         *args: Any, **kwargs: Any) -> httpx.Response:
+        call_id = self._gated(request)
+        if call_id is None:
+            answer: httpx.Response = await original(client, request, *args, **kwargs)
+            return answer
+        reservation = await asyncio.to_thread(self._reserve, request)
+        if isinstance(reservation, httpx.Response):
+            return reservation
+        response: httpx.Response | None = None
+        try:
+            response = await original(client, request, *args, **kwargs)
+            return response
+        finally:
+            await asyncio.to_thread(self._answered, call_id, reservation, response)
+
+    # -- the count -----------------------------------------------------------------------------------
+
+    def counted(self, call_id: str) -> None:
+        """crewAI's event for the call was counted (or said it failed unanswered): settle its requests."""
+        with self._lock:
+            held = self._held.pop(call_id, [])
+        if held:
+            self._settle(held)
+
+    def settle_all(self) -> None:
+        """The recording ends: whatever is still held is settled with the run's final charges."""
+        with self._lock:
+            held = [r for rs in self._held.values() for r in rs]
+            self._held.clear()
+        if held:
+            self._settle(held)
+
+    def _in_flight(self) -> list[Held]:
+        with self._lock:
+            return list(self._outstanding.values())
+
+    def _settle(self, reservations: list[int]) -> None:
+        charges = self._charges()
+        with self._lock:
+            for reservation in reservations:
+                self._outstanding.pop(reservation, None)
+        self._asking.on = True
+        try:
+            for reservation in reservations:
+                try:
+                    self._desk.settle(reservation, charges, held=self._in_flight())
+                except Exception:  # the operator frees it when the run ends; the charges come with its report
+                    log.warning("quota: could not settle reservation %s; it is freed when the run ends",
+                                reservation, exc_info=True)
+        finally:
+            self._asking.on = False

@@ -101,6 +101,7 @@ class UsageRecorder:
         with self._lock:
             self._answered.pop(getattr(event, "call_id", ""), None)
         self._count(event.model, event.usage, event)
+        self._settle_call(event)
 
     def _on_llm_call_failed(self, _source: Any, event: LLMCallFailedEvent) -> None:
         with self._lock:
@@ -109,6 +110,12 @@ class UsageRecorder:
             log.warning("model %s answered a call crewAI then failed (%s); its tokens count", event.model,
                         event.error[:200])
             self._count(event.model, usage, event)
+        self._settle_call(event)
+
+    def _settle_call(self, event: Any) -> None:
+        """The call's quota reservations settle once it is counted (or failed unbilled)."""
+        if self.quota is not None:
+            self.quota.counted(str(getattr(event, "call_id", "")))
 
     def note_answer(self, usage: dict[str, Any]) -> None:
         """The provider answered the model call in progress on this thread (with this usage, in
@@ -195,9 +202,8 @@ class UsageRecorder:
         hooks: list[tuple[InterceptionPoint, Callable[[Any], None]]] = []
         if self._budgeted() or self._stop is not None:
             hooks.append((InterceptionPoint.PRE_MODEL_CALL, self._check_before_call))
-        if self.quota is not None:
-            hooks.append((InterceptionPoint.PRE_MODEL_CALL, self.quota.before))  # after the budget's check
-            hooks.append((InterceptionPoint.POST_MODEL_CALL, self.quota.after))
+        if self.quota is not None:  # after the budget's check; the reservations are made at the request
+            hooks.append((InterceptionPoint.PRE_MODEL_CALL, self.quota.before))
         if self._budgeted():
             hooks.append((InterceptionPoint.POST_MODEL_CALL, self._check_after))
             hooks.append((InterceptionPoint.POST_STEP, self._check_after))
@@ -216,6 +222,8 @@ class UsageRecorder:
                 yield self
         finally:
             crewai_event_bus.flush()
+            if self.quota is not None:
+                self.quota.settle_all()
             for point, hook in hooks:
                 unregister(point, hook)
             crewai_event_bus.off(LLMCallCompletedEvent, self._on_llm_call_completed)
@@ -288,11 +296,14 @@ def _when(event: Any) -> dt.datetime:
 @contextmanager
 def _answers_noted(recorder: UsageRecorder) -> Iterator[None]:
     """Hand the ``usage`` of every non-streamed JSON answer of an HTTP call made inside a model call
-    to ``recorder.note_answer`` (the provider SDKs crewAI drives send through httpx's ``Client.send``)."""
-    original = httpx.Client.send
+    to ``recorder.note_answer`` (the provider SDKs crewAI drives send through httpx's ``Client.send``),
+    and pass every request through the run's quota gate, if it has one (``AsyncClient.send`` too)."""
+    original, original_async = httpx.Client.send, httpx.AsyncClient.send
+    gate = recorder.quota
 
     def send(client: httpx.Client, request: httpx.Request, *args: Any, **kwargs: Any) -> httpx.Response:
-        response = original(client, request, *args, **kwargs)
+        response = (original(client, request, *args, **kwargs) if gate is None
+                    else gate.send(original, client, request, *args, **kwargs))
         if (_current_call_id.get() is not None and not kwargs.get("stream")
                 and "json" in response.headers.get("content-type", "")):
             try:
@@ -303,11 +314,19 @@ def _answers_noted(recorder: UsageRecorder) -> Iterator[None]:
                 recorder.note_answer(usage)
         return response
 
+    async def send_async(client: httpx.AsyncClient, request: httpx.Request, *args: Any,
+                         **kwargs: Any) -> httpx.Response:
+        assert gate is not None
+        return await gate.send_async(original_async, client, request, *args, **kwargs)
+
     httpx.Client.send = send  # type: ignore[method-assign,assignment]
+    if gate is not None:
+        httpx.AsyncClient.send = send_async  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
         httpx.Client.send = original  # type: ignore[method-assign]
+        httpx.AsyncClient.send = original_async  # type: ignore[method-assign]
 
 
 def _tokens(metrics: UsageMetrics, cost: Decimal, unpriced_tokens: int) -> TokenUsage:

@@ -249,6 +249,8 @@ def test_user_roles(helm: Path) -> None:
                                         (c.GROUP, "flowtemplates"): {"get", "list", "watch"},
                                         (c.GROUP, "cronflows"): {"get", "list", "watch"},
                                         (c.GROUP, "cronflows/status"): {"get", "list", "watch"},
+                                        (c.GROUP, "flowquotas"): {"get", "list", "watch"},
+                                        (c.GROUP, "flowquotas/status"): {"get", "list", "watch"},
                                         (c.GROUP, "clusterflowtemplates"): {"get", "list", "watch"},
                                         # the template snapshot a Flow runs (the console reads it)
                                         ("apps", "controllerrevisions"): {"get"}}
@@ -261,6 +263,12 @@ def test_user_roles(helm: Path) -> None:
     assert _grants(shared["rules"]) == {(c.GROUP, "clusterflowtemplates"): every}
     assert not [k for k in shared["metadata"]["labels"] if k.startswith("rbac.authorization.k8s.io/")]
     assert "flows/status" not in {r for rule in editor["rules"] for r in rule["resources"]}
+    # A namespace's quotas are its admins', not its editors': whoever edits Flows cannot lift them,
+    # and nobody but the operator writes their status.
+    quotas = named(objs, "ClusterRole", "flowkube-flowquota-editor")
+    assert _grants(quotas["rules"]) == {(c.GROUP, "flowquotas"): every}
+    assert [k for k in quotas["metadata"]["labels"] if k.startswith("rbac.authorization.k8s.io/")] == [
+        "rbac.authorization.k8s.io/aggregate-to-admin"]
     plain = render(helm, "--set", "rbac.aggregateToDefaultRoles=false")
     for name in ("flow-viewer", "flow-editor", "feedback-responder"):
         labels = named(plain, "ClusterRole", f"flowkube-{name}")["metadata"]["labels"]
@@ -343,6 +351,19 @@ def test_notifications_off_take_the_secret_grant_away_and_the_values_reach_the_o
     assert env_of(next(containers(off)))["FLOWKUBE_NOTIFICATIONS_ENABLED"] == "false"
     off_grants = _grants(named(off, "ClusterRole", "flowkube-operator")["rules"])
     assert not {("", "secrets"), ("", "nodes"), ("networking.k8s.io", "servicecidrs")} & off_grants.keys()
+
+
+def test_quotas_on_grant_the_flowquota_watch_and_status_and_tell_the_operator(helm: Path) -> None:
+    off = render(helm)
+    assert env_of(next(containers(off)))["FLOWKUBE_QUOTAS_ENABLED"] == "false"
+    assert not {(c.GROUP, "flowquotas"), (c.GROUP, "flowquotas/status")} & _grants(_operator_rules(off)).keys()
+    on = render(helm, "--set", "quotas.enabled=true", "--set", "quotas.statusSeconds=0.5")
+    env = env_of(next(containers(on)))
+    assert (env["FLOWKUBE_QUOTAS_ENABLED"], env["FLOWKUBE_QUOTA_STATUS_SECONDS"]) == ("true", "0.5")
+    grants = _grants(_operator_rules(on))
+    assert grants[(c.GROUP, "flowquotas")] == {"get", "list", "watch"}
+    assert grants[(c.GROUP, "flowquotas/status")] == {"get", "patch"}, "the operator never changes a quota's spec"
+    assert named(on, "CustomResourceDefinition", "flowquotas.flowkube.io")["spec"]["names"]["shortNames"] == ["fq"]
 
 
 def _assert_leader_election_role(role: Obj) -> None:
@@ -631,7 +652,7 @@ def test_names_follow_the_release(helm: Path) -> None:
     names = {o["metadata"]["name"] for o in of_kind(objs, "ClusterRole")}
     assert names == {"team-flowkube-operator", "team-flowkube-flow-viewer", "team-flowkube-flow-editor",
                      "team-flowkube-feedback-responder", "team-flowkube-metrics-reader",
-                     "team-flowkube-clusterflowtemplate-editor"}
+                     "team-flowkube-clusterflowtemplate-editor", "team-flowkube-flowquota-editor"}
     assert of_kind(objs, "ValidatingWebhookConfiguration")[0]["metadata"]["name"] == "team-flowkube-ops.flowkube.io"
 
 

@@ -32,22 +32,32 @@ def test_a_quota_counts_the_flows_its_selector_covers_and_a_runs_calls_once() ->
     t.flow_event("team", "a", flow("a", {"team": "a"}, ended("a-0", 30)))
     t.flow_event("team", "b", flow("b", {"team": "b"}, ended("b-0", 500)))
     assert t.quota_event(quota(selector={"matchLabels": {"team": "a"}}), "team", "tokens") is None
+    assert t.label_keys() == {"team"} and t.covering("team", "a") == [], "its labels were not kept before"
+    # What the service's backfill does for a key no selector named before: the Flows with it, again.
+    t.flow_event("team", "a", flow("a", {"team": "a"}, ended("a-0", 30)))
+    t.flow_event("team", "b", flow("b", {"team": "b"}, ended("b-0", 500)))
     assert t.covering("team", "a") == [KEY[0]] and t.covering("team", "b") == []
     assert t.book.used(KEY, NOW) == Spend(30), "a quota made after the Flows counts what they charged"
     # Flow a runs again: its calls settle as they answer, then its status shows the run ended.
     r = t.reserve("team", "a", "a-1", "m", Spend(60), NOW)
     assert isinstance(r, Reservation)
     assert isinstance(t.reserve("team", "a", "a-1", "m", Spend(11), NOW), Refusal), "30 used + 60 held + 11 > 100"
-    assert t.settle("a-1", r.id, [(NOW, "m", Spend(20))])
+    assert t.settle("team", "a", "a-1", r.id, [(NOW, "m", Spend(20))])
     assert t.book.used(KEY, NOW) == Spend(50)
     t.flow_event("team", "a", flow("a", {"team": "a"}, ended("a-0", 30), ended("a-1", 20)))
     assert t.book.used(KEY, NOW) == Spend(50), "the run's calls moved from its pod to its Flow, counted once"
     assert t.book.reserved(KEY) == Spend()
-    # b joins the team: counted; a is deleted: what it spent stays spent.
+    # b joins the team: counted; a leaves it: its spend stays (coverage is sticky against labels, or
+    # relabelling a Flow would make room); a is deleted: what it spent stays spent.
     t.flow_event("team", "b", flow("b", {"team": "a"}, ended("b-0", 500)))
     assert t.book.used(KEY, NOW) == Spend(550)
+    t.flow_event("team", "a", flow("a", {"team": "elsewhere"}, ended("a-0", 30), ended("a-1", 20)))
+    assert t.book.used(KEY, NOW) == Spend(550) and t.covering("team", "a") == [KEY[0]]
     t.flow_event("team", "a", None)
     assert t.book.used(KEY, NOW) == Spend(550)
+    # The quota's own selector changed by its owner decides afresh: b is out, a (deleted) stays spent.
+    t.quota_event(quota(selector={"matchLabels": {"team": "c"}}), "team", "tokens")
+    assert t.covering("team", "b") == [] and t.book.used(KEY, NOW) == Spend(50)
 
 
 def test_a_quotas_status_has_each_limits_use_window_and_conditions() -> None:
@@ -75,4 +85,43 @@ def test_a_quota_whose_spec_cannot_be_used_says_why_and_covers_nothing() -> None
                         "team", "tokens")
     assert why is not None and "window.timeZone" in why
     assert t.covering("team", "a") == []
-    assert isinstance(t.reserve("team", "a", "a-0", "m", Spend(10**9), NOW), Reservation), "no quota: no limit"
+    assert t.reserve("team", "a", "a-0", "m", Spend(10**9), NOW) is None, "no quota: nothing to reserve"
+
+
+def test_only_the_labels_selectors_name_are_kept_and_a_namespace_uses_at_most_its_limit_of_quotas() -> None:
+    from flowkube_api import constants as c
+
+    t = QuotaTracker()
+    assert t.label_keys() == frozenset()
+    t.quota_event(quota(selector={"matchExpressions": [{"key": "team", "operator": "Exists"}]}), "team", "tokens")
+    assert t.label_keys() == {"team"}
+    names = [f"q{i:02d}" for i in range(c.QUOTAS_PER_NAMESPACE_LIMIT + 2)]
+    whys = [t.quota_event(quota(), "team", n) for n in names]
+    used = c.QUOTAS_PER_NAMESPACE_LIMIT - 1  # "tokens" holds one place
+    assert whys[:used] == [None] * used
+    assert all(w is not None and "used once an older one is deleted" in w for w in whys[used:])
+    assert t.next_waiting("team") is None
+    t.quota_event(None, "team", "q00")
+    assert t.next_waiting("team") == names[used], "the oldest waiting one takes the free place"
+    assert t.quota_event(quota(), "other", "q") is None, "the limit is per namespace"
+    # A selector that would make the keys kept pass their bound is not used.
+    many = {"matchLabels": {f"k{i}": "v" for i in range(c.QUOTA_LABEL_KEYS_LIMIT)}}
+    why = t.quota_event(quota(selector=many), "other", "wide")
+    assert why is not None and "label keys" in why and len(t.label_keys()) <= c.QUOTA_LABEL_KEYS_LIMIT
+
+
+def test_two_namespaces_pods_of_one_name_hold_their_own_reservations() -> None:
+    t = QuotaTracker()
+    for ns in ("team", "other"):
+        t.quota_event(quota(100), ns, "tokens")
+        t.flow_event(ns, "a", {"metadata": {"name": "a", "namespace": ns, "uid": f"uid-{ns}"}, "status": {}})
+    mine = t.reserve("team", "a", "a-0", "m", Spend(60), NOW)
+    theirs = t.reserve("other", "a", "a-0", "m", Spend(60), NOW)
+    assert isinstance(mine, Reservation) and isinstance(theirs, Reservation)
+    assert not t.settle("other", "a", "a-0", mine.id, []), "a pod of another namespace frees nothing of mine"
+    assert t.book.reserved(KEY) == Spend(60)
+    ended_run = {"metadata": {"name": "a", "namespace": "other", "uid": "uid-other"},
+                 "status": {"runs": [ended("a-0", 5)]}}
+    t.flow_event("other", "a", ended_run)
+    assert t.book.reserved(KEY) == Spend(60), "the other namespace's run ending frees only its own"
+    assert t.reserve("team", "a", "a-0", "m", Spend(1), NOW) is not None

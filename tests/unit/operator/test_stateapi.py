@@ -812,7 +812,7 @@ def test_quota_reservations_through_the_state_api_are_the_books_and_bad_bodies_a
     from aiohttp.test_utils import TestClient, TestServer
 
     from flowkube_api.windows import WindowSpec
-    from flowkube_operator.quotas.book import Limit, QuotaBook, Spend
+    from flowkube_operator.quotas.book import Limit, QuotaBook, Refusal, Spend
 
     q = "FlowQuota ns/tokens"
     book = QuotaBook()
@@ -820,11 +820,14 @@ def test_quota_reservations_through_the_state_api_are_the_books_and_bad_bodies_a
     leading = [True]
 
     class Desk:
-        def reserve(self, t: Any, model: str, worst: Spend, priced: bool) -> Any:
+        def reserve(self, t: Any, model: str, worst: Spend, priced: bool, charges: Any, held: Any) -> Any:
             now = dt.datetime.now(dt.UTC)
-            return book.reserve([q], t.pod, model, worst, now, priced=priced) if leading[0] else None
+            if not leading[0]:
+                return None
+            outcome = book.reserve([q], t.pod, model, worst, now, priced=priced)
+            return outcome if isinstance(outcome, Refusal) else outcome.id
 
-        def settle(self, t: Any, reservation: int, charges: Any) -> Any:
+        def settle(self, t: Any, reservation: int, charges: Any, held: Any) -> Any:
             return book.settle(reservation, t.pod, charges) if leading[0] else None
 
     runs = FakeRuns({("ns", "demo-0"): ("demo", FLOW_UID, "pod-uid")})
@@ -845,11 +848,13 @@ def test_quota_reservations_through_the_state_api_are_the_books_and_bad_bodies_a
             assert settled.status == 204
             assert book.used((q, "all"), dt.datetime.now(dt.UTC)) == Spend(30, Decimal("0.05"))
             assert book.reserved((q, "all")) == Spend()
+            many_held = [{"id": i + 1, "model": "m", "tokens": 1} for i in range(65)]
             for bad, field in (({"model": "m", "tokens": -1}, "tokens"), ({"model": "m" * 600, "tokens": 1}, "model"),
-                               ({"tokens": 1}, "model")):
+                               ({"tokens": 1}, "model"), ({"model": "m", "tokens": 1, "held": many_held}, "held"),
+                               ({"model": "m", "tokens": 1, "held": [{"id": 0, "model": "m", "tokens": 1}]}, "id")):
                 answer = await client.post(url + "reserve", json=bad, headers=auth)
                 assert answer.status == 422 and field in (await answer.json())["message"], bad
-            big = await client.post(url + "settle", data=b"x" * (300 * 1024), headers=auth)
+            big = await client.post(url + "settle", data=b"x" * (600 * 1024), headers=auth)
             assert big.status == 413
             assert (await client.post(url + "spend", json={}, headers=auth)).status == 404
             assert (await client.post(url + "reserve", json={"model": "m", "tokens": 1})).status == 401

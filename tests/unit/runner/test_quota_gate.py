@@ -10,7 +10,9 @@ import datetime as dt
 from collections.abc import Iterator
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
 from flowkube_api.report import Charge
@@ -24,15 +26,24 @@ WRITER = {"role": "Writer", "goal": "Write well", "backstory": "A careful writer
 
 
 class BookDesk:
-    """The runner's quota desk, answered by the operator's book in this process."""
+    """The runner's quota desk, answered by the operator's book in this process. Like the state API
+    store, it asks over HTTP (a POST made inside the model call, which the gate must let through
+    ungated: gating it recursed until the real runner's first call was refused)."""
 
-    def __init__(self, book: QuotaBook, pod: str) -> None:
-        self.book, self.pod = book, pod
+    def __init__(self, book: QuotaBook, pod: str, url: str = "") -> None:
+        self.book, self.pod, self.url = book, pod, url
         self.worst: list[int] = []
 
-    def reserve(self, model: str, tokens: int, cost: Decimal | None) -> int:
+    def _ask(self) -> None:
+        if self.url:
+            with httpx.Client() as client:
+                assert client.post(self.url + "/desk", json={}).status_code == 404  # the stub's answer
+
+    def reserve(self, model: str, tokens: int, cost: Decimal | None, *, charges: list[Charge] | None = None,
+                held: list[Any] | None = None) -> int:
         from flowkube_runner.store import QuotaRefused
 
+        self._ask()
         self.worst.append(tokens)
         r = self.book.reserve([Q], self.pod, model, Spend(tokens, cost or Decimal(0)), dt.datetime.now(dt.UTC),
                               priced=cost is not None)
@@ -40,7 +51,8 @@ class BookDesk:
             raise QuotaRefused(r.message())
         return r.id
 
-    def settle(self, reservation: int, charges: list[Charge] | None) -> None:
+    def settle(self, reservation: int, charges: list[Charge] | None, *, held: list[Any] | None = None) -> None:
+        self._ask()
         self.book.settle(reservation, self.pod, [(ch.at, ch.model, Spend(ch.total_tokens, ch.cost))
                                                       for ch in charges or []])
 
@@ -99,10 +111,10 @@ def test_a_desk_that_cannot_be_reached_stops_the_call_instead_of_letting_it_go_u
     from flowkube_runner.store import FileStore, StoreError
 
     class Down:
-        def reserve(self, model: str, tokens: int, cost: Decimal | None) -> int:
+        def reserve(self, model: str, tokens: int, cost: Decimal | None, **_: Any) -> int:
             raise StoreError("POST quota reserve: state API unreachable")
 
-        def settle(self, reservation: int, charges: list[Charge] | None) -> None:
+        def settle(self, reservation: int, charges: list[Charge] | None, **_: Any) -> None:
             raise AssertionError("nothing was reserved")
 
     mark = len(stub.ledger())
@@ -113,3 +125,43 @@ def test_a_desk_that_cannot_be_reached_stops_the_call_instead_of_letting_it_go_u
         session.kickoff({"topic": "quotas"})
     assert parts_of(stub.ledger()[mark:]) == [], "crewAI sends a call whose hook raised anything else"
     assert recorder.quota is not None and "could not reserve the call" in (recorder.quota.refused or "")
+
+
+def test_direct_and_async_calls_are_reserved_and_settled_and_a_refusal_is_not_retried(stub: StubModel) -> None:
+    """crewAI's post-call hooks do not run for every call (not for async ones): the reservation is made
+    and settled at the HTTP request, so a direct call and an async one leave nothing reserved and
+    their usage in the book; a refused request is answered at once (402, not retried by the SDK) and
+    every later call of the run is refused before it starts."""
+    import asyncio
+
+    from crewai import LLM
+
+    from flowkube_runner.engine.usage import UsageRecorder
+
+    book = QuotaBook()
+    book.set_limits(Q, [Limit(Q, "all", WindowSpec("Lifetime"), max_tokens=10**9)])
+    desk = BookDesk(book, "direct-0", stub.base_url)
+    recorder = UsageRecorder(quota=desk)
+    mark = len(stub.ledger())
+    llm = LLM(model="gpt-4o-mini", max_tokens=64)
+    with recorder.recording():
+        assert llm.call("PART1 of a direct call")
+        assert asyncio.run(llm.acall("PART2 of an async call"))
+    ledger = stub.ledger()[mark:]
+    assert parts_of(ledger) == ["PART1", "PART2"] and len(desk.worst) == 2
+    assert all(w <= 4096 for w in desk.worst), "max_tokens (64) bounds the answer, not the default"
+    now = dt.datetime.now(dt.UTC)
+    assert book.used((Q, "all"), now).tokens == ledger_usage(ledger).total_tokens
+    assert book.reserved((Q, "all")) == Spend()
+
+    # Now a limit the next call cannot fit: refused once, no retry, and the call after it never starts.
+    used = book.used((Q, "all"), now).tokens
+    book.set_limits(Q, [Limit(Q, "all", WindowSpec("Lifetime"), max_tokens=used + 10)])
+    mark, asked = len(stub.ledger()), len(desk.worst)
+    with recorder.recording():
+        with pytest.raises(Exception, match="FlowQuota team-a/tokens: limit all"):
+            llm.call("PART3 of a refused call")
+        with pytest.raises(Exception, match="FlowQuota team-a/tokens"):
+            llm.call("PART4 of a call after the refusal")
+    assert stub.ledger()[mark:] == [] and len(desk.worst) == asked + 1, "one reservation asked, none retried"
+    assert book.reserved((Q, "all")) == Spend()

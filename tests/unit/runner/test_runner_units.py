@@ -335,18 +335,22 @@ def test_quota_reservations_go_to_the_state_api_and_a_refusal_is_quota_refused(
     store = state_store(tmp_path, server)
     assert store.reserve("gpt-4o", 1200, Decimal("0.0105")) == 7  # a follower's 503 is asked again
     at = dt.datetime(2026, 11, 28, 8, tzinfo=dt.UTC)
-    store.settle(7, [Charge(at=at, model="gpt-4o", total_tokens=300, cost=Decimal("0.002"))])
+    charge = Charge(at=at, model="gpt-4o", total_tokens=300, cost=Decimal("0.002"))
+    charged = [{"at": "2026-11-28T08:00:00Z", "model": "gpt-4o", "totalTokens": 300, "cost": "0.002"}]
+    store.settle(7, [charge], held=[(9, "gpt-4o", 50, Decimal("0.001"))])
     with pytest.raises(QuotaRefused, match=r"^FlowQuota ns/q: limit all"):
-        store.reserve("gpt-4o", 1200, Decimal("0.0105"))
+        store.reserve("gpt-4o", 1200, Decimal("0.0105"), charges=[charge])
     assert store.reserve("gpt-4o", 1, None) == 0, "an operator that enforces no quota: nothing to settle"
     store.settle(0, None)
+    first = {"model": "gpt-4o", "tokens": 1200, "cost": "0.0105", "priced": True, "charges": [], "held": []}
     assert seen == [
-        ("/v1/quota/reserve", {"model": "gpt-4o", "tokens": 1200, "cost": "0.0105", "priced": True}),
-        ("/v1/quota/reserve", {"model": "gpt-4o", "tokens": 1200, "cost": "0.0105", "priced": True}),
-        ("/v1/quota/settle", {"id": 7, "charges": [{"at": "2026-11-28T08:00:00Z", "model": "gpt-4o",
-                                                    "totalTokens": 300, "cost": "0.002"}]}),
-        ("/v1/quota/reserve", {"model": "gpt-4o", "tokens": 1200, "cost": "0.0105", "priced": True}),
-        ("/v1/quota/reserve", {"model": "gpt-4o", "tokens": 1, "cost": "0", "priced": False})]
+        ("/v1/quota/reserve", first),
+        ("/v1/quota/reserve", first),
+        ("/v1/quota/settle", {"id": 7, "charges": charged,
+                              "held": [{"id": 9, "model": "gpt-4o", "tokens": 50, "cost": "0.001"}]}),
+        ("/v1/quota/reserve", {**first, "charges": charged}),
+        ("/v1/quota/reserve", {"model": "gpt-4o", "tokens": 1, "cost": "0", "priced": False, "charges": [],
+                               "held": []})]
 
 
 def test_an_edited_output_undoes_what_completed_after_it_and_the_edit_is_applied_once() -> None:

@@ -1,0 +1,316 @@
+"""The operator's FlowQuotas (issue 41): their watch, the Flows' side (heard from the Flow cache), the
+desk runner pods reserve at through the state API, and the status each quota shows.
+
+Every replica keeps the book warm (the same watches feed it); only the leader answers reservations
+(a follower says 503, and the pod asks again, reaching the leader) and writes status. What a quota
+shows is written at most once per ``quota_status_seconds``, and only when it changed.
+
+A new leader (a restart, a failover) knows every ended run from the Flows' status, but not what a
+running pod has spent since its run started, nor the calls it has in flight. So it recovers before it
+lets any call through: it reads each covered running pod's interim report (rewritten after every
+model call, with its charges) from the Flow's state ConfigMap, and every pod tells it, with each
+reserve and settle, its charges so far and the reservations it holds (taken again as they were).
+Until each covered running pod has been heard from, or ``recovery_seconds`` passed (a pod idle all
+that time has no call in flight), reservations are answered 503 and the pods ask again.
+
+What is kept of a FlowQuota is its parsed spec in the tracker (at most ``QUOTAS_PER_NAMESPACE_LIMIT``
+per namespace; the rest are named and wait) and, per quota, its uid, generation and the status last
+written.
+
+The Flow cache keeps only the labels quota selectors name. When a quota names a key no selector named
+before, the Flows carrying that key are listed once (``labelSelector=<key>``, in pages) so that the
+ones already there are covered; later changes come with their watch events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import datetime as dt
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from pydantic import ValidationError
+
+from flowkube_api import constants as c
+from flowkube_api.models.quota import QuotaCondition
+from flowkube_api.report import RunReport
+from flowkube_operator.kube.client import ApiError, Kube, flow_path, ns_path
+from flowkube_operator.kube.informer import Informer
+from flowkube_operator.meta import owner_uid
+from flowkube_operator.quotas.book import Charges, Refusal, Spend
+from flowkube_operator.quotas.tracker import QuotaTracker
+
+log = logging.getLogger("flowkube.operator")
+
+Body = dict[str, Any]
+Key = tuple[str, str]
+BACKFILL_PAGE = 200
+
+
+class Caller(Protocol):
+    """The runner pod asking (the state API's authenticated target)."""
+
+    @property
+    def namespace(self) -> str: ...
+
+    @property
+    def flow(self) -> str: ...
+
+    @property
+    def pod(self) -> str: ...
+
+
+def quota_path(namespace: str, name: str | None = None, sub: str | None = None) -> str:
+    if not namespace:
+        return f"/apis/{c.GROUP}/{c.VERSION}/{c.QUOTA_PLURAL}"
+    return ns_path(namespace, c.QUOTA_PLURAL, name, group=c.GROUP, version=c.VERSION, sub=sub)
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+class Quotas:
+    def __init__(self, kube: Callable[[], Kube | None], leading: Callable[[], bool], *,
+                 status_seconds: float = 5.0, recovery_seconds: float = 30.0,
+                 clock: Callable[[], dt.datetime] = _now) -> None:
+        self.tracker = QuotaTracker()
+        self._kube, self._leading, self._clock = kube, leading, clock
+        self._status_seconds, self._recovery_seconds = status_seconds, recovery_seconds
+        self._leading_since: float | None = None  # monotonic time this replica began to answer the desk
+        self._reports_read = False  # the covered running pods' interim reports, read once per leadership
+        self._heard: set[str] = set()  # "<namespace>/<pod>" that told this leader what they hold
+        self._known: dict[Key, tuple[str, int]] = {}  # quota -> (uid, generation)
+        self._why: dict[Key, str] = {}  # quota -> why it is not used
+        self._written: dict[Key, Body] = {}  # quota -> the status last written
+        self._backfill: set[str] = set()  # label keys whose Flows are to be listed
+        self._fetch: set[Key] = set()  # waiting quotas to read again (a place came free)
+        self._namespaces: list[str] = []
+        self._wake = asyncio.Event()
+
+    # -- the watches ---------------------------------------------------------------------------------
+
+    def informers(self, kube: Callable[[], Kube | None], namespaces: list[str]) -> list[Informer]:
+        self._namespaces = list(namespaces)
+        return [Informer(kube, quota_path(ns), c.API_VERSION, c.QUOTA_KIND, self.quota_event)
+                for ns in namespaces or [""]]
+
+    def quota_event(self, event_type: str, body: Body) -> None:
+        meta = body.get("metadata") or {}
+        key = (str(meta.get("namespace") or ""), str(meta.get("name") or ""))
+        before = self.tracker.label_keys()
+        if event_type == "DELETED":
+            self.tracker.quota_event(None, *key)
+            self._known.pop(key, None)
+            self._why.pop(key, None)
+            self._written.pop(key, None)
+            waiting = self.tracker.next_waiting(key[0])
+            if waiting is not None:
+                self._fetch.add((key[0], waiting))
+        else:
+            why = self.tracker.quota_event(body, *key)
+            self._known[key] = (str(meta.get("uid") or ""), int(meta.get("generation") or 0))
+            if why is None:
+                self._why.pop(key, None)
+            else:
+                self._why[key] = why
+        self._backfill |= self.tracker.label_keys() - before
+        if self._backfill or self._fetch:
+            self._wake.set()
+
+    def flow_changed(self, key: Key, body: Body | None) -> None:
+        """The Flow cache's listener: a Flow seen, or gone (None)."""
+        self.tracker.flow_event(key[0], key[1], body)
+
+    # -- the desk (the state API's, on the leader) ---------------------------------------------------
+
+    def reserve(self, t: Caller, model: str, worst: Spend, priced: bool, charges: Charges | None = None,
+                held: list[tuple[int, str, Spend]] | None = None) -> int | Refusal | str | None:
+        """The reservation's id (0: no quota covers the Flow), a refusal, why to ask again (the book
+        is recovering), or None (not the leader)."""
+        if not self._lead():
+            return None
+        self._adopt(t, charges, held or [])
+        if not self.tracker.covering(t.namespace, t.flow):
+            return 0  # no quota covers the Flow: nothing to reserve, nothing to wait for
+        waiting = self._recovering()
+        if waiting is not None:
+            return waiting
+        outcome = self.tracker.reserve(t.namespace, t.flow, t.pod, model, worst, self._clock(), priced=priced)
+        if outcome is None:
+            return 0
+        return outcome if isinstance(outcome, Refusal) else outcome.id
+
+    def settle(self, t: Caller, reservation: int, charges: Charges,
+               held: list[tuple[int, str, Spend]] | None = None) -> bool | None:
+        if not self._lead():
+            return None
+        self._adopt(t, None, held or [])
+        return self.tracker.settle(t.namespace, t.flow, t.pod, reservation, charges)
+
+    def _adopt(self, t: Caller, charges: Charges | None, held: list[tuple[int, str, Spend]]) -> None:
+        restored = self.tracker.adopt(t.namespace, t.flow, t.pod, charges, held)
+        if restored:
+            log.info("quotas: %d reservation(s) of %s/%s made with an earlier leader taken again", restored,
+                     t.namespace, t.pod)
+        self._heard.add(f"{t.namespace}/{t.pod}")
+
+    def _lead(self) -> bool:
+        """Whether this replica answers the desk; its recovery starts when it begins to."""
+        if not self._leading():
+            if self._leading_since is not None:
+                self._leading_since, self._reports_read = None, False
+                self._heard.clear()
+            return False
+        if self._leading_since is None:
+            self._leading_since = time.monotonic()
+            self._wake.set()  # read the interim reports now
+        return True
+
+    def _recovering(self) -> str | None:
+        """Why no reservation is answered yet, while the book recovers (None: it has)."""
+        if self._leading_since is None or not self._reports_read:
+            return "the operator is reading the running pods' spend (a new leader): ask again"
+        if time.monotonic() - self._leading_since >= self._recovery_seconds:
+            return None
+        silent = [f"{ns}/{pod}" for ns, _flow, pod in self.tracker.active() if f"{ns}/{pod}" not in self._heard]
+        if silent:
+            return (f"the operator is waiting for {len(silent)} running pod(s) to say what they hold (a new "
+                    "leader): ask again")
+        return None
+
+    async def _read_reports(self, kube: Kube) -> None:
+        """Each covered running pod's interim report: its charges so far, into the book."""
+        for namespace, flow, pod in self.tracker.active():
+            try:
+                cm = await kube.get(ns_path(namespace, "configmaps", c.state_configmap_name(flow)))
+            except ApiError as e:
+                log.warning("quotas: could not read %s/%s's state: %s", namespace, flow, e)
+                continue
+            raw = ((cm or {}).get("binaryData") or {}).get(c.report_key(pod))
+            if cm is None or not raw or owner_uid(cm["metadata"]) != self.tracker.flow_uid(namespace, flow):
+                continue
+            try:
+                report = RunReport.decode(base64.b64decode(raw))
+            except (ValidationError, OSError, ValueError, binascii.Error) as e:
+                log.warning("quotas: unreadable report of %s/%s: %s", namespace, pod, e)
+                continue
+            if report.charges:
+                charges = [(ch.at, ch.model, Spend(ch.total_tokens, ch.cost)) for ch in report.charges]
+                self.tracker.adopt(namespace, flow, pod, charges, [])
+        self._reports_read = True
+
+    # -- the loop: backfills, waiting quotas, status -------------------------------------------------
+
+    async def run(self) -> None:
+        """Until cancelled: list what a new selector key needs, read quotas that may now be used, and
+        (on the leader) write each quota's status when it changed."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self._status_seconds)
+            self._wake.clear()
+            try:
+                await self._catch_up()
+                if self._lead():
+                    kube = self._kube()
+                    if not self._reports_read and kube is not None:
+                        await self._read_reports(kube)
+                    await self.write_statuses()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("quotas: a pass failed; trying again in %.1f s", self._status_seconds)
+
+    async def _catch_up(self) -> None:
+        kube = self._kube()
+        if kube is None:
+            return
+        while self._fetch:
+            namespace, name = self._fetch.pop()
+            found = await kube.get(quota_path(namespace, name))
+            if found is not None:
+                self.quota_event("MODIFIED", found)
+        while self._backfill:
+            key = self._backfill.pop()
+            for ns in self._namespaces or [""]:
+                await self._list_flows_with(kube, ns, key)
+
+    async def _list_flows_with(self, kube: Kube, namespace: str, key: str) -> None:
+        path = flow_path(namespace) if namespace else f"/apis/{c.GROUP}/{c.VERSION}/{c.PLURAL}"
+        cont = ""
+        while True:
+            params = {"labelSelector": key, "limit": str(BACKFILL_PAGE), **({"continue": cont} if cont else {})}
+            page, _ = await kube.list_page(path, params, max_bytes=64 * 1024 * 1024)
+            for flow in page.get("items") or []:
+                meta = flow.get("metadata") or {}
+                kept = {**meta, "labels": {k: v for k, v in (meta.get("labels") or {}).items()
+                                           if k in self.tracker.label_keys()}}
+                self.tracker.flow_event(str(meta.get("namespace") or ""), str(meta.get("name") or ""),
+                                        {"metadata": kept, "status": flow.get("status") or {}})
+            cont = (page.get("metadata") or {}).get("continue") or ""
+            if not cont:
+                return
+
+    def status_of(self, key: Key, now: dt.datetime) -> Body:
+        """The status a quota shows now (as JSON)."""
+        uid_gen = self._known.get(key, ("", 0))
+        why = self._why.get(key)
+        if why is not None:
+            ready = QuotaCondition(type="Ready", status="False", reason="NotUsed", message=why[:1024],
+                                   last_transition_time=now)
+            return {"observedGeneration": uid_gen[1], "conditions": [_dump(ready)]}
+        limits, conditions = self.tracker.status(*key, now)
+        ready = QuotaCondition(type="Ready", status="True", reason="Enforced", last_transition_time=now)
+        resets = [lim.resets_at for lim in limits if lim.resets_at is not None]
+        out: Body = {"observedGeneration": uid_gen[1], "summary": self.tracker.summary(*key, now),
+                     "limits": [lim.model_dump(mode="json", by_alias=True, exclude_none=True) for lim in limits],
+                     "conditions": [_dump(x) for x in (ready, *conditions)]}
+        out["nextReset"] = min(resets).isoformat().replace("+00:00", "Z") if resets else None
+        return out
+
+    async def write_statuses(self) -> int:
+        """Write each quota's status that changed since it was last written; how many were written."""
+        kube, now, written = self._kube(), self._clock(), 0
+        if kube is None:
+            return 0
+        for key in list(self._known):
+            status = self.status_of(key, now)
+            last = self._written.get(key)
+            if last is not None and _same(last, status):
+                continue
+            _keep_transitions(status, last)
+            try:
+                await kube.merge_patch(quota_path(key[0], key[1], "status"), {"status": status})
+            except ApiError as e:
+                if e.status != 404:
+                    log.warning("quotas: could not write the status of FlowQuota %s/%s: %s", *key, e)
+                continue
+            self._written[key] = status
+            written += 1
+        return written
+
+
+def _dump(condition: QuotaCondition) -> Body:
+    return condition.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+def _same(a: Body, b: Body) -> bool:
+    """The same status but for when its conditions last changed."""
+    def bare(s: Body) -> Body:
+        return {**s, "conditions": [{k: v for k, v in x.items() if k != "lastTransitionTime"}
+                                    for x in s.get("conditions") or []]}
+    return bare(a) == bare(b)
+
+
+def _keep_transitions(status: Body, last: Body | None) -> None:
+    """A condition whose status did not change keeps the time it last changed."""
+    before = {x["type"]: x for x in (last or {}).get("conditions") or []}
+    for x in status.get("conditions") or []:
+        old = before.get(x["type"])
+        if old is not None and old.get("status") == x.get("status"):
+            x["lastTransitionTime"] = old["lastTransitionTime"]

@@ -1,0 +1,205 @@
+"""The operator's FlowQuota service: the status it writes (only when changed, at most once a period,
+keeping when each condition last changed), the Flows a new selector key needs listed, the quotas that
+wait for a place, and the desk answering only on the leader."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from dataclasses import dataclass
+from typing import Any
+
+from flowkube_api import constants as c
+from flowkube_operator.quotas.book import Refusal, Spend
+from flowkube_operator.quotas.service import Quotas
+
+NOW = dt.datetime(2026, 11, 28, 8, 20, tzinfo=dt.UTC)
+
+
+@dataclass(frozen=True)
+class Pod:
+    namespace: str
+    flow: str
+    pod: str
+
+
+class FakeKube:
+    def __init__(self, flows: list[dict[str, Any]] | None = None) -> None:
+        self.patches: list[tuple[str, dict[str, Any]]] = []
+        self.lists: list[dict[str, str]] = []
+        self.flows = flows or []
+        self.quotas: dict[str, dict[str, Any]] = {}
+
+    async def merge_patch(self, path: str, patch: dict[str, Any]) -> dict[str, Any]:
+        self.patches.append((path, patch))
+        return {}
+
+    async def list_page(self, path: str, params: dict[str, str], *, max_bytes: int) -> tuple[dict[str, Any], int]:
+        self.lists.append(params)
+        key = params["labelSelector"]
+        return {"items": [f for f in self.flows if key in f["metadata"].get("labels", {})], "metadata": {}}, 0
+
+    async def get(self, path: str) -> dict[str, Any] | None:
+        return self.quotas.get(path.rsplit("/", 1)[1])
+
+
+def quota(name: str, max_tokens: int = 100, selector: dict[str, Any] | None = None, gen: int = 1) -> dict[str, Any]:
+    return {"metadata": {"name": name, "namespace": "team", "uid": f"uid-{name}", "generation": gen,
+                         "creationTimestamp": f"2026-11-28T00:00:{len(name):02d}Z"},
+            "spec": {**({"selector": selector} if selector else {}),
+                     "limits": [{"name": "daily", "maxTotalTokens": max_tokens, "window": {"kind": "Day"}}]}}
+
+
+def flow(name: str, labels: dict[str, str], tokens: int = 0) -> dict[str, Any]:
+    runs = [{"pod": f"{name}-0", "finishedAt": "2026-11-28T08:10:00Z", "usage": {"totalTokens": tokens},
+             "charges": [{"at": "2026-11-28T08:00:00Z", "model": "m", "totalTokens": tokens}]}] if tokens else []
+    return {"metadata": {"name": name, "namespace": "team", "uid": f"uid-{name}", "labels": labels},
+            "status": {"runs": runs}}
+
+
+def service(kube: FakeKube, leading: list[bool], now: list[dt.datetime]) -> Quotas:
+    return Quotas(lambda: kube, lambda: leading[0], clock=lambda: now[0])  # type: ignore[arg-type,return-value]
+
+
+def test_status_is_written_when_it_changes_and_a_condition_keeps_when_it_last_changed() -> None:
+    kube, leading, now = FakeKube(), [True], [NOW]
+    q = service(kube, leading, now)
+    q.quota_event("ADDED", quota("tokens"))
+    q.flow_changed(("team", "a"), flow("a", {}, 50))
+
+    async def scenario() -> None:
+        assert await q.write_statuses() == 1
+        assert await q.write_statuses() == 0, "nothing changed: nothing written"
+        path, patch = kube.patches[-1]
+        assert path == "/apis/flowkube.io/v1alpha1/namespaces/team/flowquotas/tokens/status"
+        status = patch["status"]
+        assert status["summary"] == "daily 50%" and status["observedGeneration"] == 1
+        assert status["limits"][0]["used"]["totalTokens"] == 50
+        assert status["nextReset"] == "2026-11-29T00:00:00Z"
+        types = {x["type"]: x for x in status["conditions"]}
+        assert types["Ready"]["status"] == "True" and types["Exhausted"]["status"] == "False"
+        # Later, more is used: written again; Exhausted turns True (its time moves), Ready keeps its time.
+        now[0] = NOW + dt.timedelta(minutes=5)
+        q.flow_changed(("team", "b"), flow("b", {}, 50))
+        assert await q.write_statuses() == 1
+        again = {x["type"]: x for x in kube.patches[-1][1]["status"]["conditions"]}
+        assert again["Exhausted"]["status"] == "True" and again["Exhausted"]["message"] == "daily at 100%"
+        assert again["Exhausted"]["lastTransitionTime"] != types["Exhausted"]["lastTransitionTime"]
+        assert again["Ready"]["lastTransitionTime"] == types["Ready"]["lastTransitionTime"]
+        # A follower writes nothing and answers no reservation.
+        leading[0] = False
+        assert q.reserve(Pod("team", "a", "a-1"), "m", Spend(1), True) is None
+
+    asyncio.run(scenario())
+
+
+def test_a_quota_that_cannot_be_used_says_why_in_its_ready_condition() -> None:
+    kube = FakeKube()
+    q = service(kube, [True], [NOW])
+    bad = quota("tz")
+    bad["spec"]["limits"][0]["window"]["timeZone"] = "Nowhere/Atlantis"
+    q.quota_event("ADDED", bad)
+    asyncio.run(q.write_statuses())
+    (ready,) = kube.patches[-1][1]["status"]["conditions"]
+    assert (ready["type"], ready["status"], ready["reason"]) == ("Ready", "False", "NotUsed")
+    assert "timeZone" in ready["message"]
+
+
+def test_a_new_selector_key_lists_only_the_flows_carrying_it_and_covers_them() -> None:
+    kube = FakeKube([flow("a", {"team": "a", "noise": "x" * 60}, 30), flow("b", {"team": "b"}, 7)])
+    q = service(kube, [True], [NOW])
+    # The cache saw the Flows before any quota named "team": their labels were not kept.
+    for f in kube.flows:
+        q.flow_changed(("team", f["metadata"]["name"]), {**f, "metadata": {**f["metadata"], "labels": {}}})
+    q.quota_event("ADDED", quota("tokens", selector={"matchLabels": {"team": "a"}}))
+    assert q.tracker.covering("team", "a") == []
+    asyncio.run(q._catch_up())
+    assert kube.lists == [{"labelSelector": "team", "limit": "200"}], "one list, of the Flows with the key"
+    assert q.tracker.covering("team", "a") == ["FlowQuota team/tokens"] and q.tracker.covering("team", "b") == []
+    assert q.tracker.book.used(("FlowQuota team/tokens", "daily"), NOW) == Spend(30)
+    asyncio.run(q._catch_up())
+    assert len(kube.lists) == 1, "a key already listed is not listed again"
+
+
+def test_a_namespace_past_its_quota_limit_waits_and_the_oldest_waiting_one_takes_a_freed_place() -> None:
+    kube = FakeKube()
+    q = service(kube, [True], [NOW])
+    names = [f"q{i:02d}" for i in range(c.QUOTAS_PER_NAMESPACE_LIMIT + 1)]
+    for n in names:
+        kube.quotas[n] = quota(n)
+        q.quota_event("ADDED", quota(n))
+    last = names[-1]
+    assert len(q.tracker.quotas()) == c.QUOTAS_PER_NAMESPACE_LIMIT
+    asyncio.run(q.write_statuses())
+    waiting = next(p for path, p in kube.patches if path.endswith(f"/{last}/status"))
+    assert "used once an older one is deleted" in waiting["status"]["conditions"][0]["message"]
+    q.quota_event("DELETED", quota(names[0]))
+    asyncio.run(q._catch_up())
+    assert ("team", last) in q.tracker.quotas()
+
+
+def test_the_desk_reserves_for_covered_flows_only_and_refuses_past_the_limit() -> None:
+    kube = FakeKube()
+    q = service(kube, [True], [NOW])
+    q.quota_event("ADDED", quota("tokens", 100))
+    q.flow_changed(("team", "a"), flow("a", {}))
+    assert "ask again" in str(q.reserve(Pod("team", "a", "a-0"), "m", Spend(1), True)), "a new leader reads first"
+    asyncio.run(q._read_reports(kube))  # type: ignore[arg-type]  # a new leader: no covered pod ran
+    assert q.reserve(Pod("team", "elsewhere", "e-0"), "m", Spend(10**6), True) == 0, "not covered: id 0"
+    first = q.reserve(Pod("team", "a", "a-0"), "m", Spend(80), True)
+    assert isinstance(first, int) and first > 0
+    refused = q.reserve(Pod("team", "a", "a-0"), "m", Spend(21), True)
+    assert isinstance(refused, Refusal) and refused.message().startswith("FlowQuota team/tokens: limit daily")
+    assert q.settle(Pod("team", "a", "a-0"), first, [(NOW, "m", Spend(10))]) is True
+    assert isinstance(q.reserve(Pod("team", "a", "a-0"), "m", Spend(90), True), int)
+
+
+def test_a_new_leader_lets_no_call_through_until_the_running_pods_spend_and_calls_in_flight_are_back() -> None:
+    """What a running pod spent since its run began is in its interim report; what it has in flight it
+    says with its next request. Until both are in (or the recovery time passes), reservations are
+    answered "ask again", so a restart or failover lets no call pass a limit."""
+    import base64
+
+    from flowkube_api.constants import Reason, RunResult, Trigger
+    from flowkube_api.report import Charge, RunReport, Usage
+
+    running = {"pod": "a-0", "startedAt": "2026-11-28T08:00:00Z"}
+    a = {"metadata": {"name": "a", "namespace": "team", "uid": "uid-a"}, "status": {"runs": [running]}}
+    b = {"metadata": {"name": "b", "namespace": "team", "uid": "uid-b"},
+         "status": {"runs": [{"pod": "b-0", "startedAt": "2026-11-28T08:00:00Z"}]}}
+    report = RunReport(pod="a-0", trigger=Trigger.KICKOFF, result=RunResult.FAILED, reason=Reason.RUN_INTERRUPTED,
+                       exit_code=75, usage=Usage(total_tokens=40),
+                       charges=[Charge(at=NOW, model="m", total_tokens=40)])
+    cm = {"metadata": {"name": "a-state", "ownerReferences": [{"uid": "uid-a", "controller": True}]},
+          "binaryData": {c.report_key("a-0"): base64.b64encode(report.encode()).decode()}}
+
+    class Kube(FakeKube):
+        async def get(self, path: str) -> dict[str, Any] | None:
+            return cm if path.endswith("/configmaps/a-state") else None
+
+    kube = Kube()
+    q = Quotas(lambda: kube, lambda: True, recovery_seconds=600, clock=lambda: NOW)  # type: ignore[arg-type,return-value]
+    q.quota_event("ADDED", quota("tokens", 100))
+    q.flow_changed(("team", "a"), a)
+    q.flow_changed(("team", "b"), b)
+    key = ("FlowQuota team/tokens", "daily")
+    why = q.reserve(Pod("team", "b", "b-0"), "m", Spend(1), True, [], [])
+    assert isinstance(why, str) and "ask again" in why, "nothing is answered before the reports are read"
+
+    async def recover() -> None:
+        await q._read_reports(kube)  # type: ignore[arg-type]  # what the loop does first
+
+    asyncio.run(recover())
+    assert q.tracker.book.used(key, NOW) == Spend(40), "a's interim report: what it spent so far"
+    why = q.reserve(Pod("team", "b", "b-0"), "m", Spend(1), True, [], [])
+    assert isinstance(why, str) and "1 running pod" in why, "a has not said what it holds yet"
+    # a settles a call it reserved with the old leader, and says it holds another one of 30.
+    assert q.settle(Pod("team", "a", "a-0"), 12345, [(NOW, "m", Spend(45))], [(777, "m", Spend(30))]) is False
+    assert q.tracker.book.used(key, NOW) == Spend(45) and q.tracker.book.reserved(key) == Spend(30)
+    # Now the book is whole: b may reserve what is left (100 - 45 - 30), not a token more.
+    assert isinstance(q.reserve(Pod("team", "b", "b-0"), "m", Spend(26), True, [], []), Refusal)
+    granted = q.reserve(Pod("team", "b", "b-0"), "m", Spend(25), True, [], [])
+    assert isinstance(granted, int) and granted > 0
+    # A stale word from a (fewer charges than the book has) changes nothing.
+    q.reserve(Pod("team", "a", "a-0"), "m", Spend(0), True, [(NOW, "m", Spend(10))], [(777, "m", Spend(30))])
+    assert q.tracker.book.used(key, NOW) == Spend(45) and q.tracker.book.reserved(key) == Spend(55)
