@@ -119,6 +119,13 @@ def build() -> dict[str, Any]:
                         _q(f"sum by (definition) (rate(flowkube_flow_turns_total{{{NS}}}[$__rate_interval]))",
                            "{{definition}}")))
         .with_panel(_quantiles("Message to reply (p50, p95) by definition", "flowkube_conversation_turn_seconds"))
+        .with_row(dashboard.Row("Quotas"))
+        .with_panel(_ts("FlowQuota use by limit, % of the limit", "percent",
+                        _q(f"100 * flowkube_quota_used{{{NS}}} / flowkube_quota_limit{{{NS}}}",
+                           "{{namespace}}/{{quota}} {{limit}} ({{unit}})")))
+        .with_panel(_ts("FlowQuota reserved by calls in flight, % of the limit", "percent",
+                        _q(f"100 * flowkube_quota_reserved{{{NS}}} / flowkube_quota_limit{{{NS}}}",
+                           "{{namespace}}/{{quota}} {{limit}} ({{unit}})")))
         .with_row(dashboard.Row("Operator"))
         .with_panel(_ts("Reconcile duration p99", "s",
                         _q("histogram_quantile(0.99, sum by (le) "

@@ -68,10 +68,11 @@ def token_kubeconfig(cluster: LocalCluster, namespace: str, sa: str, path: Path,
     return path
 
 
-def install_chart_for_local_operator(cluster: LocalCluster, webhook_port: int) -> Path:
-    """Apply what the chart installs except the Deployment; return the operator's kubeconfig."""
+def install_chart_for_local_operator(cluster: LocalCluster, webhook_port: int, *values: str) -> Path:
+    """Apply what the chart installs except the Deployment (``values``: more chart values, which
+    the process's own environment must match); return the operator's kubeconfig."""
     objs = [o for o in render_chart(f"webhook.url=https://{cluster.host_ip}:{webhook_port}",
-                                    "validator.enabled=false")
+                                    "validator.enabled=false", *values)
             if o.get("kind") in _APPLIED_KINDS]
     if cluster.kubectl("get", "namespace", SYSTEM_NAMESPACE, check=False).returncode != 0:
         cluster.kubectl("create", "namespace", SYSTEM_NAMESPACE)
@@ -140,7 +141,9 @@ class OperatorProcess(_Operator):
         }
         if self.managed:
             env |= {
-                "KUBECONFIG": str(install_chart_for_local_operator(self.cluster, self.webhook_port)),
+                # The chart's RBAC for what this process does (FlowQuotas only when they are on).
+                "KUBECONFIG": str(install_chart_for_local_operator(self.cluster, self.webhook_port, *(
+                    ["quotas.enabled=true"] if self.extra_env.get("FLOWKUBE_QUOTAS_ENABLED") == "true" else []))),
                 "FLOWKUBE_WEBHOOK_ENABLED": "true",
                 "FLOWKUBE_WEBHOOK_PORT": str(self.webhook_port),
                 "FLOWKUBE_TLS_SECRET": f"{SYSTEM_NAMESPACE}/{RELEASE}-ca",  # the chart's, as in a cluster

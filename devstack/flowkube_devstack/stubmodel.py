@@ -74,11 +74,14 @@ class Rule:
     times: int | None = None
     structured: bool | None = None
     raw: bool = False
+    # Bills every token the request allows, as a worst-case model would: prompt tokens = the request
+    # body's bytes, completion tokens = its max_tokens (a spend quota's worst case, met exactly).
+    greedy: bool = False
     used: int = 0
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Rule:
-        known = {"reply", "contains", "anywhere", "model", "fail", "hold", "times", "structured", "raw"}
+        known = {"reply", "contains", "anywhere", "model", "fail", "hold", "times", "structured", "raw", "greedy"}
         unknown = set(data) - known
         if unknown:
             raise ValueError(f"unknown rule keys: {sorted(unknown)}")
@@ -288,6 +291,8 @@ class StubModel:
 
         prompt_tokens = sum(count_tokens(_content_text(m)) + 4 for m in messages)
         completion_tokens = count_tokens(reply) + 1
+        if rule is not None and rule.greedy and isinstance(body.get("max_tokens"), int):
+            prompt_tokens, completion_tokens = size, body["max_tokens"]
         cached = prompt_tokens // 4
         reasoning = completion_tokens // 2
         usage = {

@@ -32,6 +32,7 @@ _COMMANDS: dict[str, tuple[str, int, frozenset[str]]] = {
     "run-template": ("TEMPLATE", 1, frozenset({"--name", "--generate-name", "--cluster-template", "--dry-run"})),
     "trigger": ("CRONFLOW", 1, frozenset({"--name", "--dry-run"})),
     "fork": ("NAME", 1, frozenset({"--at", "--name", "--from-namespace", "--dry-run"})),
+    "quota": ("[NAME]", 0, frozenset()),
 }
 
 
@@ -131,8 +132,8 @@ def _check(a: Args) -> None:
     for flag, values in a.lists.items():
         if values and _LIST_FLAG_COMMANDS[flag] != a.cmd:
             raise UsageError(f"unknown flag {'-p/--param' if flag == '--param' else flag} for {a.cmd}")
-    if a.all_namespaces and (a.cmd != "get" or a.pos):
-        raise UsageError("-A/--all-namespaces only applies to `kubectl flow get` without NAME")
+    if a.all_namespaces and (a.cmd not in ("get", "quota") or a.pos):
+        raise UsageError("-A/--all-namespaces only applies to `kubectl flow get` and `kubectl flow quota` without NAME")
     _check_values(a)
 
 

@@ -13,6 +13,7 @@
     kubectl flow fork NAME --at CHECKPOINT [--input KEY=VALUE]... [--output METHOD=TEXT]...
                               [--name NEW] [--from-namespace NS]
                               [--dry-run]              a new Flow from a checkpoint of Flow NAME, with edits
+    kubectl flow quota [NAME] [-A]                     FlowQuotas: each limit's use, reservations and reset
 
 run-template reads the template (a ClusterFlowTemplate with --cluster-template: kubectl's own --cluster
 names a kubeconfig cluster) and checks the parameters before it creates anything. The Flow is named
@@ -37,6 +38,10 @@ that completed after it run again. The fork is named NEW, or NAME-fork-CHECKPOIN
 flowkube.io/forked-from=NAME; -n/--namespace is the fork's namespace, --from-namespace the origin's
 (default: the same). Creating it needs get on the origin; --dry-run prints it instead.
 
+quota lists each FlowQuota's limits (one row per cap: tokens, or USD), what the covered Flows used of
+them in the current window and what their calls in flight hold, as the operator last wrote them
+(at most quotas.statusSeconds old), and when each calendar window resets.
+
 Flags go anywhere on the line; `--` ends them (for a TEXT that starts with `-`). kubectl's own
 -n/--namespace, --context, --kubeconfig, --cluster, --user, --as, --as-group, --request-timeout,
 -s/--server, --token, --insecure-skip-tls-verify and --certificate-authority are passed to every
@@ -60,11 +65,12 @@ from flowkube_kubectl.chat import chat, report, send
 from flowkube_kubectl.console import console
 from flowkube_kubectl.fork import fork
 from flowkube_kubectl.kube import KubectlError, kubectl_json, patch_status
+from flowkube_kubectl.quota import quota
 from flowkube_kubectl.show import describe, flow_table
 from flowkube_kubectl.start import run_template, trigger
 
 _OWN_COMMANDS: dict[str, Callable[[Args], int]] = {  # commands a module of their own runs whole
-    "console": console, "run-template": run_template, "trigger": trigger, "fork": fork}
+    "console": console, "run-template": run_template, "trigger": trigger, "fork": fork, "quota": quota}
 
 
 def _run(a: Args) -> int:

@@ -119,7 +119,8 @@ class App:
             settings, listeners=[self.metrics.update, *([self.quotas.flow_changed] if self.quotas else [])],
             notifier=self.notifier, fence=self.elector.still_leading if self.elector is not None else lambda: True,
             state_ca=serving.ca_pem.decode() if serving is not None else "",
-            flow_labels=self.quotas.tracker.label_keys if self.quotas is not None else frozenset)
+            flow_labels=self.quotas.tracker.label_keys if self.quotas is not None else frozenset,
+            quota_exhausted=self.quotas.exhausted if self.quotas is not None else lambda namespace, flow: None)
         self.state_api = StateApi(
             lambda: self.kube, self.controller.cache, self.controller, issuer=IssuerKeys(lambda: self.kube),
             limits=ClientLimits(settings.state_client_rate, settings.state_client_burst,
@@ -292,7 +293,8 @@ class App:
             # /metrics can make the operator spend it; refusals are cached verdicts).
             async with render_one:
                 snapshot = self.metrics.snapshot() if self.controller.leading else None
-                body = await asyncio.to_thread(_exposition, snapshot)
+                quotas = self.quotas.metrics_text() if self.quotas is not None and self.controller.leading else ""
+                body = await asyncio.to_thread(_exposition, snapshot) + quotas.encode()
             return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
         app = web.Application()

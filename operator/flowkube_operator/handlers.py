@@ -102,6 +102,11 @@ def _register_spec_checks(registry: kopf.OperatorRegistry, app: App) -> None:
             raise kopf.AdmissionError(problem, code=422)
         if operation == "CREATE" and isinstance(spec.get("forkFrom"), dict):
             await _may_fork(app, dict(spec["forkFrom"]), namespace or "", userinfo)
+        if operation == "CREATE" and app.quotas is not None:
+            labels = {str(k): str(v) for k, v in ((body.get("metadata") or {}).get("labels") or {}).items()}
+            refused = app.quotas.refuses(namespace or "", labels)
+            if refused:
+                raise kopf.AdmissionError(refused, code=403)
 
     @kopf.on.validate(c.GROUP, c.VERSION, c.CRONFLOW_PLURAL, id="validate-cronflows",
                       operations=["CREATE", "UPDATE"], side_effects=False, registry=registry)

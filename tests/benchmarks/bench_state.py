@@ -30,6 +30,24 @@ def percentiles(ms: list[float]) -> str:
     return f"p50 {statistics.median(ms):.1f} ms, p99 {ms[min(len(ms) - 1, int(len(ms) * 0.99))]:.1f} ms"
 
 
+def runner_pod_token(cluster: LocalCluster, before: str = "") -> str:
+    """Namespace ``bench`` (``before`` applied in it first: a quota), Flow ``b`` and its runner pod
+    ``b-0`` (Pending: no node), and a state token bound to that pod, as the kubelet would mount."""
+    cluster.kubectl("create", "namespace", "bench")
+    wait_for(lambda: cluster.kubectl("get", "serviceaccount", "default", "-n", "bench",
+                                     check=False).returncode == 0, 30, "the default ServiceAccount")
+    if before:
+        cluster.kubectl("apply", "-n", "bench", "-f", "-", input=before)
+    cluster.kubectl("apply", "-n", "bench", "-f", "-", input='{"apiVersion": "flowkube.io/v1alpha1", '
+                    '"kind": "Flow", "metadata": {"name": "b"}, "spec": {"flowRef": "bench.flows:Noop"}}')
+    wait_for(lambda: cluster.kubectl("get", "pod", "b-0", "-n", "bench", check=False).returncode == 0,
+             30, "the runner pod")
+    uid = cluster.kubectl("get", "pod", "b-0", "-n", "bench", "-o", "jsonpath={.metadata.uid}").stdout
+    return cluster.kubectl("create", "token", "default", "-n", "bench", f"--audience={c.STATE_AUDIENCE}",
+                           "--bound-object-kind=Pod", "--bound-object-name=b-0",
+                           f"--bound-object-uid={uid}").stdout.strip()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--requests", type=int, default=500)
@@ -40,17 +58,7 @@ def main() -> None:
         op = OperatorProcess(cluster, env={"FLOWKUBE_LOG_LEVEL": "WARNING"})
         try:
             op.start()
-            cluster.kubectl("create", "namespace", "bench")
-            wait_for(lambda: cluster.kubectl("get", "serviceaccount", "default", "-n", "bench",
-                                             check=False).returncode == 0, 30, "the default ServiceAccount")
-            cluster.kubectl("apply", "-n", "bench", "-f", "-", input='{"apiVersion": "flowkube.io/v1alpha1", '
-                            '"kind": "Flow", "metadata": {"name": "b"}, "spec": {"flowRef": "bench.flows:Noop"}}')
-            wait_for(lambda: cluster.kubectl("get", "pod", "b-0", "-n", "bench", check=False).returncode == 0,
-                     30, "the runner pod")
-            uid = cluster.kubectl("get", "pod", "b-0", "-n", "bench", "-o", "jsonpath={.metadata.uid}").stdout
-            token = cluster.kubectl("create", "token", "default", "-n", "bench", f"--audience={c.STATE_AUDIENCE}",
-                                    "--bound-object-kind=Pod", "--bound-object-name=b-0",
-                                    f"--bound-object-uid={uid}").stdout.strip()
+            token = runner_pod_token(cluster)
             client = httpx.Client(base_url=op.state_url, timeout=10,
                                   verify=ssl.create_default_context(cafile=str(op.ca_file())),
                                   headers={"Authorization": f"Bearer {token}"})

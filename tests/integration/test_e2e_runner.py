@@ -11,6 +11,7 @@ import functools
 import json
 from collections.abc import Iterator
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -73,7 +74,8 @@ LOOP_MESSAGE = "A listener triggered by its own completion creates an infinite l
 def stack(cluster: LocalCluster) -> Iterator[RealRunnerStack]:
     # FlowQuotas enforced: every runner pod of this module reserves each model request at the operator
     # first, so every exactness test here holds with the quota gate in the path.
-    with real_runner_stack(cluster, RULES, "e2e", values=["quotas.enabled=true", "quotas.statusSeconds=0.5"]) as s:
+    values = ["quotas.enabled=true", "quotas.statusSeconds=0.5", "quotas.recoverySeconds=300"]
+    with real_runner_stack(cluster, RULES, "e2e", values=values) as s:
         yield s
 
 
@@ -487,6 +489,12 @@ def test_a_flowquota_stops_a_flow_at_the_call_that_would_pass_it_and_counts_what
     used equals the stub's ledger and nothing stays reserved. A Flow outside the selector is not held.
     With the limit then set just above what was used, the next Flow of the team makes no call at all."""
     ns = flows.ns
+    example = Path(__file__).resolve().parents[2] / "examples" / "quotas" / "team-quota.yaml"
+    stack.cluster.kubectl("apply", "--dry-run=server", "-n", ns, "-f", str(example))  # the documented example
+    bad = quota_object("bad", 10, "x")
+    bad["spec"]["limits"][0]["window"] = {"kind": "Rolling"}
+    refused = apply_object(stack, bad, ns, check=False)
+    assert refused.returncode != 0 and "window.hours is set for a Rolling window" in refused.stderr
     apply_object(stack, quota_object("probe", 10**9, "probe"), ns)
     wait_quota(stack, ns, "probe", lambda s: any(x["type"] == "Ready" and x["status"] == "True"
                                                  for x in s.get("conditions") or []), "Ready")
@@ -543,3 +551,84 @@ def test_a_flowquota_stops_a_flow_at_the_call_that_would_pass_it_and_counts_what
     assert cond(nxt, "Succeeded")["reason"] == "QuotaExhausted" and f"FlowQuota {ns}/writers" in nxt["message"]
     assert [e for e in stack.stub.ledger()[mark:] if "about later" in e["lastUser"]] == []
     assert usage_of(nxt).total_tokens == 0
+
+
+BRANCHES = 6
+
+
+def branches_flow(name: str, topic: str) -> dict[str, Any]:
+    """Six agent calls at once (each a start method: crewAI runs them on threads, in parallel)."""
+    methods = {f"branch_{i}": {"start": True, "do": {"call": "agent", "with": {
+        **CAPPED_WRITER, "input": f"BRANCH{i} about ${{state.topic}}"}}} for i in range(1, BRANCHES + 1)}
+    definition = {"schema": "crewai.flow/v1", "name": "Branches", "methods": methods,
+                  "state": {"type": "dict", "default": {"topic": topic}}}
+    return {"apiVersion": "flowkube.io/v1alpha1", "kind": "Flow", "metadata": {"name": name, "labels": {"team": "par"}},
+            "spec": {"definition": definition}}
+
+
+def test_parallel_calls_never_pass_a_quota_together_even_across_an_operator_sigkill(
+        stack: RealRunnerStack, flows: Flows) -> None:
+    """A model that bills every token a request allows (the stub's greedy rule: prompt = the body's
+    bytes, answer = max_tokens), so a call uses exactly its reserved worst case W and an overspend
+    would be real. Limit: 9 W. Flow alpha's six parallel calls are reserved and held at the model;
+    the operator is SIGKILLed and comes back, and Flow bravo's six parallel calls ask while alpha's
+    are still in flight. The new leader knows nothing of alpha's reservations until alpha's pod says
+    what it holds, so it answers bravo "ask again" until then; released, alpha's calls are taken
+    again, and exactly three of bravo's fit. The model served 9 W: the limit, not a token more; the
+    quota's used equals the ledger, each Flow's usage its own calls."""
+    ns = flows.ns
+    greedy = [{"contains": "about alpha", "hold": True, "greedy": True, "reply": "Alpha branch."},
+              {"contains": "BRANCH", "greedy": True, "reply": "A branch."}]
+    stack.stub.set_rules(Rules.from_json({**RULES, "rules": [*greedy, *RULES["rules"]]}))
+    stack.stub.arm_holds()
+    try:
+        # The probe: what one branch request weighs (topics of one length weigh the same).
+        probe_quota = quota_object("probe", 10**9, "probe-par")
+        apply_object(stack, probe_quota, ns)
+        wait_quota(stack, ns, "probe", lambda s: s.get("summary") is not None, "Ready")
+        mark = len(stack.stub.ledger())
+        probe = branches_flow("probe", "gamma")
+        probe["metadata"]["labels"]["team"] = "probe-par"
+        apply_object(stack, probe, ns)
+        flows.wait_phase("probe", "Succeeded", timeout=RUN_TIMEOUT)
+        weights = {e["usage"]["total_tokens"] for e in stack.stub.ledger()[mark:]}
+        assert len(weights) == 1, f"every branch request weighs the same: {weights}"
+        (w,) = weights
+        limit = 9 * w
+        quota = quota_object("par", limit, "par")
+        quota["spec"]["limits"][0]["window"] = {"kind": "Lifetime"}
+        apply_object(stack, quota, ns)
+        wait_quota(stack, ns, "par", lambda s: s.get("summary") == "tokens 0%", "Ready")
+
+        mark = len(stack.stub.ledger())
+        apply_object(stack, branches_flow("alpha", "alpha"), ns)
+        assert stack.stub.wait_held(BRANCHES, timeout=RUN_TIMEOUT), "alpha's six calls should be in flight"
+        wait_quota(stack, ns, "par", lambda s: s["limits"][0]["reserved"].get("totalTokens") == 6 * w,
+                   "alpha's six reservations")
+        stack.operator.kill()
+        stack.operator.start()
+        apply_object(stack, branches_flow("bravo", "bravo"), ns)
+
+        def bravo_told_to_wait() -> bool:
+            return 'flowkube_operator_state_requests_total{code="503",method="POST"}' in stack.operator.metrics()
+
+        wait_for(bravo_told_to_wait, RUN_TIMEOUT, "bravo's reservations answered 'ask again' by the new leader")
+        assert not [e for e in stack.stub.ledger()[mark:] if "about bravo" in e["lastUser"]]
+    finally:
+        stack.stub.release_held()
+    alpha = flows.wait_phase("alpha", "Succeeded", timeout=RUN_TIMEOUT)
+    bravo = flows.wait_phase("bravo", "Failed", timeout=RUN_TIMEOUT)
+    stack.stub.set_rules(Rules.from_json(RULES))
+    served = stack.stub.ledger()[mark:]
+    alpha_calls = [e for e in served if "about alpha" in e["lastUser"]]
+    bravo_calls = [e for e in served if "about bravo" in e["lastUser"]]
+    assert (len(alpha_calls), len(bravo_calls)) == (6, 3), "six of alpha's and exactly three of bravo's fit 9 W"
+    assert cond(bravo, "Succeeded")["reason"] == "QuotaExhausted"
+    spent = ledger_usage(served).total_tokens
+    assert spent == limit, f"the model served {spent} tokens against a limit of {limit}"
+    assert usage_of(alpha) == ledger_usage(alpha_calls) and usage_of(bravo) == ledger_usage(bravo_calls)
+    status = wait_quota(stack, ns, "par", lambda s: s["limits"][0]["used"].get("totalTokens") == spent,
+                        "the ledger's tokens")
+    assert status["limits"][0]["reserved"].get("totalTokens", 0) == 0
+    exhausted = next(x for x in status["conditions"] if x["type"] == "Exhausted")
+    assert exhausted["status"] == "True" and exhausted["message"] == "tokens at 100%"

@@ -7,6 +7,7 @@ reported, survive an operator restart unchanged, and disappear with a deleted Fl
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import urllib.error
@@ -22,6 +23,8 @@ from flowkube_devstack import dashboard, procs
 from flowkube_devstack.cluster import LocalCluster, free_port, http_ok, wait_for
 from flowkube_devstack.operator import ChartOperator
 from tests.integration.conftest import Flows
+
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.usefixtures("operator")
 
@@ -172,3 +175,23 @@ def test_metrics_answer_only_a_user_allowed_to_get_them(operator: ChartOperator,
     assert status(operator.metrics_token()) == 200
     # Prometheus, with the scraper's token, sees the target up.
     wait_for(lambda: prom.value('up{job="flowkube"}') == 1.0, 30, "Prometheus scraping with the token")
+
+
+def test_the_quota_alerts_example_is_a_valid_rule_file_on_the_operators_metrics(tmp_path: Path) -> None:
+    """examples/quotas/quota-alerts.yaml's PrometheusRule: its groups pass `promtool check rules`, and
+    each alert's expression names only the quota families the operator exports."""
+    import yaml
+
+    rule = yaml.safe_load((REPO / "examples" / "quotas" / "quota-alerts.yaml").read_text())
+    assert rule["kind"] == "PrometheusRule"
+    groups = tmp_path / "rules.yaml"
+    groups.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    check = subprocess.run(["promtool", "check", "rules", str(groups)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    alerts = {r["alert"]: r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert set(alerts) == {"FlowQuotaNearLimit", "FlowQuotaExhausted"}
+    from flowkube_operator.quotas.service import QUOTA_FAMILIES
+
+    exported = {name for name, _ in QUOTA_FAMILIES}
+    for expr in alerts.values():
+        assert set(re.findall(r"flowkube_\w+", expr)) <= exported, expr

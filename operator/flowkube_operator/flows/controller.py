@@ -58,11 +58,13 @@ class Controller:
 
     def __init__(self, settings: Settings, listeners: Sequence[FlowListener] = (), *,
                  fence: Callable[[], bool] = lambda: True, state_ca: str = "",
-                 notifier: Notifier | None = None, flow_labels: Callable[[], frozenset[str]] = frozenset) -> None:
+                 notifier: Notifier | None = None, flow_labels: Callable[[], frozenset[str]] = frozenset,
+                 quota_exhausted: Callable[[str, str], str | None] = lambda namespace, flow: None) -> None:
         self.settings = settings
         self.kube: Kube | None = None
         self.notifier = notifier
         self.state_ca = state_ca
+        self.quota_exhausted = quota_exhausted  # why a Flow may start no run now (an exhausted FlowQuota)
         # Both kinds write through one fence, one status writer and one Event poster.
         self.writes = Writes(lambda: self.kube, fence, socket.gethostname())
         self.shell = Shell(c.KIND, self.reconcile, settings.workers, measured=True)
@@ -262,11 +264,11 @@ class Controller:
             return  # not "not found" before the templates are listed: queued again once they are
         template_or_taken, fork = read
         p = plan(body, pods, report, backoff_cap=cap, report_checked=checked, late=late, template=template_or_taken,
-                 fork=fork)
+                 fork=fork, quota=(quota := self.quota_exhausted(*key)))
         if p.need_report and active is not None:
             report = await load_report(kube, *key, uid, active, pods.get(active))
             p = plan(body, pods, report, backoff_cap=cap, report_checked=True, late=late, template=template_or_taken,
-                     fork=fork)
+                     fork=fork, quota=quota)
         if delivered:
             current = [n.id for n in notices.notices({"metadata": body["metadata"], "status": p.status.dump()})]
             p.events += notices.record(p.status, delivered, current)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import datetime as dt
 import itertools
 import secrets
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -146,6 +146,7 @@ class _Account:
 
 
 Charges = list[tuple[dt.datetime, str, Spend]]  # (when, model, spend)
+FREED_KEPT = 65536  # freed reservation ids remembered (a held list is at most a few requests old)
 
 
 def flow_charges(status: Mapping[str, Any]) -> Charges:
@@ -187,6 +188,9 @@ class QuotaBook:
         self._by_holder: dict[str, set[int]] = defaultdict(set)
         # Random ids: a settle a pod sends to a new leader names no reservation of another pod.
         self._ids = (secrets.randbits(52) + 1 for _ in itertools.count())  # exact in JSON numbers
+        # Ids freed lately: a pod's request that overtook its own settle of one (its list of what it
+        # holds was made before) must not take it again.
+        self._freed: OrderedDict[int, None] = OrderedDict()
 
     # -- the limits ----------------------------------------------------------------------------------
 
@@ -296,7 +300,7 @@ class QuotaBook:
         """A reservation a pod says it holds that this book does not know (it was made with another
         leader): taken again as it was, without a check (its call is in flight already). False when
         it is known."""
-        if reservation_id in self._reservations:
+        if reservation_id in self._reservations or reservation_id in self._freed:
             return False
         accounts = [a for a in self._covering(quotas) if a.limit.covers(model)]
         for account in accounts:
@@ -328,6 +332,9 @@ class QuotaBook:
         if reservation is None or (holder is not None and reservation.holder != holder):
             return None
         del self._reservations[reservation_id]
+        self._freed[reservation_id] = None
+        while len(self._freed) > FREED_KEPT:
+            self._freed.popitem(last=False)
         self._by_holder.get(reservation.holder, set()).discard(reservation_id)
         for key in reservation.limits:
             account = self._accounts.get(key)

@@ -205,6 +205,14 @@ class Quotas:
                 self.tracker.adopt(namespace, flow, pod, charges, [])
         self._reports_read = True
 
+    def exhausted(self, namespace: str, flow: str) -> str | None:
+        """Why the Flow may start no run now (a covering quota's limit is used up), for its reconcile."""
+        return self.tracker.exhausted(namespace, flow, self._clock())
+
+    def refuses(self, namespace: str, labels: dict[str, str]) -> str | None:
+        """Why a new Flow is refused at apply (a Refuse quota that would cover it is used up)."""
+        return self.tracker.refuses(namespace, labels, self._clock())
+
     # -- the loop: backfills, waiting quotas, status -------------------------------------------------
 
     async def run(self) -> None:
@@ -256,6 +264,28 @@ class Quotas:
             if not cont:
                 return
 
+    def metrics_text(self) -> str:
+        """``flowkube_quota_used``, ``_limit`` and ``_reserved`` per quota, limit and unit (``tokens``,
+        ``usd``), in Prometheus text: at most 16 quotas a namespace, 16 limits a quota, 2 units."""
+        now = self._clock()
+        samples: dict[str, list[str]] = {name: [] for name, _ in QUOTA_FAMILIES}
+        for namespace, name in sorted(self.tracker.quotas()):
+            for limit in self.tracker.book.limits(f"FlowQuota {namespace}/{name}"):
+                used, reserved = self.tracker.book.used(limit.key, now), self.tracker.book.reserved(limit.key)
+                for unit, cap, u, r in (("tokens", limit.max_tokens, used.tokens, reserved.tokens),
+                                        ("usd", limit.max_cost, used.cost, reserved.cost)):
+                    if cap is None:
+                        continue
+                    labels = (f'namespace="{_label_value(namespace)}",quota="{_label_value(name)}",'
+                              f'limit="{_label_value(limit.name)}",unit="{unit}"')
+                    for family, value in (("flowkube_quota_used", u), ("flowkube_quota_limit", cap),
+                                          ("flowkube_quota_reserved", r)):
+                        samples[family].append(f"{family}{{{labels}}} {value}")
+        out = []
+        for family, help_text in QUOTA_FAMILIES:
+            out += [f"# HELP {family} {help_text}", f"# TYPE {family} gauge", *samples[family]]
+        return "\n".join(out) + "\n"
+
     def status_of(self, key: Key, now: dt.datetime) -> Body:
         """The status a quota shows now (as JSON)."""
         uid_gen = self._known.get(key, ("", 0))
@@ -293,6 +323,17 @@ class Quotas:
             self._written[key] = status
             written += 1
         return written
+
+
+QUOTA_FAMILIES = (
+    ("flowkube_quota_used", "Spent in the limit's current window by the Flows its FlowQuota covers."),
+    ("flowkube_quota_limit", "The limit (maxTotalTokens in tokens, maxCost in USD)."),
+    ("flowkube_quota_reserved", "The worst case of the covered Flows' model calls in flight."),
+)
+
+
+def _label_value(v: str) -> str:
+    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def _dump(condition: QuotaCondition) -> Body:

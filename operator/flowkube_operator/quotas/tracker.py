@@ -25,6 +25,7 @@ from pydantic import ValidationError
 
 from flowkube_api import constants as c
 from flowkube_api import selectors
+from flowkube_api.base import money_text
 from flowkube_api.models.quota import FlowQuotaSpec, LimitStatus, QuotaCondition
 from flowkube_api.report import SpentSoFar
 from flowkube_api.windows import resets_at, window_at
@@ -51,6 +52,7 @@ class _Quota:
     selector: selectors.Selector
     warn_at: tuple[int, ...]
     created: str  # creationTimestamp: a namespace's first QUOTAS_PER_NAMESPACE_LIMIT are used
+    action: str = "Refuse"  # a new Flow while a limit is exhausted: Refuse (at apply) or Queue
 
 
 @dataclass
@@ -104,7 +106,8 @@ class QuotaTracker:
             return (f"spec.selector: quota selectors together may name at most {c.QUOTA_LABEL_KEYS_LIMIT} label "
                     "keys, and this one would make more")
         self._waiting.pop(key, None)
-        self._quotas[key] = _Quota(key, namespace, selector, tuple(spec.warn_at or (DEFAULT_WARN_AT,)), created)
+        self._quotas[key] = _Quota(key, namespace, selector, tuple(spec.warn_at or (DEFAULT_WARN_AT,)), created,
+                                   spec.action)
         self.book.set_limits(key, limits_of(key, spec))
         for (ns, _flow), f in self._flows.items():
             if ns == namespace:  # the quota's coverage decided afresh (its spec may have changed)
@@ -217,6 +220,26 @@ class QuotaTracker:
         """(namespace, flow, pod) of each covered Flow's run going on."""
         return [(ns, flow, pod) for (ns, flow), pod in self._active.items()]
 
+    def exhausted(self, namespace: str, flow: str, now: dt.datetime) -> str | None:
+        """Why the Flow may start no run now: a limit of a quota covering it is used up (None: none is)."""
+        return self._used_up(self.covering(namespace, flow), now)
+
+    def refuses(self, namespace: str, labels: dict[str, str], now: dt.datetime) -> str | None:
+        """Why a new Flow with these labels is refused at apply: a quota that would cover it, with
+        ``action: Refuse``, has a limit used up (None: it is admitted; a ``Queue`` quota holds it)."""
+        quotas = sorted(q.name for q in self._quotas.values()
+                        if q.namespace == namespace and q.action == "Refuse" and q.selector.matches(labels))
+        why = self._used_up(quotas, now)
+        return f"{why}; it refuses new Flows until then (spec.action: Refuse)" if why else None
+
+    def _used_up(self, quotas: list[str], now: dt.datetime) -> str | None:
+        for quota in quotas:
+            for limit in self.book.limits(quota):
+                used = self.book.used(limit.key, now)
+                if _share(limit, used) >= 100:
+                    return exhausted_message(limit, used, now)
+        return None
+
     # -- status --------------------------------------------------------------------------------------
 
     def quotas(self) -> list[tuple[str, str]]:
@@ -264,3 +287,17 @@ def _share(limit: Limit, used: Spend) -> float:
     if limit.max_cost:
         shares.append(float(Decimal(100) * used.cost / limit.max_cost))
     return max(shares, default=0.0)
+
+
+def exhausted_message(limit: Limit, used: Spend, now: dt.datetime) -> str:
+    """A used-up limit, named with its use and when it resets (the Flow's message and the refusal at apply)."""
+    what = (f"USD {money_text(used.cost)} used of {money_text(limit.max_cost)}" if limit.max_cost is not None
+            and used.cost >= limit.max_cost else f"{used.tokens} tokens used of {limit.max_tokens}")
+    resets = resets_at(limit.window, now)
+    if resets is not None:
+        when = f"; the window resets at {resets.isoformat()}"
+    elif limit.window.kind == "Rolling":
+        when = "; charges leave the window as it rolls on"
+    else:
+        when = "; it never resets (raise the limit to go on)"
+    return f"{limit.describe()} is exhausted: {what}{when}"

@@ -592,6 +592,12 @@ def test_webhooks(helm: Path) -> None:
             "|| has(object.spec.podTemplate) || has(object.spec.env) || has(object.spec.image) "
             "|| has(object.spec.templateRef) || has(object.spec.forkFrom)")},
     ]
+    # With quotas on, every new Flow is sent: a used-up FlowQuota with action Refuse refuses it.
+    quota_hook = next(h for h in of_kind(render(helm, "--set", "quotas.enabled=true"),
+                                         "ValidatingWebhookConfiguration")[0]["webhooks"]
+                      if h["name"] == "flows.validate.flowkube.io")
+    assert quota_hook["matchConditions"][1]["expression"].endswith(
+        "|| has(object.spec.templateRef) || has(object.spec.forkFrom) || request.operation == 'CREATE'")
     for hook in [h for h in validating + mutating if "-status" in h["name"]]:
         assert hook["matchConditions"] == [{
             "name": "not-the-operator",

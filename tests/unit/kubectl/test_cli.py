@@ -844,3 +844,32 @@ def test_describe_without_checkpoints_or_origin_says_nothing_of_them() -> None:
     text = show.describe(partial)
     assert "Forked from: team/research at checkpoint 2\n" in text + "\n" and "inherited" not in text
     assert any(line.split() == ["9", "Completed", "m", "t", "0", "tokens", "USD", "0"] for line in text.splitlines())
+
+
+def test_quota_lists_each_cap_with_its_use_reservations_window_and_reset(
+        kubectl: Kubectl, capsys: pytest.CaptureFixture[str]) -> None:
+    team = {"metadata": {"name": "team-a", "namespace": "lab"},
+            "spec": {"limits": [
+                {"name": "monthly", "maxCost": "200", "maxTotalTokens": 5000000,
+                 "window": {"kind": "Month", "timeZone": "Europe/Berlin"}},
+                {"name": "hourly", "maxTotalTokens": 9000, "window": {"kind": "Rolling", "hours": 1}}]},
+            "status": {"limits": [
+                {"name": "monthly", "used": {"totalTokens": 1200, "cost": "0.42"},
+                 "reserved": {"totalTokens": 300, "cost": "0.01"}, "resetsAt": "2026-12-01T00:00:00+01:00"},
+                {"name": "hourly", "used": {"totalTokens": 50}}],
+                       "conditions": [{"type": "Ready", "status": "True"}]}}
+    waiting = {"metadata": {"name": "extra", "namespace": "lab"},
+               "spec": {"limits": [{"name": "all", "maxTotalTokens": 1, "window": {"kind": "Lifetime"}}]},
+               "status": {"conditions": [{"type": "Ready", "status": "False", "message": "namespace lab has 16"}]}}
+    kubectl.on("get flowquotas", {"items": [team, waiting]})
+    assert cli.main(["quota", "-A"]) == 0
+    assert kubectl.calls() == [["get", "flowquotas", "--all-namespaces", "-o", "json"]]
+    rows = [line.split("   ") for line in capsys.readouterr().out.splitlines()]
+    cells = [[c.strip() for c in r if c.strip()] for r in rows]
+    assert cells[0] == ["NAMESPACE", "QUOTA", "LIMIT", "USED", "OF", "RESERVED", "WINDOW", "RESETS"]
+    assert cells[1] == ["lab", "team-a", "monthly", "1200", "5000000", "300", "month (Europe/Berlin)",
+                        "2026-12-01T00:00:00+01:00"]
+    assert cells[2] == ["lab", "team-a", "monthly", "USD 0.42", "USD 200", "USD 0.01", "month (Europe/Berlin)",
+                        "2026-12-01T00:00:00+01:00"]
+    assert cells[3] == ["lab", "team-a", "hourly", "50", "9000", "0", "rolling 1h", "-"]
+    assert cells[4] == ["lab", "extra", "all", "not used", "1", "not used", "lifetime", "-"]

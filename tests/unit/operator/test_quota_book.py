@@ -206,3 +206,27 @@ def test_the_kept_window_totals_equal_adding_the_buckets_up_whatever_comes_and_g
                 assert b.used(limit.key, now) == naive, (step, limit.name)
 
 
+
+
+def test_a_held_list_older_than_a_settle_does_not_take_the_settled_reservation_again() -> None:
+    """Two calls of one pod settle at once: the first's request lists the second as held (it was made
+    before the second settled), and reaches the book after the second's settle. The settled
+    reservation must stay freed, or the book would hold it until the run ends."""
+    import datetime as dt
+
+    from flowkube_api.windows import WindowSpec
+    from flowkube_operator.quotas.book import Limit, QuotaBook, Reservation, Spend
+
+    q = "FlowQuota ns/q"
+    now = dt.datetime(2026, 11, 28, 8, tzinfo=dt.UTC)
+    book = QuotaBook()
+    book.set_limits(q, [Limit(q, "all", WindowSpec("Lifetime"), max_tokens=100)])
+    one, two = (book.reserve([q], "ns/p-0", "m", Spend(40), now) for _ in range(2))
+    assert isinstance(one, Reservation) and isinstance(two, Reservation)
+    assert book.settle(two.id, "ns/p-0", [(now, "m", Spend(40))])
+    assert book.restore(two.id, "ns/p-0", "m", Spend(40), [q]) is False, "freed: not taken again"
+    assert book.settle(one.id, "ns/p-0", [(now, "m", Spend(80))])
+    assert book.reserved((q, "all")) == Spend() and book.used((q, "all"), now) == Spend(80)
+    # A reservation this book never saw (made with an earlier leader) is taken again.
+    assert book.restore(12345, "ns/p-0", "m", Spend(20), [q]) is True
+    assert book.reserved((q, "all")) == Spend(20)

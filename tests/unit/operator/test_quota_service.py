@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 from flowkube_api import constants as c
@@ -203,3 +204,22 @@ def test_a_new_leader_lets_no_call_through_until_the_running_pods_spend_and_call
     # A stale word from a (fewer charges than the book has) changes nothing.
     q.reserve(Pod("team", "a", "a-0"), "m", Spend(0), True, [(NOW, "m", Spend(10))], [(777, "m", Spend(30))])
     assert q.tracker.book.used(key, NOW) == Spend(45) and q.tracker.book.reserved(key) == Spend(55)
+
+
+def test_the_quota_metrics_are_used_limit_and_reserved_per_limit_and_unit() -> None:
+    kube = FakeKube()
+    q = service(kube, [True], [NOW])
+    body = quota("tokens", 100)
+    body["spec"]["limits"].append({"name": "monthly", "maxCost": "2.5", "window": {"kind": "Month"}})
+    q.quota_event("ADDED", body)
+    q.flow_changed(("team", "a"), flow("a", {}, 30))
+    asyncio.run(q._read_reports(kube))  # type: ignore[arg-type]
+    assert isinstance(q.reserve(Pod("team", "a", "a-1"), "m", Spend(20, Decimal("0.5")), True), int)
+    lines = q.metrics_text().splitlines()
+    assert 'flowkube_quota_used{namespace="team",quota="tokens",limit="daily",unit="tokens"} 30' in lines
+    assert 'flowkube_quota_limit{namespace="team",quota="tokens",limit="daily",unit="tokens"} 100' in lines
+    assert 'flowkube_quota_reserved{namespace="team",quota="tokens",limit="daily",unit="tokens"} 20' in lines
+    assert 'flowkube_quota_limit{namespace="team",quota="tokens",limit="monthly",unit="usd"} 2.5' in lines
+    assert 'flowkube_quota_reserved{namespace="team",quota="tokens",limit="monthly",unit="usd"} 0.5' in lines
+    assert not [x for x in lines if 'limit="daily",unit="usd"' in x], "no series for a cap the limit does not set"
+    assert "# TYPE flowkube_quota_used gauge" in lines

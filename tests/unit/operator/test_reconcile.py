@@ -978,3 +978,33 @@ def test_a_runs_charges_by_quarter_hour_are_kept_only_when_they_add_up_to_its_us
         assert run["usage"]["totalTokens"] == 42
         assert (run.get("charges") == [{"at": "2026-11-22T12:00:00Z", "model": "gpt-4o-mini", "totalTokens": 42,
                                         "cost": "0"}]) is kept, run
+
+
+QUOTA = "FlowQuota ns/team: limit daily (maxTotalTokens=100, per day in UTC) is exhausted: 100 tokens used of 100"
+
+
+def test_an_exhausted_quota_holds_a_kickoff_and_a_resume_keeps_its_answer_until_there_is_room() -> None:
+    body = flow()
+    p = plan(body, {}, now=T0, quota=QUOTA)
+    body["status"] = p.status.dump()
+    assert p.create_pod is None and not body["status"].get("runs"), "no kickoff is recorded while held"
+    assert body["status"]["phase"] == Phase.PENDING and body["status"]["message"] == QUOTA
+    assert p.requeue_after == 30 and [e[1] for e in p.events] == [Reason.QUOTA_EXHAUSTED]
+    again = plan(body, {}, now=T0 + dt.timedelta(seconds=30), quota=QUOTA)
+    assert again.create_pod is None and again.events == [], "said once, not at every look"
+    # The window resets: the kickoff starts.
+    p = step(body, at=60)
+    assert p.create_pod is not None and p.create_pod.trigger == Trigger.KICKOFF
+
+    # A paused Flow answered while its quota is exhausted: the answer is taken and the resume recorded
+    # (the inbox is empty again), its pod made only once there is room.
+    body = flow(feedback={"timeoutSeconds": 600})
+    paused(body)
+    body["status"]["feedback"]["response"] = {"text": "approved", "requestId": "req-1"}
+    p = plan(body, pod("f-0", "Succeeded", exit_code=0), now=T0 + dt.timedelta(seconds=30), quota=QUOTA)
+    body["status"] = p.status.dump()
+    assert p.create_pod is None and body["status"]["runs"][-1]["trigger"] == Trigger.RESUME
+    assert "response" not in body["status"]["feedback"] and body["status"]["message"] == QUOTA
+    p = step(body, pod("f-0", "Succeeded", exit_code=0), at=90)
+    assert p.create_pod is not None and p.create_pod.trigger == Trigger.RESUME and p.create_pod.index == 1
+    assert p.create_pod.feedback == {"requestId": "req-1", "text": "approved", "timedOut": False}

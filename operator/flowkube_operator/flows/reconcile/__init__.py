@@ -79,7 +79,7 @@ Body = dict[str, Any]
 def plan(flow: Body, pods: dict[str, PodView], report: RunReport | None = None, *,  # noqa: PLR0913 - keyword-only: what the caller read, each named
          now: dt.datetime | None = None, backoff_cap: int = 3600, report_checked: bool = False,
          late: Mapping[str, RunReport | None] | None = None, template: Body | Taken | None = None,
-         fork: ForkSource | None = None) -> Plan:
+         fork: ForkSource | None = None, quota: str | None = None) -> Plan:
     """The status the Flow should have and the actions that make it so.
 
     `report` is the active run's report when the caller has read it (`report_checked`); a plan
@@ -89,10 +89,12 @@ def plan(flow: Body, pods: dict[str, PodView], report: RunReport | None = None, 
     not taken one yet names, None when it is not there; for a Flow that took one already, a `Taken`:
     what the caller read (the spec of the snapshot its status.template names, or why it cannot be had).
     `fork`: for a fork that has not copied its checkpoint yet (`spec.forkFrom`, no `status.forkedFrom`),
-    what the caller read of its origin.
+    what the caller read of its origin. `quota`: why no run may start now (a FlowQuota covering the Flow
+    is exhausted), None when one may.
     """
     state = FlowState(flow, pods, report, now or now_utc(), backoff_cap, report_checked, late or {}, template)
     state.fork = fork
+    state.quota = quota
     return Reconciler(state).run()
 
 
@@ -183,7 +185,11 @@ class Reconciler:
             run.started_at = pod.created_at or s.now
         if pod is None and run.started_at is None:
             # Recorded but never seen: the pod was not created yet (or the cache lags). Ensure it;
-            # the record holds everything it carries, so its startedAt comes in the same write.
+            # the record holds everything it carries, so its startedAt comes in the same write. A
+            # run held by an exhausted quota waits for it.
+            if s.quota is not None:
+                s.hold_for_quota()
+                return
             s.plan.create_pod = s.intent(len(s.runs) - 1, run.trigger, first=True)
             s.st.phase = Phase.PENDING
         elif pod is None:

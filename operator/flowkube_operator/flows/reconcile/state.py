@@ -30,6 +30,7 @@ from flowkube_operator.flows.reconcile.rules import POD_FIRST_TRIGGERS, budget_s
 from flowkube_operator.meta import Doomed, PodView
 
 Body = dict[str, Any]
+QUOTA_RECHECK_SECONDS = 30  # a run held by an exhausted FlowQuota is looked at again this often
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,8 @@ class FlowState:
         self.message_refusal: str | None = None
         self.failure: tuple[Reason | str, str] | None = None
         self.resume_now = False  # a warm paused pod ended with its request answered but not taken
+        # Why no run may start now: a FlowQuota covering the Flow is exhausted (None: none is).
+        self.quota: str | None = None
         self.plan.template_spec = self.template_spec
         self.plan.spec = self.spec
 
@@ -214,10 +217,30 @@ class FlowState:
         if too_big is not None:  # admitted while the webhook was off: no pod that could not start
             self.terminal(Phase.FAILED, Reason.INVALID_SPEC, too_big)
             return
+        first = trigger in POD_FIRST_TRIGGERS
+        if first and self.quota is not None:
+            self.hold_for_quota()  # nothing is recorded: the next reconcile starts it, or holds it again
+            return
         index = len(self.runs)
         self.runs.append(Run(pod=c.run_pod_name(str(self.meta.get("name")), index), trigger=trigger))
-        self.plan.create_pod = self.intent(index, trigger, first=trigger in POD_FIRST_TRIGGERS)
+        if self.quota is not None:
+            # A resume or a turn is recorded (its answer or message moved out of the inbox), and its
+            # pod is made once the quota has room again (`Reconciler._follow`).
+            self.hold_for_quota()
+            return
+        self.plan.create_pod = self.intent(index, trigger, first=first)
         self.st.phase = Phase.PENDING
+
+    def hold_for_quota(self) -> None:
+        """A run that would start now waits: a FlowQuota covering the Flow is exhausted. Looked at
+        again every QUOTA_RECHECK_SECONDS (a window resets, a limit is raised, spend leaves a
+        rolling window)."""
+        assert self.quota is not None
+        self.st.phase = Phase.PENDING
+        self.failure = (Reason.QUOTA_EXHAUSTED, self.quota)
+        if self.old.message != self.quota:
+            self.plan.event(Reason.QUOTA_EXHAUSTED, self.quota, warning=True)
+        self.plan.later(QUOTA_RECHECK_SECONDS)
 
     def intent(self, index: int, trigger: Trigger, *, first: bool) -> RunIntent:
         feedback = None
