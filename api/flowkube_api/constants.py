@@ -31,6 +31,9 @@ QUOTA_KIND = "FlowQuota"
 QUOTA_PLURAL = "flowquotas"
 QUOTAS_PER_NAMESPACE_LIMIT = 16  # FlowQuotas one namespace's Flows are held to (more: the rest are not used)
 QUOTA_LABEL_KEYS_LIMIT = 32  # label keys all quota selectors together may name (Flow caches keep those labels)
+CLUSTER_QUOTA_KIND = "ClusterFlowQuota"  # a team's quota across the namespaces its namespaceSelector picks
+CLUSTER_QUOTA_PLURAL = "clusterflowquotas"
+CLUSTER_QUOTAS_LIMIT = 64  # ClusterFlowQuotas the operator uses (the oldest first)
 
 PREFIX = GROUP  # label / annotation key prefix
 

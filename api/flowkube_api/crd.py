@@ -14,13 +14,14 @@ import yaml
 
 from flowkube_api import constants as c
 from flowkube_api.models import CronFlowSpec, CronFlowStatus, FlowSpec, FlowStatus, FlowTemplateSpec
-from flowkube_api.models.quota import FlowQuotaSpec, FlowQuotaStatus
+from flowkube_api.models.quota import ClusterFlowQuotaSpec, FlowQuotaSpec, FlowQuotaStatus
 
 CRD_DIR = Path(__file__).resolve().parents[2] / "crds"
 CRD_FILE = CRD_DIR / f"{c.GROUP}_{c.PLURAL}.yaml"
-KINDS = (c.KIND, c.TEMPLATE_KIND, c.CLUSTER_TEMPLATE_KIND, c.CRONFLOW_KIND, c.QUOTA_KIND)
+KINDS = (c.KIND, c.TEMPLATE_KIND, c.CLUSTER_TEMPLATE_KIND, c.CRONFLOW_KIND, c.QUOTA_KIND, c.CLUSTER_QUOTA_KIND)
 PLURALS = {c.KIND: c.PLURAL, c.TEMPLATE_KIND: c.TEMPLATE_PLURAL, c.CLUSTER_TEMPLATE_KIND: c.CLUSTER_TEMPLATE_PLURAL,
-           c.CRONFLOW_KIND: c.CRONFLOW_PLURAL, c.QUOTA_KIND: c.QUOTA_PLURAL}
+           c.CRONFLOW_KIND: c.CRONFLOW_PLURAL, c.QUOTA_KIND: c.QUOTA_PLURAL,
+           c.CLUSTER_QUOTA_KIND: c.CLUSTER_QUOTA_PLURAL}
 CRD_FILES = {kind: CRD_DIR / f"{c.GROUP}_{plural}.yaml" for kind, plural in PLURALS.items()}
 
 _DROP = {"title", "default"}  # defaults are applied by the operator, not stored by the API server
@@ -88,8 +89,8 @@ def crd(kind: str = c.KIND) -> dict[str, Any]:
     """The CRD of ``kind`` (one of KINDS)."""
     if kind == c.CRONFLOW_KIND:
         return _cronflow_crd()
-    if kind == c.QUOTA_KIND:
-        return _quota_crd()
+    if kind in (c.QUOTA_KIND, c.CLUSTER_QUOTA_KIND):
+        return _quota_crd(kind == c.CLUSTER_QUOTA_KIND)
     if kind != c.KIND:
         return _template_crd(kind)
     printer_columns: list[dict[str, Any]] = [
@@ -151,7 +152,7 @@ def _cronflow_crd() -> dict[str, Any]:
     return _definition(names, "Namespaced", schema, printer_columns, status=True)
 
 
-def _quota_crd() -> dict[str, Any]:
+def _quota_crd(cluster: bool) -> dict[str, Any]:
     printer_columns: list[dict[str, Any]] = [
         {"name": "Used", "type": "string", "jsonPath": ".status.summary",
          "description": "Each limit's share used in its window"},
@@ -161,6 +162,13 @@ def _quota_crd() -> dict[str, Any]:
         {"name": "Action", "type": "string", "jsonPath": ".spec.action", "priority": 1},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]
+    if cluster:
+        schema = _object("Spend and token limits over time windows for the Flows of every namespace its "
+                         "namespaceSelector picks (a team spanning namespaces).", ClusterFlowQuotaSpec, FlowQuotaStatus)
+        names = {"kind": c.CLUSTER_QUOTA_KIND, "listKind": f"{c.CLUSTER_QUOTA_KIND}List",
+                 "plural": c.CLUSTER_QUOTA_PLURAL, "singular": "clusterflowquota", "shortNames": ["cfq"],
+                 "categories": ["flowkube"]}
+        return _definition(names, "Cluster", schema, printer_columns, status=True)
     schema = _object("Spend and token limits over time windows for the Flows of a namespace it selects "
                      "(a team's quota).", FlowQuotaSpec, FlowQuotaStatus)
     names = {"kind": c.QUOTA_KIND, "listKind": f"{c.QUOTA_KIND}List", "plural": c.QUOTA_PLURAL,

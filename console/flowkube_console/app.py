@@ -25,7 +25,7 @@ import orjson
 from aiohttp import web
 
 from flowkube_api.inbox import feedback_patch, message_patch
-from flowkube_console import forking, views
+from flowkube_console import forking, quotas, views
 from flowkube_console.auth import Auth
 from flowkube_console.kube import ApiError, Kube, flows_path
 from flowkube_console.live import Feeds
@@ -328,7 +328,7 @@ def make_app(settings: Settings) -> web.Application:
         web.get("/healthz", healthz), web.get("/favicon.ico", favicon),
         web.get("/login", login_page), web.post("/login", login), web.get("/auth/local", launch),
         web.post("/logout", logout),
-        web.get("/", inbox_page), web.get("/flows", flows_page),
+        web.get("/", inbox_page), web.get("/flows", flows_page), web.get("/quotas", quotas.quotas_page),
         web.get("/events/{what:inbox|flows}", collection_events),
         web.get("/flows/{namespace}/{name}", flow_page), web.get("/events/flows/{namespace}/{name}", flow_events),
         web.post("/flows/{namespace}/{name}/feedback", answer_feedback),

@@ -38,7 +38,8 @@ that completed after it run again. The fork is named NEW, or NAME-fork-CHECKPOIN
 flowkube.io/forked-from=NAME; -n/--namespace is the fork's namespace, --from-namespace the origin's
 (default: the same). Creating it needs get on the origin; --dry-run prints it instead.
 
-quota lists each FlowQuota's limits (one row per cap: tokens, or USD), what the covered Flows used of
+quota lists each FlowQuota's limits, and each ClusterFlowQuota's (cluster/NAME) when you may list them,
+(one row per cap: tokens, or USD), what the covered Flows used of
 them in the current window and what their calls in flight hold, as the operator last wrote them
 (at most quotas.statusSeconds old), and when each calendar window resets.
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from flowkube_api.constants import QUOTA_PLURAL
+from flowkube_api.constants import CLUSTER_QUOTA_PLURAL, QUOTA_PLURAL
 from flowkube_kubectl.args import Args
-from flowkube_kubectl.kube import kubectl_json
+from flowkube_kubectl.kube import KubectlError, kubectl_json
 
 
 def _spent(s: dict[str, Any] | None, cost: bool) -> str:
@@ -40,10 +40,21 @@ def quota_rows(quotas: list[dict[str, Any]], all_namespaces: bool) -> list[list[
                     used, reserved = _spent(got.get("used"), cost), _spent(got.get("reserved"), cost)
                 else:  # not written yet, or not used (its Ready condition says why)
                     used = reserved = "-" if ready is None or ready.get("status") == "True" else "not used"
+                name = meta["name"] if meta.get("namespace") else f"cluster/{meta['name']}"
                 rows.append([meta.get("namespace", "")] * all_namespaces + [
-                    meta["name"], lim.get("name", ""), used, f"USD {cap}" if cost else str(cap), reserved,
+                    name, lim.get("name", ""), used, f"USD {cap}" if cost else str(cap), reserved,
                     _window(lim.get("window") or {}), (got or {}).get("resetsAt") or "-"])
     return rows
+
+
+def _cluster_quotas(a: Args) -> list[dict[str, Any]]:
+    """The ClusterFlowQuotas, when this user may list them (none otherwise: they are a platform team's)."""
+    try:
+        return list(kubectl_json(["get", CLUSTER_QUOTA_PLURAL], a.kube).get("items") or [])
+    except KubectlError as e:
+        if "(Forbidden)" in str(e) or "the server doesn't have a resource type" in str(e):
+            return []
+        raise
 
 
 def quota(a: Args) -> int:
@@ -51,6 +62,7 @@ def quota(a: Args) -> int:
         items = [kubectl_json(["get", QUOTA_PLURAL, a.pos[0]], a.kube)]
     else:
         items = kubectl_json(["get", QUOTA_PLURAL, *["--all-namespaces"] * a.all_namespaces], a.kube).get("items") or []
+        items += _cluster_quotas(a)
     if not items:
         print("No flowquotas found.", file=sys.stderr)
         return 0

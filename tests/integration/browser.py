@@ -108,6 +108,11 @@ class Browser:
             return tops.size > 1; }).map(el => el.textContent);"""
         return [str(t) for t in self.driver.execute_script(script, css)]
 
+    def width(self, css: str) -> float:
+        """The rendered width, in CSS pixels, of the first element matching ``css``."""
+        return float(self.driver.execute_script(
+            "return document.querySelector(arguments[0]).getBoundingClientRect().width;", css))
+
     def resize(self, width: int, height: int) -> None:
         self.driver.set_window_size(width, height)
 

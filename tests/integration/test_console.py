@@ -334,3 +334,62 @@ def test_kubectl_flow_console_serves_the_kubeconfigs_user_on_loopback(
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=20)
+
+
+def test_a_teams_quotas_page_shows_each_limits_use_and_why_runs_wait(
+        stack: RealRunnerStack, flows: Flows, tmp_path: Path) -> None:
+    """The Quotas page, as a namespace's member sees it: each FlowQuota's limits as bars of what is used
+    and what calls in flight hold, the window and the reset, and the quota's exhaustion in words. The
+    status is the one an operator with quotas on writes (this stack's operator has them off, so the
+    test writes it); a limit's model name from the spec is text, never markup."""
+    cluster, ns, url = stack.cluster, flows.ns, stack.operator.console_url()
+    hostile = '<img src=x onerror="alert(1)">'
+    quota = {"apiVersion": "flowkube.io/v1alpha1", "kind": "FlowQuota", "metadata": {"name": "team"},
+             "spec": {"limits": [
+                 {"name": "daily", "maxTotalTokens": 1000, "window": {"kind": "Day", "timeZone": "Europe/Berlin"}},
+                 {"name": "monthly", "maxCost": "5", "model": hostile, "window": {"kind": "Month"}}]}}
+    cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(quota))
+    status = {"status": {
+        "summary": "daily 100%, monthly 24%",
+        "limits": [{"name": "daily", "used": {"totalTokens": 1000}, "reserved": {"totalTokens": 0},
+                    "windowStart": "2026-11-27T23:00:00Z", "resetsAt": "2026-11-28T23:00:00Z"},
+                   {"name": "monthly", "used": {"cost": "1.2"}, "reserved": {"cost": "0.3"},
+                    "windowStart": "2026-11-01T00:00:00Z", "resetsAt": "2026-12-01T00:00:00Z"}],
+        "conditions": [
+            {"type": "Ready", "status": "True", "reason": "Enforced", "lastTransitionTime": "2026-11-28T08:00:00Z"},
+            {"type": "Exhausted", "status": "True", "reason": "LimitReached", "message": "daily at 100%",
+             "lastTransitionTime": "2026-11-28T09:00:00Z"}]}}
+    cluster.kubectl("patch", "flowquota", "team", "-n", ns, "--subresource=status", "--type=merge",
+                    "-p", json.dumps(status))
+    erin = person(cluster, ns, "erin", ["get", "list", "watch"], answer=False)
+    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": "quota-reader"},
+            "rules": [{"apiGroups": ["flowkube.io"], "resources": ["flowquotas"], "verbs": ["get", "list"]}]}
+    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": "erin-q"},
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "quota-reader"},
+               "subjects": [{"kind": "ServiceAccount", "name": "erin", "namespace": ns}]}
+    cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List",
+                                                                      "items": [role, binding]}))
+    with browser(tmp_path, "erin") as e:
+        sign_in(e, url, erin)
+        e.resize(1400, 900)
+        e.open(f"{url}/quotas?namespace={ns}")
+        e.wait(lambda: e.has(f"#quota-{ns}-team tr.limit"), 30, "the quota's limits")
+        e.screenshot("quotas")
+        assert "Exhausted" in e.text(f"#quota-{ns}-team h2")
+        assert "daily at 100%: new runs wait and new Flows are refused" in e.text(f"#quota-{ns}-team .error")
+        daily = e.text('tr.limit[data-limit="daily"]')
+        assert "1000 of 1000 tokens" in daily and "100%" in daily and "day (Europe/Berlin)" in daily
+        monthly = e.text('tr.limit[data-limit="monthly"]')
+        assert "USD 1.2 of 5" in monthly and "24%" in monthly and "USD 0.3" in monthly
+        assert hostile in monthly, "the model name is shown as text"
+        # The bars are drawn: used 100 % fills the daily track; 24 % used and 6 % held of the monthly one.
+        track = e.width('tr.limit[data-limit="daily"] .track')
+        assert track > 50 and e.width('tr.limit[data-limit="daily"] .used') == pytest.approx(track - 2, abs=2)
+        assert e.width('tr.limit[data-limit="monthly"] .used') == pytest.approx((track - 2) * 0.24, abs=2)
+        assert e.width('tr.limit[data-limit="monthly"] .reserved') == pytest.approx((track - 2) * 0.06, abs=2)
+        assert not e.alert_shown() and not e.has("img")
+        assert e.wrapped("td.num, th") == [], "figures and titles on one line each"
+    # Without a grant on FlowQuotas the page says so; it shows nothing of the quota.
+    carol = person(cluster, ns, "carol-q", ["get", "list", "watch"], answer=False)
+    code, page = as_user(f"{url}/quotas?namespace={ns}", carol)
+    assert code == 200 and f"You may not list FlowQuotas in namespace {ns}" in page and "daily" not in page

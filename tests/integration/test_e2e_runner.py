@@ -552,6 +552,30 @@ def test_a_flowquota_stops_a_flow_at_the_call_that_would_pass_it_and_counts_what
     assert [e for e in stack.stub.ledger()[mark:] if "about later" in e["lastUser"]] == []
     assert usage_of(nxt).total_tokens == 0
 
+    # Used up (the limit at what was used): a new Flow of the team is refused at apply (action Refuse)...
+    used = wait_quota(stack, ns, "writers", lambda s: "limits" in s, "its use")["limits"][0]["used"]["totalTokens"]
+    apply_object(stack, quota_object("writers", used, "writers"), ns)
+    wait_quota(stack, ns, "writers", lambda s: any(x["type"] == "Exhausted" and x["status"] == "True"
+                                                   for x in s.get("conditions") or []), "Exhausted")
+    refused = apply_object(stack, labelled_flow("refused", "writers", "never"), ns, check=False)
+    assert refused.returncode != 0 and "denied the request" in refused.stderr, refused.stderr
+    assert f"FlowQuota {ns}/writers: limit tokens" in refused.stderr and "is exhausted" in refused.stderr
+    assert "spec.action: Refuse" in refused.stderr
+    # ... and with action Queue it is admitted and waits, Pending, until the limit is raised.
+    queued_quota = quota_object("writers", used, "writers")
+    queued_quota["spec"]["action"] = "Queue"
+    apply_object(stack, queued_quota, ns)
+    wait_for(lambda: apply_object(stack, labelled_flow("queued", "writers", "queue"), ns,
+                                  check=False).returncode == 0, 30, "the Queue action to reach the webhook")
+    held = flows.wait("queued", lambda s: cond(s, "Running").get("reason") == "QuotaExhausted" if s.get(
+        "conditions") else False, "held by the quota")
+    assert held["phase"] == "Pending" and not held.get("runs") and "is exhausted" in held["message"]
+    assert not flows.pods("queued"), "no runner pod while the quota is used up"
+    queued_quota["spec"]["limits"][0]["maxTotalTokens"] = 10**9
+    apply_object(stack, queued_quota, ns)
+    done = flows.wait_phase("queued", "Succeeded", timeout=RUN_TIMEOUT)
+    assert [r["trigger"] for r in done["runs"]] == ["kickoff"]
+
 
 BRANCHES = 6
 
@@ -632,3 +656,50 @@ def test_parallel_calls_never_pass_a_quota_together_even_across_an_operator_sigk
     assert status["limits"][0]["reserved"].get("totalTokens", 0) == 0
     exhausted = next(x for x in status["conditions"] if x["type"] == "Exhausted")
     assert exhausted["status"] == "True" and exhausted["message"] == "tokens at 100%"
+
+
+def test_a_cluster_quota_sums_a_teams_namespaces_and_refuses_the_next_flow_in_another(
+        stack: RealRunnerStack, flows: Flows) -> None:
+    """A ClusterFlowQuota over the namespaces labelled with the team's org: the spend of a Flow in one
+    counts, as the stub's ledger served it; once the limit is at that spend, a new Flow in the other
+    namespace is refused at apply, naming the cluster quota."""
+    import secrets
+
+    cluster, ns = stack.cluster, flows.ns
+    org, other = f"org-{secrets.token_hex(3)}", f"{flows.ns[:40]}-two"
+    cluster.kubectl("create", "namespace", other)
+    name = f"team-{org}"
+    try:
+        for namespace in (ns, other):
+            cluster.kubectl("label", "namespace", namespace, f"flowkube-test-org={org}")
+        quota: dict[str, Any] = {"apiVersion": "flowkube.io/v1alpha1", "kind": "ClusterFlowQuota",
+                                 "metadata": {"name": name},
+                 "spec": {"namespaceSelector": {"matchLabels": {"flowkube-test-org": org}},
+                          "limits": [{"name": "tokens", "maxTotalTokens": 10**9, "window": {"kind": "Lifetime"}}]}}
+        apply_object(stack, quota)
+
+        def status() -> dict[str, Any]:
+            out = cluster.kubectl("get", "clusterflowquota", name, "-o", "json")
+            found: dict[str, Any] = json.loads(out.stdout).get("status") or {}
+            return found
+
+        wait_for(lambda: status().get("summary") == "tokens 0%", 60, "the cluster quota in use")
+        mark = len(stack.stub.ledger())
+        flows.apply("one", {"definition": {"schema": "crewai.flow/v1", "name": "One", "methods": {"draft": {
+            "start": True, "do": {"call": "agent", "with": {**CAPPED_WRITER, "input": "DRAFT about orgs"}}}}}})
+        flows.wait_phase("one", "Succeeded", timeout=RUN_TIMEOUT)
+        spent = ledger_usage(stack.stub.ledger()[mark:]).total_tokens
+        assert spent > 0
+        wait_for(lambda: status()["limits"][0]["used"].get("totalTokens") == spent, 60, "the ledger's tokens")
+        quota["spec"]["limits"][0]["maxTotalTokens"] = spent
+        apply_object(stack, quota)
+        wait_for(lambda: any(x["type"] == "Exhausted" and x["status"] == "True" for x in status()["conditions"]),
+                 60, "Exhausted")
+        refused = apply_object(stack, labelled_flow("two", None, "other"), other, check=False)
+        assert refused.returncode != 0 and f"ClusterFlowQuota {name}: limit tokens" in refused.stderr, refused.stderr
+        assert "is exhausted" in refused.stderr
+        columns = cluster.kubectl("get", "clusterflowquotas", name).stdout
+        assert "tokens 100%" in columns and "True" in columns
+    finally:
+        cluster.kubectl("delete", "clusterflowquota", name, "--ignore-not-found")
+        cluster.kubectl("delete", "namespace", other, "--wait=false")

@@ -1,7 +1,7 @@
 """FlowQuota and ClusterFlowQuota: a team's spend and token limits over time windows (issue 41).
 
-FlowQuota is served (``crd.KINDS``) and enforced by an operator with quotas on (the chart's
-``quotas.enabled``). ClusterFlowQuota is not served yet: its model fixes the API it will have.
+Both are served (``crd.KINDS``) and enforced by an operator with quotas on (the chart's
+``quotas.enabled``).
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ from pydantic import ConfigDict, Field, model_validator
 from flowkube_api import selectors
 from flowkube_api.base import Model, Money, Time
 from flowkube_api.models.common import FreeObject, cel
-from flowkube_api.report import SpentSoFar
+from flowkube_api.report import Charge, SpentSoFar
 from flowkube_api.windows import ROLLING_HOURS_LIMIT, WindowError, WindowSpec
 
 QUOTA_LIMITS_LIMIT = 16  # limits of one quota
+RETIRED_LIMIT = 2048  # entries of a quota's status.retired (past it, a model's oldest quarter hours merge)
 QUOTA_NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
 
@@ -118,6 +119,9 @@ class FlowQuotaStatus(Model):
     next_reset: Time | None = Field(default=None, description="The earliest resetsAt of its limits.")
     limits: list[LimitStatus] | None = None
     conditions: list[QuotaCondition] | None = None
+    retired: list[Charge] | None = Field(
+        default=None, max_length=RETIRED_LIMIT, description="What the Flows it covered that were deleted had "
+        "charged, by quarter hour and model: it still counts in its windows (kept by the operator across restarts).")
 
 
 class FlowQuota(Model):

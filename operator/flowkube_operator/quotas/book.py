@@ -149,6 +149,19 @@ Charges = list[tuple[dt.datetime, str, Spend]]  # (when, model, spend)
 FREED_KEPT = 65536  # freed reservation ids remembered (a held list is at most a few requests old)
 
 
+def parse_charges(entries: Any) -> Charges:
+    """Charges as a status holds them (``[{at, model, totalTokens, cost}]``); an entry that is not one
+    is left out."""
+    out: Charges = []
+    for c in entries if isinstance(entries, list) else []:
+        try:
+            charge = Charge.model_validate(c)
+        except ValidationError:
+            continue
+        out.append((charge.at, charge.model, Spend(charge.total_tokens, charge.cost)))
+    return out
+
+
 def flow_charges(status: Mapping[str, Any]) -> Charges:
     """What a Flow's ended runs charged, from its status: each run's ``charges`` (by quarter hour and
     model), or, for a run without them (an older operator's, or a report that only reached the
@@ -160,12 +173,7 @@ def flow_charges(status: Mapping[str, Any]) -> Charges:
             continue
         charges = run.get("charges")
         if isinstance(charges, list) and charges:
-            for c in charges:
-                try:
-                    charge = Charge.model_validate(c)
-                except ValidationError:
-                    continue
-                out.append((charge.at, charge.model, Spend(charge.total_tokens, charge.cost)))
+            out += parse_charges(charges)
             continue
         usage = Usage.read(run.get("usage"))
         ended = parse_time(run.get("finishedAt"))

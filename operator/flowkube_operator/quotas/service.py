@@ -66,8 +66,12 @@ class Caller(Protocol):
 
 
 def quota_path(namespace: str, name: str | None = None, sub: str | None = None) -> str:
+    """A FlowQuota's path (namespace "" and no name: every namespace's), or, for namespace "" and a
+    name, that ClusterFlowQuota's."""
     if not namespace:
-        return f"/apis/{c.GROUP}/{c.VERSION}/{c.QUOTA_PLURAL}"
+        if name is None:
+            return f"/apis/{c.GROUP}/{c.VERSION}/{c.QUOTA_PLURAL}"
+        return f"/apis/{c.GROUP}/{c.VERSION}/{c.CLUSTER_QUOTA_PLURAL}/{name}" + (f"/{sub}" if sub else "")
     return ns_path(namespace, c.QUOTA_PLURAL, name, group=c.GROUP, version=c.VERSION, sub=sub)
 
 
@@ -89,6 +93,7 @@ class Quotas:
         self._why: dict[Key, str] = {}  # quota -> why it is not used
         self._written: dict[Key, Body] = {}  # quota -> the status last written
         self._backfill: set[str] = set()  # label keys whose Flows are to be listed
+        self._backfill_namespaces: set[str] = set()  # label keys whose namespaces are to be listed
         self._fetch: set[Key] = set()  # waiting quotas to read again (a place came free)
         self._namespaces: list[str] = []
         self._wake = asyncio.Event()
@@ -96,14 +101,29 @@ class Quotas:
     # -- the watches ---------------------------------------------------------------------------------
 
     def informers(self, kube: Callable[[], Kube | None], namespaces: list[str]) -> list[Informer]:
+        """FlowQuotas (per watched namespace, or all), ClusterFlowQuotas, and namespaces (their labels:
+        a ClusterFlowQuota's namespaceSelector)."""
         self._namespaces = list(namespaces)
-        return [Informer(kube, quota_path(ns), c.API_VERSION, c.QUOTA_KIND, self.quota_event)
-                for ns in namespaces or [""]]
+        return [*(Informer(kube, quota_path(ns), c.API_VERSION, c.QUOTA_KIND, self.quota_event)
+                  for ns in namespaces or [""]),
+                Informer(kube, f"/apis/{c.GROUP}/{c.VERSION}/{c.CLUSTER_QUOTA_PLURAL}", c.API_VERSION,
+                         c.CLUSTER_QUOTA_KIND, self.quota_event),
+                Informer(kube, "/api/v1/namespaces", "v1", "Namespace", self.namespace_event, keep_label="")]
+
+    def namespace_event(self, event_type: str, body: Body) -> None:
+        meta = body.get("metadata") or {}
+        name = str(meta.get("name") or "")
+        if self._watched(name):
+            labels = {str(k): str(v) for k, v in (meta.get("labels") or {}).items()}
+            self.tracker.namespace_event(name, None if event_type == "DELETED" else labels)
+
+    def _watched(self, namespace: str) -> bool:
+        return not self._namespaces or namespace in self._namespaces
 
     def quota_event(self, event_type: str, body: Body) -> None:
         meta = body.get("metadata") or {}
-        key = (str(meta.get("namespace") or ""), str(meta.get("name") or ""))
-        before = self.tracker.label_keys()
+        key = (str(meta.get("namespace") or ""), str(meta.get("name") or ""))  # ("", name): a ClusterFlowQuota
+        before, spaces_before = self.tracker.label_keys(), self.tracker.namespace_keys()
         if event_type == "DELETED":
             self.tracker.quota_event(None, *key)
             self._known.pop(key, None)
@@ -120,7 +140,8 @@ class Quotas:
             else:
                 self._why[key] = why
         self._backfill |= self.tracker.label_keys() - before
-        if self._backfill or self._fetch:
+        self._backfill_namespaces |= self.tracker.namespace_keys() - spaces_before
+        if self._backfill or self._fetch or self._backfill_namespaces:
             self._wake.set()
 
     def flow_changed(self, key: Key, body: Body | None) -> None:
@@ -243,6 +264,17 @@ class Quotas:
             found = await kube.get(quota_path(namespace, name))
             if found is not None:
                 self.quota_event("MODIFIED", found)
+        while self._backfill_namespaces:
+            key = self._backfill_namespaces.pop()
+            cont = ""
+            while True:
+                params = {"labelSelector": key, "limit": str(BACKFILL_PAGE), **({"continue": cont} if cont else {})}
+                page, _ = await kube.list_page("/api/v1/namespaces", params, max_bytes=64 * 1024 * 1024)
+                for namespace in page.get("items") or []:
+                    self.namespace_event("MODIFIED", namespace)
+                cont = (page.get("metadata") or {}).get("continue") or ""
+                if not cont:
+                    break
         while self._backfill:
             key = self._backfill.pop()
             for ns in self._namespaces or [""]:
@@ -301,6 +333,7 @@ class Quotas:
                      "limits": [lim.model_dump(mode="json", by_alias=True, exclude_none=True) for lim in limits],
                      "conditions": [_dump(x) for x in (ready, *conditions)]}
         out["nextReset"] = min(resets).isoformat().replace("+00:00", "Z") if resets else None
+        out["retired"] = self.tracker.retired(f"FlowQuota {key[0]}/{key[1]}") or None
         return out
 
     async def write_statuses(self) -> int:

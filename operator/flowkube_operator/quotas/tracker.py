@@ -26,9 +26,15 @@ from pydantic import ValidationError
 from flowkube_api import constants as c
 from flowkube_api import selectors
 from flowkube_api.base import money_text
-from flowkube_api.models.quota import FlowQuotaSpec, LimitStatus, QuotaCondition
+from flowkube_api.models.quota import (
+    RETIRED_LIMIT,
+    ClusterFlowQuotaSpec,
+    FlowQuotaSpec,
+    LimitStatus,
+    QuotaCondition,
+)
 from flowkube_api.report import SpentSoFar
-from flowkube_api.windows import resets_at, window_at
+from flowkube_api.windows import bucket_of, resets_at, window_at
 from flowkube_operator.quotas.book import (
     Charges,
     Limit,
@@ -38,6 +44,7 @@ from flowkube_operator.quotas.book import (
     Spend,
     flow_charges,
     limits_of,
+    parse_charges,
 )
 
 Body = dict[str, Any]
@@ -47,12 +54,19 @@ ENDED_KEPT = 4096  # pods whose runs ended lately: a late word from one charges 
 
 @dataclass(frozen=True)
 class _Quota:
-    name: str  # "FlowQuota <namespace>/<name>"
-    namespace: str
+    name: str  # "FlowQuota <namespace>/<name>", or "ClusterFlowQuota <name>"
+    namespace: str  # "" for a ClusterFlowQuota
     selector: selectors.Selector
     warn_at: tuple[int, ...]
     created: str  # creationTimestamp: a namespace's first QUOTAS_PER_NAMESPACE_LIMIT are used
     action: str = "Refuse"  # a new Flow while a limit is exhausted: Refuse (at apply) or Queue
+    short: str = ""  # its metadata.name
+    namespaces: selectors.Selector | None = None  # a ClusterFlowQuota's namespaceSelector
+
+    def covers(self, namespace: str, flow_labels: dict[str, str], namespace_labels: dict[str, str]) -> bool:
+        if self.namespaces is None:
+            return self.namespace == namespace and self.selector.matches(flow_labels)
+        return self.namespaces.matches(namespace_labels) and self.selector.matches(flow_labels)
 
 
 @dataclass
@@ -63,7 +77,9 @@ class _Flow:
 
 
 def quota_name(namespace: str, name: str) -> str:
-    return f"FlowQuota {namespace}/{name}"
+    """How messages and the book name a quota: a FlowQuota by namespace and name, a ClusterFlowQuota
+    (namespace "") by name."""
+    return f"FlowQuota {namespace}/{name}" if namespace else f"ClusterFlowQuota {name}"
 
 
 class QuotaTracker:
@@ -75,6 +91,9 @@ class QuotaTracker:
         self._running: dict[str, str] = {}  # "<namespace>/<pod>" -> flow uid: pods whose settled calls are theirs
         self._ended: OrderedDict[str, None] = OrderedDict()  # holders whose runs are in their Flow's status
         self._active: dict[tuple[str, str], str] = {}  # a covered Flow -> the pod of its run going on
+        self._namespace_labels: dict[str, dict[str, str]] = {}  # only the keys namespaceSelectors name
+        # Per quota, what its deleted Flows had charged (status.retired): (quarter hour, model) -> spend.
+        self._retired: dict[str, dict[tuple[dt.datetime, str], Spend]] = {}
 
     # -- what the watches see ------------------------------------------------------------------------
 
@@ -82,41 +101,76 @@ class QuotaTracker:
         """The label keys quota selectors name: the only labels of a Flow anything keeps."""
         return frozenset(r.key for q in self._quotas.values() for r in q.selector.requirements)
 
+    def namespace_keys(self) -> frozenset[str]:
+        """The label keys ClusterFlowQuota namespaceSelectors name: the only labels of a namespace kept."""
+        return frozenset(r.key for q in self._quotas.values() if q.namespaces is not None
+                         for r in q.namespaces.requirements)
+
+    def namespace_event(self, namespace: str, labels: dict[str, str] | None) -> None:
+        """A namespace seen (or gone: None): its labels decide which ClusterFlowQuotas cover its Flows."""
+        keys = self.namespace_keys()
+        kept = {k: v for k, v in (labels or {}).items() if k in keys}
+        if labels is None:
+            self._namespace_labels.pop(namespace, None)
+        elif self._namespace_labels.get(namespace) != kept:
+            self._namespace_labels[namespace] = kept
+        else:
+            return
+        cluster = [q for q in self._quotas.values() if q.namespaces is not None]
+        for (ns, _flow), f in self._flows.items():
+            if ns == namespace and cluster:  # decided afresh: a namespace's labels are its admins'
+                self._cover(f, {k for k in f.quotas if k not in {q.name for q in cluster}}
+                            | {q.name for q in cluster if q.covers(ns, f.labels, kept)})
+
     def quota_event(self, body: Body | None, namespace: str, name: str) -> str | None:
         """A FlowQuota seen (or gone: None). Returns why it is not used (None: it is)."""
         key = quota_name(namespace, name)
         if body is None:
             self._waiting.pop(key, None)
             self._drop(key)
+            self._retired.pop(key, None)
+            self.book.drop_source(f"retired:{key}")
             return None
+        if key not in self._retired:  # a restart: what its deleted Flows charged, from its status
+            self._retired[key] = {}
+            self._add_retired(key, parse_charges((body.get("status") or {}).get("retired")))
         created = str((body.get("metadata") or {}).get("creationTimestamp") or "")
+        cluster = not namespace
         try:
-            spec = FlowQuotaSpec.model_validate(body.get("spec") or {})
+            spec: FlowQuotaSpec = (ClusterFlowQuotaSpec if cluster else FlowQuotaSpec).model_validate(
+                body.get("spec") or {})
             selector = selectors.parse(spec.selector, "spec.selector")
+            namespaces = selectors.parse(getattr(spec, "namespace_selector", None),
+                                         "spec.namespaceSelector") if cluster else None
         except (ValidationError, selectors.SelectorError) as e:
             self._drop(key)
             return str(e)
         if key not in self._quotas and self._full(namespace):
             self._waiting[key] = (created, name)
-            return (f"namespace {namespace} has {c.QUOTAS_PER_NAMESPACE_LIMIT} FlowQuotas already: this one is used "
-                    "once an older one is deleted")
+            where = "the cluster has" if cluster else f"namespace {namespace} has"
+            return (f"{where} {self._room(namespace)} {'ClusterFlowQuotas' if cluster else 'FlowQuotas'} already: "
+                    "this one is used once an older one is deleted")
         keys = self.label_keys() | {r.key for r in selector.requirements}
-        if len(keys) > c.QUOTA_LABEL_KEYS_LIMIT:
+        spaces = self.namespace_keys() | {r.key for r in namespaces.requirements} if namespaces else set()
+        if len(keys) > c.QUOTA_LABEL_KEYS_LIMIT or len(spaces) > c.QUOTA_LABEL_KEYS_LIMIT:
             self._drop(key)
             return (f"spec.selector: quota selectors together may name at most {c.QUOTA_LABEL_KEYS_LIMIT} label "
-                    "keys, and this one would make more")
+                    "keys (of Flows, and of namespaces), and this one would make more")
         self._waiting.pop(key, None)
-        self._quotas[key] = _Quota(key, namespace, selector, tuple(spec.warn_at or (DEFAULT_WARN_AT,)), created,
-                                   spec.action)
+        quota = self._quotas[key] = _Quota(key, namespace, selector, tuple(spec.warn_at or (DEFAULT_WARN_AT,)),
+                                           created, spec.action, name, namespaces)
         self.book.set_limits(key, limits_of(key, spec))
         for (ns, _flow), f in self._flows.items():
-            if ns == namespace:  # the quota's coverage decided afresh (its spec may have changed)
-                quotas = (f.quotas - {key}) | ({key} if selector.matches(f.labels) else set())
-                self._cover(f, quotas)
+            if cluster or ns == namespace:  # the quota's coverage decided afresh (its spec may have changed)
+                covered = quota.covers(ns, f.labels, self._namespace_labels.get(ns, {}))
+                self._cover(f, (f.quotas - {key}) | ({key} if covered else set()))
         return None
 
+    def _room(self, namespace: str) -> int:
+        return c.CLUSTER_QUOTAS_LIMIT if not namespace else c.QUOTAS_PER_NAMESPACE_LIMIT
+
     def _full(self, namespace: str) -> bool:
-        return sum(q.namespace == namespace for q in self._quotas.values()) >= c.QUOTAS_PER_NAMESPACE_LIMIT
+        return sum(q.namespace == namespace for q in self._quotas.values()) >= self._room(namespace)
 
     def next_waiting(self, namespace: str) -> str | None:
         """The name of the oldest FlowQuota of ``namespace`` waiting for a free place, if one is free."""
@@ -137,8 +191,10 @@ class QuotaTracker:
     def flow_event(self, namespace: str, name: str, body: Body | None) -> None:
         """A Flow seen (or gone: None; a deleted Flow's charges stay in the book: they were spent)."""
         if body is None:
-            self._flows.pop((namespace, name), None)
+            gone = self._flows.pop((namespace, name), None)
             self._active.pop((namespace, name), None)
+            if gone is not None:
+                self._retire(gone)
             return
         meta = body.get("metadata") or {}
         uid = str(meta.get("uid") or "")
@@ -146,7 +202,8 @@ class QuotaTracker:
         labels = {str(k): str(v) for k, v in (meta.get("labels") or {}).items() if k in keys}
         known = self._flows.get((namespace, name))
         sticky = known.quotas if known is not None and known.uid == uid else frozenset()
-        matched = {q.name for q in self._quotas.values() if q.namespace == namespace and q.selector.matches(labels)}
+        spaces = self._namespace_labels.get(namespace, {})
+        matched = {q.name for q in self._quotas.values() if q.covers(namespace, labels, spaces)}
         f = self._flows[(namespace, name)] = _Flow(uid, labels, sticky | matched)
         status = body.get("status") or {}
         self.book.set_source(f"flow:{uid}", sorted(f.quotas), flow_charges(status))
@@ -166,6 +223,43 @@ class QuotaTracker:
                 self._ended[holder] = None
                 while len(self._ended) > ENDED_KEPT:
                     self._ended.popitem(last=False)
+
+    def _retire(self, f: _Flow) -> None:
+        """A deleted Flow: what it charged (its ended runs, and the calls its pods settled) moves into
+        each covering quota's retired charges, which its status keeps, in one step; its pods'
+        reservations are freed (the pods go with it)."""
+        source = f"flow:{f.uid}"
+        charges = self.book.source_charges(source)
+        self.book.drop_source(source)
+        for holder in [h for h, uid in self._running.items() if uid == f.uid]:
+            charges += self.book.source_charges(f"run:{holder}")
+            self.book.drop_source(f"run:{holder}")
+            self.book.release(holder)
+            del self._running[holder]
+        for quota in f.quotas & self._quotas.keys():
+            self._add_retired(quota, charges)
+
+    def _add_retired(self, quota: str, charges: Charges) -> None:
+        kept = self._retired.setdefault(quota, {})
+        for at, model, spend in charges:
+            slot = (bucket_of(at), model)
+            kept[slot] = kept.get(slot, Spend()) + spend
+        while len(kept) > RETIRED_LIMIT:  # a model's oldest quarter hour into its next: counted later, never early
+            by_model: dict[str, list[dt.datetime]] = {}
+            for at, model in kept:
+                by_model.setdefault(model, []).append(at)
+            model, times = max(by_model.items(), key=lambda kv: len(kv[1]))
+            if len(times) < 2:
+                break
+            first, second = sorted(times)[:2]
+            kept[(second, model)] = kept[(second, model)] + kept.pop((first, model))
+        self.book.set_source(f"retired:{quota}", [quota], [(at, m, sp) for (at, m), sp in kept.items()])
+
+    def retired(self, quota: str) -> list[Body]:
+        """A quota's status.retired: its deleted Flows' charges, oldest first."""
+        return [{"at": at.isoformat().replace("+00:00", "Z"), "model": model, "totalTokens": spend.tokens,
+                 "cost": money_text(spend.cost)}
+                for (at, model), spend in sorted(self._retired.get(quota, {}).items()) if spend != Spend()]
 
     def _cover(self, f: _Flow, quotas: frozenset[str] | set[str]) -> None:
         """A Flow whose covering quotas changed: its source again, under them."""
@@ -227,8 +321,9 @@ class QuotaTracker:
     def refuses(self, namespace: str, labels: dict[str, str], now: dt.datetime) -> str | None:
         """Why a new Flow with these labels is refused at apply: a quota that would cover it, with
         ``action: Refuse``, has a limit used up (None: it is admitted; a ``Queue`` quota holds it)."""
+        spaces = self._namespace_labels.get(namespace, {})
         quotas = sorted(q.name for q in self._quotas.values()
-                        if q.namespace == namespace and q.action == "Refuse" and q.selector.matches(labels))
+                        if q.action == "Refuse" and q.covers(namespace, labels, spaces))
         why = self._used_up(quotas, now)
         return f"{why}; it refuses new Flows until then (spec.action: Refuse)" if why else None
 
@@ -244,7 +339,7 @@ class QuotaTracker:
 
     def quotas(self) -> list[tuple[str, str]]:
         """(namespace, name) of every quota in use."""
-        return [(q.namespace, q.name.split("/", 1)[1]) for q in self._quotas.values()]
+        return [(q.namespace, q.short) for q in self._quotas.values()]
 
     def status(self, namespace: str, name: str, now: dt.datetime) -> tuple[list[LimitStatus], list[QuotaCondition]]:
         """The quota's ``status.limits`` and conditions as of ``now``."""

@@ -252,6 +252,8 @@ def test_user_roles(helm: Path) -> None:
                                         (c.GROUP, "flowquotas"): {"get", "list", "watch"},
                                         (c.GROUP, "flowquotas/status"): {"get", "list", "watch"},
                                         (c.GROUP, "clusterflowtemplates"): {"get", "list", "watch"},
+                                        (c.GROUP, "clusterflowquotas"): {"get", "list", "watch"},
+                                        (c.GROUP, "clusterflowquotas/status"): {"get", "list", "watch"},
                                         # the template snapshot a Flow runs (the console reads it)
                                         ("apps", "controllerrevisions"): {"get"}}
     assert viewer["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
@@ -265,6 +267,9 @@ def test_user_roles(helm: Path) -> None:
     assert "flows/status" not in {r for rule in editor["rules"] for r in rule["resources"]}
     # A namespace's quotas are its admins', not its editors': whoever edits Flows cannot lift them,
     # and nobody but the operator writes their status.
+    teams = named(objs, "ClusterRole", "flowkube-clusterflowquota-editor")
+    assert _grants(teams["rules"]) == {(c.GROUP, "clusterflowquotas"): every}
+    assert not [k for k in teams["metadata"]["labels"] if k.startswith("rbac.authorization.k8s.io/")]
     quotas = named(objs, "ClusterRole", "flowkube-flowquota-editor")
     assert _grants(quotas["rules"]) == {(c.GROUP, "flowquotas"): every}
     assert [k for k in quotas["metadata"]["labels"] if k.startswith("rbac.authorization.k8s.io/")] == [
@@ -363,6 +368,15 @@ def test_quotas_on_grant_the_flowquota_watch_and_status_and_tell_the_operator(he
     grants = _grants(_operator_rules(on))
     assert grants[(c.GROUP, "flowquotas")] == {"get", "list", "watch"}
     assert grants[(c.GROUP, "flowquotas/status")] == {"get", "patch"}, "the operator never changes a quota's spec"
+    cluster = _grants(named(on, "ClusterRole", "flowkube-operator")["rules"])
+    assert cluster[(c.GROUP, "clusterflowquotas")] == {"get", "list", "watch"}
+    assert cluster[(c.GROUP, "clusterflowquotas/status")] == {"get", "patch"}
+    assert cluster[("", "namespaces")] == {"list", "watch"}, "a namespaceSelector's labels, no get"
+    assert (c.GROUP, "clusterflowquotas") not in _grants(named(off, "ClusterRole", "flowkube-operator")["rules"])
+    namespaced = render(helm, "--set", "quotas.enabled=true", "--set", "rbac.scope=namespaced",
+                        "--set", "watchNamespaces={team-a}")
+    assert _grants(named(namespaced, "ClusterRole", "flowkube-operator")["rules"])[("", "namespaces")] == {
+        "list", "watch"}
     assert named(on, "CustomResourceDefinition", "flowquotas.flowkube.io")["spec"]["names"]["shortNames"] == ["fq"]
 
 
@@ -658,7 +672,8 @@ def test_names_follow_the_release(helm: Path) -> None:
     names = {o["metadata"]["name"] for o in of_kind(objs, "ClusterRole")}
     assert names == {"team-flowkube-operator", "team-flowkube-flow-viewer", "team-flowkube-flow-editor",
                      "team-flowkube-feedback-responder", "team-flowkube-metrics-reader",
-                     "team-flowkube-clusterflowtemplate-editor", "team-flowkube-flowquota-editor"}
+                     "team-flowkube-clusterflowtemplate-editor", "team-flowkube-flowquota-editor",
+                     "team-flowkube-clusterflowquota-editor"}
     assert of_kind(objs, "ValidatingWebhookConfiguration")[0]["metadata"]["name"] == "team-flowkube-ops.flowkube.io"
 
 

@@ -862,8 +862,12 @@ def test_quota_lists_each_cap_with_its_use_reservations_window_and_reset(
                "spec": {"limits": [{"name": "all", "maxTotalTokens": 1, "window": {"kind": "Lifetime"}}]},
                "status": {"conditions": [{"type": "Ready", "status": "False", "message": "namespace lab has 16"}]}}
     kubectl.on("get flowquotas", {"items": [team, waiting]})
+    platform = {"metadata": {"name": "platform"}, "spec": {"namespaceSelector": {"matchLabels": {"org": "x"}},
+                "limits": [{"name": "all", "maxCost": "1000", "window": {"kind": "Month"}}]}}
+    kubectl.on("get clusterflowquotas", {"items": [platform]})
     assert cli.main(["quota", "-A"]) == 0
-    assert kubectl.calls() == [["get", "flowquotas", "--all-namespaces", "-o", "json"]]
+    assert kubectl.calls() == [["get", "flowquotas", "--all-namespaces", "-o", "json"],
+                               ["get", "clusterflowquotas", "-o", "json"]]
     rows = [line.split("   ") for line in capsys.readouterr().out.splitlines()]
     cells = [[c.strip() for c in r if c.strip()] for r in rows]
     assert cells[0] == ["NAMESPACE", "QUOTA", "LIMIT", "USED", "OF", "RESERVED", "WINDOW", "RESETS"]
@@ -873,3 +877,13 @@ def test_quota_lists_each_cap_with_its_use_reservations_window_and_reset(
                         "2026-12-01T00:00:00+01:00"]
     assert cells[3] == ["lab", "team-a", "hourly", "50", "9000", "0", "rolling 1h", "-"]
     assert cells[4] == ["lab", "extra", "all", "not used", "1", "not used", "lifetime", "-"]
+    assert cells[5] == ["cluster/platform", "all", "-", "USD 1000", "-", "month (UTC)", "-"]
+
+
+def test_quota_leaves_out_cluster_quotas_a_user_may_not_list(kubectl: Kubectl,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    kubectl.on("get flowquotas", {"items": []})
+    kubectl.on("get clusterflowquotas", rc=1, err='Error from server (Forbidden): clusterflowquotas.flowkube.io is '
+               'forbidden: User "bob" cannot list resource "clusterflowquotas"')
+    assert cli.main(["quota"]) == 0
+    assert "No flowquotas found." in capsys.readouterr().err

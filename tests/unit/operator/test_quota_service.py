@@ -223,3 +223,68 @@ def test_the_quota_metrics_are_used_limit_and_reserved_per_limit_and_unit() -> N
     assert 'flowkube_quota_reserved{namespace="team",quota="tokens",limit="monthly",unit="usd"} 0.5' in lines
     assert not [x for x in lines if 'limit="daily",unit="usd"' in x], "no series for a cap the limit does not set"
     assert "# TYPE flowkube_quota_used gauge" in lines
+
+
+def test_a_deleted_flows_spend_stays_in_its_quotas_windows_across_an_operator_restart() -> None:
+    """A Flow deleted mid-run: its ended run and the calls its pod settled move into the quota's
+    status.retired (its reservations go with its pod); a new operator reads them back from the
+    quota's status, and counts them once."""
+    kube = FakeKube()
+    q = service(kube, [True], [NOW])
+    q.quota_event("ADDED", quota("tokens", 1000))
+    running = flow("a", {}, 30)
+    running["status"]["runs"].append({"pod": "a-1", "startedAt": "2026-11-28T08:12:00Z"})
+    q.flow_changed(("team", "a"), running)
+    asyncio.run(q._read_reports(kube))  # type: ignore[arg-type]
+    reservation = q.reserve(Pod("team", "a", "a-1"), "m", Spend(100), True)
+    assert isinstance(reservation, int)
+    assert q.settle(Pod("team", "a", "a-1"), reservation, [(NOW, "m", Spend(12))]) is True
+    q.reserve(Pod("team", "a", "a-1"), "m", Spend(100), True)  # a call in flight when the Flow goes
+    key = ("FlowQuota team/tokens", "daily")
+    assert q.tracker.book.used(key, NOW) == Spend(42) and q.tracker.book.reserved(key) == Spend(100)
+    q.flow_changed(("team", "a"), None)
+    assert q.tracker.book.used(key, NOW) == Spend(42) and q.tracker.book.reserved(key) == Spend(), "counted once"
+    asyncio.run(q.write_statuses())
+    status = kube.patches[-1][1]["status"]
+    assert status["retired"] == [{"at": "2026-11-28T08:00:00Z", "model": "m", "totalTokens": 30, "cost": "0"},
+                                 {"at": "2026-11-28T08:15:00Z", "model": "m", "totalTokens": 12, "cost": "0"}]
+    # A new operator: the quota as the API server has it now, no Flow left.
+    again = service(FakeKube(), [True], [NOW])
+    stored = quota("tokens", 1000)
+    stored["status"] = status
+    again.quota_event("ADDED", stored)
+    assert again.tracker.book.used(key, NOW) == Spend(42)
+    again.quota_event("MODIFIED", stored)  # the echo of its own write changes nothing
+    assert again.tracker.book.used(key, NOW) == Spend(42)
+
+
+def test_a_cluster_quota_covers_the_flows_of_the_namespaces_its_selector_picks_and_sums_them() -> None:
+    kube = FakeKube()
+    q = service(kube, [True], [NOW])
+    for ns, label in (("ns1", "a"), ("ns2", "a"), ("ns3", "b")):
+        q.namespace_event("ADDED", {"metadata": {"name": ns, "labels": {"team": label, "noise": "x" * 60}}})
+        f = flow("f", {}, 40)
+        f["metadata"]["namespace"] = ns
+        f["metadata"]["uid"] = f"uid-{ns}"
+        q.flow_changed((ns, "f"), f)
+    team = {"metadata": {"name": "team-a", "uid": "uid-cq", "generation": 1},
+            "spec": {"namespaceSelector": {"matchLabels": {"team": "a"}},
+                     "limits": [{"name": "daily", "maxTotalTokens": 100, "window": {"kind": "Day"}}]}}
+    q.quota_event("ADDED", team)
+    assert q.tracker.namespace_keys() == {"team"}
+    # The namespaces were seen before any selector named "team": listed again, as the loop does.
+    for name, label in (("ns1", "a"), ("ns2", "a"), ("ns3", "b")):
+        q.namespace_event("MODIFIED", {"metadata": {"name": name, "labels": {"team": label}}})
+    key = ("ClusterFlowQuota team-a", "daily")
+    assert q.tracker.book.used(key, NOW) == Spend(80), "ns1's and ns2's Flows, not ns3's"
+    assert q.tracker.covering("ns3", "f") == [] and q.tracker.covering("ns1", "f") == ["ClusterFlowQuota team-a"]
+    asyncio.run(q._read_reports(kube))  # type: ignore[arg-type]
+    refused = q.reserve(Pod("ns2", "f", "f-1"), "m", Spend(21), True)
+    assert isinstance(refused, Refusal) and refused.message().startswith("ClusterFlowQuota team-a: limit daily")
+    assert q.tracker.refuses("ns1", {}, NOW) is None and q.tracker.exhausted("ns1", "f", NOW) is None
+    # ns2 leaves the team: its Flow is not covered any more (a namespace's labels are its admins').
+    q.namespace_event("MODIFIED", {"metadata": {"name": "ns2", "labels": {"team": "b"}}})
+    assert q.tracker.covering("ns2", "f") == [] and q.tracker.book.used(key, NOW) == Spend(40)
+    asyncio.run(q.write_statuses())
+    path = next(p for p, _ in kube.patches if "clusterflowquotas" in p)
+    assert path == "/apis/flowkube.io/v1alpha1/clusterflowquotas/team-a/status"
