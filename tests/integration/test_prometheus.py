@@ -195,3 +195,16 @@ def test_the_quota_alerts_example_is_a_valid_rule_file_on_the_operators_metrics(
     exported = {name for name, _ in QUOTA_FAMILIES}
     for expr in alerts.values():
         assert set(re.findall(r"flowkube_\w+", expr)) <= exported, expr
+    # And what the operator exports for them is valid exposition text (a quota with a token and a cost cap).
+    import datetime as dt
+
+    from flowkube_operator.quotas.service import Quotas
+
+    quotas = Quotas(lambda: None, lambda: True, clock=lambda: dt.datetime(2026, 11, 28, 8, tzinfo=dt.UTC))
+    quotas.quota_event("ADDED", {"metadata": {"name": "team", "namespace": "lab", "uid": "u", "generation": 1},
+                                 "spec": {"limits": [{"name": "daily", "maxTotalTokens": 100, "maxCost": "2.5",
+                                                      "window": {"kind": "Day"}}]}})
+    text = quotas.metrics_text()
+    assert 'flowkube_quota_limit{namespace="lab",quota="team",limit="daily",unit="usd"} 2.5' in text
+    check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr

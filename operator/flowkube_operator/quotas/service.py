@@ -32,6 +32,7 @@ import datetime as dt
 import logging
 import time
 from collections.abc import Callable
+from decimal import Decimal
 from typing import Any, Protocol
 
 from pydantic import ValidationError
@@ -312,7 +313,8 @@ class Quotas:
                               f'limit="{_label_value(limit.name)}",unit="{unit}"')
                     for family, value in (("flowkube_quota_used", u), ("flowkube_quota_limit", cap),
                                           ("flowkube_quota_reserved", r)):
-                        samples[family].append(f"{family}{{{labels}}} {value}")
+                        text = f"{value:f}" if isinstance(value, Decimal) else str(value)  # never 1E+2
+                        samples[family].append(f"{family}{{{labels}}} {text}")
         out = []
         for family, help_text in QUOTA_FAMILIES:
             out += [f"# HELP {family} {help_text}", f"# TYPE {family} gauge", *samples[family]]
