@@ -125,3 +125,24 @@ def test_two_namespaces_pods_of_one_name_hold_their_own_reservations() -> None:
     t.flow_event("other", "a", ended_run)
     assert t.book.reserved(KEY) == Spend(60), "the other namespace's run ending frees only its own"
     assert t.reserve("team", "a", "a-0", "m", Spend(1), NOW) is not None
+
+
+def test_a_used_up_day_holds_runs_until_the_next_local_midnight_and_a_new_flow_only_under_refuse() -> None:
+    """A Day window in Berlin, used up at 08:20 UTC: runs are held and a new Flow refused (Refuse) until
+    23:00 UTC (midnight in Berlin), when the window resets; under Queue a new Flow is admitted."""
+    t = QuotaTracker()
+    body = quota(100)
+    body["spec"]["limits"][0]["window"]["timeZone"] = "Europe/Berlin"
+    t.quota_event(body, "team", "tokens")
+    t.flow_event("team", "a", flow("a", {}, ended("a-0", 100)))
+    held = t.exhausted("team", "a", NOW)
+    assert held is not None and held.startswith("FlowQuota team/tokens: limit daily") and "100 tokens used of 100" in held
+    assert "the window resets at 2026-11-28T23:00:00+00:00" in held
+    assert t.refuses("team", {}, NOW) is not None and t.refuses("other", {}, NOW) is None
+    before_midnight = dt.datetime(2026, 11, 28, 22, 59, tzinfo=dt.UTC)
+    assert t.exhausted("team", "a", before_midnight) is not None
+    assert t.exhausted("team", "a", dt.datetime(2026, 11, 28, 23, 0, tzinfo=dt.UTC)) is None, "a new day in Berlin"
+    queued = quota(100, action="Queue")
+    queued["spec"]["limits"][0]["window"]["timeZone"] = "Europe/Berlin"
+    t.quota_event(queued, "team", "tokens")
+    assert t.refuses("team", {}, NOW) is None and t.exhausted("team", "a", NOW) is not None, "admitted, then held"
