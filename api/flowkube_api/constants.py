@@ -30,7 +30,8 @@ CRONFLOW_NAME_LIMIT = 52  # + "-" + minutes since the epoch (8 digits until 2160
 QUOTA_KIND = "FlowQuota"
 QUOTA_PLURAL = "flowquotas"
 QUOTAS_PER_NAMESPACE_LIMIT = 16  # FlowQuotas one namespace's Flows are held to (more: the rest are not used)
-QUOTA_LABEL_KEYS_LIMIT = 32  # label keys all quota selectors together may name (Flow caches keep those labels)
+QUOTA_LABEL_KEYS_LIMIT = 8  # label keys one namespace's quota selectors may name (Flow caches keep those labels);
+# the ClusterFlowQuotas together have the same budget for Flows' keys, and another for namespaces' keys
 CLUSTER_QUOTA_KIND = "ClusterFlowQuota"  # a team's quota across the namespaces its namespaceSelector picks
 CLUSTER_QUOTA_PLURAL = "clusterflowquotas"
 CLUSTER_QUOTAS_LIMIT = 64  # ClusterFlowQuotas the operator uses (the oldest first)

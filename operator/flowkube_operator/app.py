@@ -119,8 +119,8 @@ class App:
             settings, listeners=[self.metrics.update, *([self.quotas.flow_changed] if self.quotas else [])],
             notifier=self.notifier, fence=self.elector.still_leading if self.elector is not None else lambda: True,
             state_ca=serving.ca_pem.decode() if serving is not None else "",
-            flow_labels=self.quotas.tracker.label_keys if self.quotas is not None else frozenset,
-            quota_exhausted=self.quotas.exhausted if self.quotas is not None else lambda namespace, flow: None)
+            flow_labels=self.quotas.tracker.label_keys_for if self.quotas else lambda namespace: frozenset(),
+            quota_exhausted=self.quotas.exhausted if self.quotas else lambda namespace, flow: None)
         self.state_api = StateApi(
             lambda: self.kube, self.controller.cache, self.controller, issuer=IssuerKeys(lambda: self.kube),
             limits=ClientLimits(settings.state_client_rate, settings.state_client_burst,
@@ -176,6 +176,10 @@ class App:
         informers = self.controller.informers(lambda: self.kube, self.settings.watch_namespaces)
         if self.quotas is not None:
             informers += self.quotas.informers(lambda: self.kube, self.settings.watch_namespaces)
+            # The desk answers no reservation before every watch has listed: a quota not seen yet
+            # would let a call through unreserved.
+            listed = list(informers)
+            self.quotas.listed = lambda: all(i.synced.is_set() for i in listed)
         self._watches = [asyncio.create_task(informer.run()) for informer in informers]
         if self.quotas is not None:
             self._watches.append(asyncio.create_task(self.quotas.run()))

@@ -50,7 +50,7 @@ class FlowCache:
 
     def __init__(self, listeners: Sequence[FlowListener] = (), *, wake: Callable[[Key], None] = lambda key: None,
                  stale_warm: Callable[[Key], None] = lambda key: None,
-                 labels: Callable[[], frozenset[str]] = frozenset) -> None:
+                 labels: Callable[[str], frozenset[str]] = lambda namespace: frozenset()) -> None:
         # Flows are kept as compact JSON: a parsed status is ~10x larger as Python objects, and
         # most cached Flows are finished ones that are rarely read again.
         self.flows: dict[Key, tuple[int, str, bytes]] = {}  # (resourceVersion, uid, JSON)
@@ -61,7 +61,7 @@ class FlowCache:
         self._listeners = tuple(listeners)
         self._changed: dict[Key, asyncio.Event] = {}  # set when the Flow changes: wakes the long polls
         self._wake, self._stale_warm = wake, stale_warm
-        self._labels = labels  # the label keys kept beyond the operator's own (FlowQuota selectors name them)
+        self._labels = labels  # per namespace, the label keys kept beyond the operator's own (quota selectors')
 
     def informers(self, kube: Callable[[], Kube | None], namespaces: list[str]) -> list[Informer]:
         """The two watches that feed the caches: Flows and runner pods, cluster-wide or per namespace.
@@ -78,7 +78,7 @@ class FlowCache:
     def flow_event(self, event_type: str, body: Body) -> None:
         """A Flow's watch event (or our own write's answer): kept as its projection (projections.flow),
         which is also what the listeners hear."""
-        body = projections.flow(body, self._labels())
+        body = projections.flow(body, self._labels(str((body.get("metadata") or {}).get("namespace") or "")))
         meta = body["metadata"]
         key = (meta.get("namespace", ""), meta.get("name", ""))
         cached = self.flows.get(key)

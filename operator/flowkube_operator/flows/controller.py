@@ -58,7 +58,8 @@ class Controller:
 
     def __init__(self, settings: Settings, listeners: Sequence[FlowListener] = (), *,
                  fence: Callable[[], bool] = lambda: True, state_ca: str = "",
-                 notifier: Notifier | None = None, flow_labels: Callable[[], frozenset[str]] = frozenset,
+                 notifier: Notifier | None = None,
+                 flow_labels: Callable[[str], frozenset[str]] = lambda namespace: frozenset(),
                  quota_exhausted: Callable[[str, str], str | None] = lambda namespace, flow: None) -> None:
         self.settings = settings
         self.kube: Kube | None = None

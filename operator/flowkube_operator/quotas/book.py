@@ -102,8 +102,11 @@ class Refusal:
     needed: Spend
     resets: dt.datetime | None
     unpriced: str | None = None  # the model with no price a cost limit cannot bound
+    reason: str | None = None  # refused for another reason than the limit's room
 
     def message(self) -> str:
+        if self.reason is not None:
+            return f"{self.limit.quota}: {self.reason}"
         if self.unpriced is not None:
             return (f"{self.limit.describe()}: model {self.unpriced} has no price, so this limit cannot bound "
                     "its calls (price it in the operator's FLOWKUBE_PRICES)")
@@ -147,6 +150,7 @@ class _Account:
 
 Charges = list[tuple[dt.datetime, str, Spend]]  # (when, model, spend)
 FREED_KEPT = 65536  # freed reservation ids remembered (a held list is at most a few requests old)
+HELD_PER_RUN = 64  # reservations one run holds at once (its parallel calls)
 
 
 def parse_charges(entries: Any) -> Charges:
@@ -217,11 +221,14 @@ class QuotaBook:
             for quotas, charges in self._sources.values():
                 if quota in quotas:
                     self._add(account, charges, 1)
-            # Calls in flight count under the new account too (a limit remade, a quota made again).
+            # Calls in flight count under the new account too (a limit remade, a quota made again);
+            # one the remade limit no longer covers (another model now) is not its own any more.
             for r in self._reservations.values():
                 if quota in r.quotas and lim.covers(r.model):
                     account.reserved = account.reserved + r.spend
                     r.limits = (*r.limits, lim.key) if lim.key not in r.limits else r.limits
+                elif lim.key in r.limits:
+                    r.limits = tuple(k for k in r.limits if k != lim.key)
 
     def limits(self, quota: str) -> list[Limit]:
         return [a.limit for k, a in self._accounts.items() if k[0] == quota]
@@ -278,6 +285,9 @@ class QuotaBook:
         limit it would pass. A call of a model with no price (``priced`` false: its cost is unknown,
         not zero) is refused under any limit with a cost cap."""
         accounts = [a for a in self._covering(quotas) if a.limit.covers(model)]
+        if accounts and len(self._by_holder.get(holder, ())) >= HELD_PER_RUN:
+            return Refusal(accounts[0].limit, Spend(), accounts[0].reserved, worst, None,
+                           reason=f"a run holds at most {HELD_PER_RUN} reservations at once")
         for account in accounts:
             if not priced and account.limit.max_cost is not None:
                 return Refusal(account.limit, Spend(), account.reserved, worst, None, unpriced=model)
@@ -301,6 +311,8 @@ class QuotaBook:
         its run already, or made with another leader); the charges count all the same, under
         ``quotas`` (the run's covering quotas) then."""
         reservation = self._free(reservation_id, holder)
+        if reservation is None:
+            self._forget(reservation_id)  # made with another leader: a held list older than this must not restore it
         self.run_charges(holder, list(reservation.quotas) if reservation is not None else list(quotas), charges)
         return reservation is not None
 
@@ -308,7 +320,8 @@ class QuotaBook:
         """A reservation a pod says it holds that this book does not know (it was made with another
         leader): taken again as it was, without a check (its call is in flight already). False when
         it is known."""
-        if reservation_id in self._reservations or reservation_id in self._freed:
+        if (reservation_id in self._reservations or reservation_id in self._freed
+                or len(self._by_holder.get(holder, ())) >= HELD_PER_RUN):
             return False
         accounts = [a for a in self._covering(quotas) if a.limit.covers(model)]
         for account in accounts:
@@ -327,6 +340,12 @@ class QuotaBook:
             return
         self.set_source(f"run:{holder}", quotas or (list(known[0]) if known is not None else []), charges)
 
+    def free(self, reservation_id: int, holder: str) -> bool:
+        """Free one reservation of ``holder`` (a late word of a run already counted); False when unknown."""
+        found = self._free(reservation_id, holder) is not None
+        self._forget(reservation_id)
+        return found
+
     def release(self, holder: str) -> int:
         """Free every reservation of ``holder`` (its run ended); how many there were."""
         ids = self._by_holder.pop(holder, set())
@@ -340,15 +359,19 @@ class QuotaBook:
         if reservation is None or (holder is not None and reservation.holder != holder):
             return None
         del self._reservations[reservation_id]
-        self._freed[reservation_id] = None
-        while len(self._freed) > FREED_KEPT:
-            self._freed.popitem(last=False)
+        self._forget(reservation_id)
         self._by_holder.get(reservation.holder, set()).discard(reservation_id)
         for key in reservation.limits:
             account = self._accounts.get(key)
             if account is not None:
-                account.reserved = account.reserved - reservation.spend
+                left = account.reserved - reservation.spend
+                account.reserved = Spend(max(0, left.tokens), max(Decimal(0), left.cost))
         return reservation
+
+    def _forget(self, reservation_id: int) -> None:
+        self._freed[reservation_id] = None
+        while len(self._freed) > FREED_KEPT:
+            self._freed.popitem(last=False)
 
     def _covering(self, quotas: list[str]) -> list[_Account]:
         wanted = set(quotas)

@@ -44,7 +44,7 @@ from flowkube_operator.kube.client import ApiError, Kube, flow_path, ns_path
 from flowkube_operator.kube.informer import Informer
 from flowkube_operator.meta import owner_uid
 from flowkube_operator.quotas.book import Charges, Refusal, Spend
-from flowkube_operator.quotas.tracker import QuotaTracker
+from flowkube_operator.quotas.tracker import QuotaTracker, quota_name
 
 log = logging.getLogger("flowkube.operator")
 
@@ -90,6 +90,7 @@ class Quotas:
         self._leading_since: float | None = None  # monotonic time this replica began to answer the desk
         self._reports_read = False  # the covered running pods' interim reports, read once per leadership
         self._heard: set[str] = set()  # "<namespace>/<pod>" that told this leader what they hold
+        self.listed: Callable[[], bool] = lambda: True  # every watch has listed once (the app sets it)
         self._known: dict[Key, tuple[str, int]] = {}  # quota -> (uid, generation)
         self._why: dict[Key, str] = {}  # quota -> why it is not used
         self._written: dict[Key, Body] = {}  # quota -> the status last written
@@ -157,6 +158,8 @@ class Quotas:
         is recovering), or None (not the leader)."""
         if not self._lead():
             return None
+        if not self.listed():
+            return "the operator is still listing FlowQuotas and Flows: ask again"
         self._adopt(t, charges, held or [])
         if not self.tracker.covering(t.namespace, t.flow):
             return 0  # no quota covers the Flow: nothing to reserve, nothing to wait for
@@ -248,7 +251,7 @@ class Quotas:
                 await self._catch_up()
                 if self._lead():
                     kube = self._kube()
-                    if not self._reports_read and kube is not None:
+                    if not self._reports_read and kube is not None and self.listed():
                         await self._read_reports(kube)
                     await self.write_statuses()
             except asyncio.CancelledError:
@@ -303,7 +306,7 @@ class Quotas:
         now = self._clock()
         samples: dict[str, list[str]] = {name: [] for name, _ in QUOTA_FAMILIES}
         for namespace, name in sorted(self.tracker.quotas()):
-            for limit in self.tracker.book.limits(f"FlowQuota {namespace}/{name}"):
+            for limit in self.tracker.book.limits(quota_name(namespace, name)):
                 used, reserved = self.tracker.book.used(limit.key, now), self.tracker.book.reserved(limit.key)
                 for unit, cap, u, r in (("tokens", limit.max_tokens, used.tokens, reserved.tokens),
                                         ("usd", limit.max_cost, used.cost, reserved.cost)):
@@ -335,7 +338,7 @@ class Quotas:
                      "limits": [lim.model_dump(mode="json", by_alias=True, exclude_none=True) for lim in limits],
                      "conditions": [_dump(x) for x in (ready, *conditions)]}
         out["nextReset"] = min(resets).isoformat().replace("+00:00", "Z") if resets else None
-        out["retired"] = self.tracker.retired(f"FlowQuota {key[0]}/{key[1]}") or None
+        out["retired"] = self.tracker.retired(quota_name(*key)) or None
         return out
 
     async def write_statuses(self) -> int:

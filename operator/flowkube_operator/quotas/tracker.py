@@ -76,6 +76,10 @@ class _Flow:
     quotas: frozenset[str]  # every quota that has covered it (sticky: see the module's docstring)
 
 
+def _holder(namespace: str, pod: str, flow_uid: str) -> str:
+    return f"{namespace}/{pod}/{flow_uid}"
+
+
 def quota_name(namespace: str, name: str) -> str:
     """How messages and the book name a quota: a FlowQuota by namespace and name, a ClusterFlowQuota
     (namespace "") by name."""
@@ -98,8 +102,14 @@ class QuotaTracker:
     # -- what the watches see ------------------------------------------------------------------------
 
     def label_keys(self) -> frozenset[str]:
-        """The label keys quota selectors name: the only labels of a Flow anything keeps."""
+        """The label keys any quota selector names."""
         return frozenset(r.key for q in self._quotas.values() for r in q.selector.requirements)
+
+    def label_keys_for(self, namespace: str) -> frozenset[str]:
+        """The label keys of a Flow in ``namespace`` anything keeps: those its namespace's quotas and the
+        ClusterFlowQuotas name (at most twice QUOTA_LABEL_KEYS_LIMIT)."""
+        return frozenset(r.key for q in self._quotas.values() if q.namespace in (namespace, "")
+                         for r in q.selector.requirements)
 
     def namespace_keys(self) -> frozenset[str]:
         """The label keys ClusterFlowQuota namespaceSelectors name: the only labels of a namespace kept."""
@@ -145,26 +155,53 @@ class QuotaTracker:
         except (ValidationError, selectors.SelectorError) as e:
             self._drop(key)
             return str(e)
-        if key not in self._quotas and self._full(namespace):
+        old = self._quotas.get(key)
+        if old is None and self._full(namespace) and not self._displaces(namespace, created, name):
             self._waiting[key] = (created, name)
             where = "the cluster has" if cluster else f"namespace {namespace} has"
-            return (f"{where} {self._room(namespace)} {'ClusterFlowQuotas' if cluster else 'FlowQuotas'} already: "
-                    "this one is used once an older one is deleted")
-        keys = self.label_keys() | {r.key for r in selector.requirements}
-        spaces = self.namespace_keys() | {r.key for r in namespaces.requirements} if namespaces else set()
-        if len(keys) > c.QUOTA_LABEL_KEYS_LIMIT or len(spaces) > c.QUOTA_LABEL_KEYS_LIMIT:
-            self._drop(key)
-            return (f"spec.selector: quota selectors together may name at most {c.QUOTA_LABEL_KEYS_LIMIT} label "
-                    "keys (of Flows, and of namespaces), and this one would make more")
+            return (f"{where} {self._room(namespace)} {'ClusterFlowQuotas' if cluster else 'FlowQuotas'} "
+                    "already: this one is used once an older one is deleted")
+        why = self._keys_problem(key, namespace, selector, namespaces)
+        if why is not None:
+            if old is not None:
+                return why + "; the quota's earlier spec stays in force"
+            self._waiting.pop(key, None)
+            return why
         self._waiting.pop(key, None)
         quota = self._quotas[key] = _Quota(key, namespace, selector, tuple(spec.warn_at or (DEFAULT_WARN_AT,)),
                                            created, spec.action, name, namespaces)
         self.book.set_limits(key, limits_of(key, spec))
+        if old is not None and old.selector == selector and old.namespaces == namespaces:
+            return None  # the same coverage (its own status written, a relist, a limit changed): nothing to redo
         for (ns, _flow), f in self._flows.items():
-            if cluster or ns == namespace:  # the quota's coverage decided afresh (its spec may have changed)
+            if cluster or ns == namespace:  # the quota's selector changed: its coverage decided afresh
                 covered = quota.covers(ns, f.labels, self._namespace_labels.get(ns, {}))
                 self._cover(f, (f.quotas - {key}) | ({key} if covered else set()))
         return None
+
+    def _displaces(self, namespace: str, created: str, name: str) -> bool:
+        """A quota older than the youngest in use in a full scope takes its place (the youngest waits):
+        which quotas are used does not depend on the order a list delivers them in."""
+        youngest = max((q for q in self._quotas.values() if q.namespace == namespace),
+                       key=lambda q: (q.created, q.short))
+        if (created, name) >= (youngest.created, youngest.short):
+            return False
+        self._drop(youngest.name)
+        self._waiting[youngest.name] = (youngest.created, youngest.short)
+        return True
+
+    def _keys_problem(self, key: str, namespace: str, selector: selectors.Selector,
+                      namespaces: selectors.Selector | None) -> str | None:
+        """Why a quota's selectors would name too many label keys (its scope's, with the others')."""
+        others = [q for q in self._quotas.values() if q.namespace == namespace and q.name != key]
+        keys = {r.key for q in others for r in q.selector.requirements} | {r.key for r in selector.requirements}
+        spaces = ({r.key for q in others if q.namespaces is not None for r in q.namespaces.requirements}
+                  | {r.key for r in namespaces.requirements}) if namespaces is not None else set()
+        if len(keys) <= c.QUOTA_LABEL_KEYS_LIMIT and len(spaces) <= c.QUOTA_LABEL_KEYS_LIMIT:
+            return None
+        where = "the ClusterFlowQuotas" if not namespace else f"namespace {namespace}'s quotas"
+        return (f"spec.selector: {where} may name at most {c.QUOTA_LABEL_KEYS_LIMIT} label keys together "
+                f"({'of Flows, and of namespaces' if not namespace else 'of Flows'}), and this one would make more")
 
     def _room(self, namespace: str) -> int:
         return c.CLUSTER_QUOTAS_LIMIT if not namespace else c.QUOTAS_PER_NAMESPACE_LIMIT
@@ -198,7 +235,7 @@ class QuotaTracker:
             return
         meta = body.get("metadata") or {}
         uid = str(meta.get("uid") or "")
-        keys = self.label_keys()
+        keys = self.label_keys_for(namespace)
         labels = {str(k): str(v) for k, v in (meta.get("labels") or {}).items() if k in keys}
         known = self._flows.get((namespace, name))
         sticky = known.quotas if known is not None and known.uid == uid else frozenset()
@@ -211,18 +248,19 @@ class QuotaTracker:
         for run in status.get("runs") or []:
             if not isinstance(run, dict) or not run.get("pod"):
                 continue
-            holder = f"{namespace}/{run['pod']}"
+            holder = _holder(namespace, str(run["pod"]), uid)
             if not run.get("finishedAt"):
                 if f.quotas:
                     self._active[(namespace, name)] = str(run["pod"])
                 continue
-            if holder in self._running:
-                del self._running[holder]
+            if holder in self._ended:
+                continue
+            self._ended[holder] = None  # a word from its pod after this is late: counted from the status
+            while len(self._ended) > ENDED_KEPT:
+                self._ended.popitem(last=False)
+            if self._running.pop(holder, None) is not None:
                 self.book.drop_source(f"run:{holder}")  # its calls are in the Flow's source now
                 self.book.release(holder)
-                self._ended[holder] = None
-                while len(self._ended) > ENDED_KEPT:
-                    self._ended.popitem(last=False)
 
     def _retire(self, f: _Flow) -> None:
         """A deleted Flow: what it charged (its ended runs, and the calls its pods settled) moves into
@@ -274,29 +312,38 @@ class QuotaTracker:
         f = self._flows.get((namespace, flow))
         return sorted(f.quotas & self._quotas.keys()) if f is not None else []
 
+    def _run_holder(self, namespace: str, flow: str, pod: str) -> str:
+        """How the book names a run: its pod, of this Flow (a Flow made again under the same name has
+        pods of the same names, and other runs)."""
+        f = self._flows.get((namespace, flow))
+        return _holder(namespace, pod, f.uid if f is not None else "")
+
     def reserve(self, namespace: str, flow: str, pod: str, model: str, worst: Spend,
                 now: dt.datetime, *, priced: bool = True) -> Reservation | Refusal | None:
         """A reservation (None: no quota covers the Flow, nothing to reserve)."""
         quotas = self.covering(namespace, flow)
         if not quotas:
             return None
-        holder = f"{namespace}/{pod}"
+        holder = self._run_holder(namespace, flow, pod)
         f = self._flows.get((namespace, flow))
         self._running.setdefault(holder, f.uid if f is not None else "")
         return self.book.reserve(quotas, holder, model, worst, now, priced=priced)
 
     def settle(self, namespace: str, flow: str, pod: str, reservation: int, charges: Charges) -> bool:
-        holder = f"{namespace}/{pod}"
+        holder = self._run_holder(namespace, flow, pod)
         if holder in self._ended:  # late: its run's calls are counted from its Flow's status already
-            return self.book.release(holder) > 0
-        return self.book.settle(reservation, holder, charges, self.covering(namespace, flow))
+            return self.book.free(reservation, holder)
+        quotas = self.covering(namespace, flow)
+        if not quotas and holder not in self._running:
+            return False  # nothing of this Flow is in the book: no source for a pod no quota covers
+        return self.book.settle(reservation, holder, charges, quotas)
 
     def adopt(self, namespace: str, flow: str, pod: str, charges: Charges | None,
               held: list[tuple[int, str, Spend]]) -> int:
         """What a running pod says it has: its charges so far and the reservations it holds (each
         ``(id, model, worst)``); a reservation this book does not know (made with another leader) is
         taken again. How many were."""
-        holder = f"{namespace}/{pod}"
+        holder = self._run_holder(namespace, flow, pod)
         quotas = self.covering(namespace, flow)
         if holder in self._ended or not quotas:
             return 0

@@ -34,11 +34,19 @@ from decimal import Decimal
 from typing import Any, Protocol
 
 from aiohttp import web
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 
 from flowkube_api import constants as c
 from flowkube_api.base import Model, Money
-from flowkube_api.report import CHARGES_LIMIT, COUNT_LIMIT, MODEL_NAME_LIMIT, Charge, ReportTooLarge, RunReport
+from flowkube_api.report import (
+    CHARGES_LIMIT,
+    COST_LIMIT,
+    COUNT_LIMIT,
+    MODEL_NAME_LIMIT,
+    Charge,
+    ReportTooLarge,
+    RunReport,
+)
 from flowkube_operator import selfmetrics
 from flowkube_operator.flows import checkpoints, resources
 from flowkube_operator.kube.client import ApiError, Kube, delete_namesake_garbage, ns_path
@@ -109,26 +117,52 @@ QUOTA_BODY_LIMIT = 512 * 1024  # the run's charges (at most CHARGES_LIMIT entrie
 HELD_LIMIT = 64  # reservations one pod says it holds
 
 
+def _bounded(tokens: int, cost: Decimal, where: str) -> None:
+    """A figure a pod sends, within the bounds of a report's (the book adds them up: an exponent of a
+    hundred million digits, or a count past 2^53, must not reach it)."""
+    if not 0 <= tokens <= COUNT_LIMIT:
+        raise ValueError(f"{where}: tokens must be from 0 to {COUNT_LIMIT}")
+    if not cost.is_finite() or not 0 <= cost <= COST_LIMIT:
+        raise ValueError(f"{where}: cost must be from 0 to {COST_LIMIT} USD")
+
+
 class Held(Model):
     id: int = Field(ge=1, le=COUNT_LIMIT)
     model: str = Field(max_length=MODEL_NAME_LIMIT)
     tokens: int = Field(ge=0, le=COUNT_LIMIT)
     cost: Money = Decimal(0)
 
+    @model_validator(mode="after")
+    def _within(self) -> Held:
+        _bounded(self.tokens, self.cost, "held")
+        return self
 
-class Reserve(Model):
+
+class _Charged(Model):
+    charges: list[Charge] | None = Field(default=None, max_length=CHARGES_LIMIT)  # the run's so far
+    held: list[Held] | None = Field(default=None, max_length=HELD_LIMIT)  # the pod's other calls in flight
+
+    @model_validator(mode="after")
+    def _charges_within(self) -> _Charged:
+        for ch in self.charges or []:
+            _bounded(ch.total_tokens, ch.cost, "charges")
+        return self
+
+
+class Reserve(_Charged):
     model: str = Field(max_length=MODEL_NAME_LIMIT)
     tokens: int = Field(ge=0, le=COUNT_LIMIT)
     cost: Money = Decimal(0)
     priced: bool = True  # false: the model has no price (its cost is unknown, not zero)
-    charges: list[Charge] | None = Field(default=None, max_length=CHARGES_LIMIT)  # the run's so far
-    held: list[Held] | None = Field(default=None, max_length=HELD_LIMIT)  # the pod's other calls in flight
+
+    @model_validator(mode="after")
+    def _within(self) -> Reserve:
+        _bounded(self.tokens, self.cost, "reserve")
+        return self
 
 
-class Settle(Model):
+class Settle(_Charged):
     id: int = Field(ge=1, le=COUNT_LIMIT)
-    charges: list[Charge] | None = Field(default=None, max_length=CHARGES_LIMIT)
-    held: list[Held] | None = Field(default=None, max_length=HELD_LIMIT)
 
 
 def _charges(charges: list[Charge] | None) -> Charges:

@@ -37,6 +37,7 @@ import json
 import logging
 import threading
 from collections.abc import Callable
+from contextvars import ContextVar
 from decimal import Decimal
 from typing import Any, Protocol
 
@@ -52,6 +53,11 @@ from .pricing import CallTokens, Pricer
 log = logging.getLogger("flowkube_runner")
 
 DEFAULT_ANSWER_TOKENS = 16384  # an answer's bound when the request sets no max_tokens
+# crewAI's native providers whose SDKs do not send through httpx (boto3, azure-core): not gated, so refused.
+UNSEEN_PROVIDERS = (".bedrock.", ".azure.")
+# The model of the call being made, as crewAI names it: set by the pre-call hook in the call's context
+# (asyncio.to_thread and SDK retries within the call see it; the next call sets its own).
+_CALL_MODEL: ContextVar[str | None] = ContextVar("flowkube_call_model", default=None)
 ANSWER_BOUNDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
@@ -96,26 +102,33 @@ class QuotaGate:
         self._lock = threading.Lock()
         self._held: dict[str, list[int]] = {}  # crewAI call id -> reservations of its answered requests
         self._outstanding: dict[int, Held] = {}  # every reservation not settled yet
-        self._model = threading.local()  # the model of the call this thread is about to make
         self._asking = threading.local()  # set while this thread asks the desk: its own requests pass
         self.refused: str | None = None  # why a request was refused: the run ends with it
 
     # -- crewAI's pre-call hook ----------------------------------------------------------------------
 
     def before(self, ctx: Any) -> None:
-        """Once a request was refused no call starts; else note the call's model as crewAI names it
-        (usage and quotas count it under that name; the request body may name it otherwise)."""
+        """Once a request was refused no call starts; a provider whose requests the gate cannot see is
+        refused (fail closed); else note the call's model as crewAI names it (usage and quotas count it
+        under that name; the request body may name it otherwise)."""
         if self.refused is not None:
             raise HookAborted(self.refused, source="flowkube quota")
-        self._model.name = getattr(getattr(ctx, "llm", None), "model", None)
+        llm = getattr(ctx, "llm", None)
+        provider = type(llm).__module__
+        if any(part in provider for part in UNSEEN_PROVIDERS):
+            why = (f"the spend quota cannot see the requests of {type(llm).__name__} ({provider}: it does not "
+                   "send through httpx), so it cannot reserve them; under a FlowQuota use a provider that does "
+                   "(OpenAI-compatible, Anthropic, Gemini, or LiteLLM)")
+            self.refused = why
+            raise HookAborted(why, source="flowkube quota")
+        _CALL_MODEL.set(getattr(llm, "model", None))
 
     # -- the HTTP request ----------------------------------------------------------------------------
 
     def _reserve(self, request: httpx.Request) -> int | httpx.Response:
         """The request's reservation, or the refusal to answer it with."""
         if self.refused is None:
-            model = getattr(self._model, "name", None)
-            self._model.name = None
+            model = _CALL_MODEL.get()
             try:
                 name, tokens, cost = worst_case(request.content, model, self._pricer)
                 self._asking.on = True

@@ -91,23 +91,36 @@ def test_a_quota_whose_spec_cannot_be_used_says_why_and_covers_nothing() -> None
 def test_only_the_labels_selectors_name_are_kept_and_a_namespace_uses_at_most_its_limit_of_quotas() -> None:
     from flowkube_api import constants as c
 
+    def made(minute: int, **spec: Any) -> dict[str, Any]:
+        return {**quota(**spec), "metadata": {"creationTimestamp": f"2026-11-28T08:{minute:02d}:00Z"}}
+
     t = QuotaTracker()
     assert t.label_keys() == frozenset()
-    t.quota_event(quota(selector={"matchExpressions": [{"key": "team", "operator": "Exists"}]}), "team", "tokens")
-    assert t.label_keys() == {"team"}
+    t.quota_event(made(0, selector={"matchExpressions": [{"key": "team", "operator": "Exists"}]}), "team", "tokens")
+    assert t.label_keys() == {"team"} and t.label_keys_for("team") == {"team"} and t.label_keys_for("x") == set()
     names = [f"q{i:02d}" for i in range(c.QUOTAS_PER_NAMESPACE_LIMIT + 2)]
-    whys = [t.quota_event(quota(), "team", n) for n in names]
+    whys = [t.quota_event(made(i + 10), "team", n) for i, n in enumerate(names)]
     used = c.QUOTAS_PER_NAMESPACE_LIMIT - 1  # "tokens" holds one place
     assert whys[:used] == [None] * used
     assert all(w is not None and "used once an older one is deleted" in w for w in whys[used:])
     assert t.next_waiting("team") is None
     t.quota_event(None, "team", "q00")
     assert t.next_waiting("team") == names[used], "the oldest waiting one takes the free place"
-    assert t.quota_event(quota(), "other", "q") is None, "the limit is per namespace"
-    # A selector that would make the keys kept pass their bound is not used.
-    many = {"matchLabels": {f"k{i}": "v" for i in range(c.QUOTA_LABEL_KEYS_LIMIT)}}
-    why = t.quota_event(quota(selector=many), "other", "wide")
-    assert why is not None and "label keys" in why and len(t.label_keys()) <= c.QUOTA_LABEL_KEYS_LIMIT
+    assert t.quota_event(made(1), "other", "q") is None, "the limit is per namespace"
+    # Which quotas are used does not depend on the order they are seen in: an older one, seen last (a
+    # relist in name order, a tenant's quotas named to come first), takes the youngest one's place.
+    t.quota_event(made(10), "team", "q00")  # back, in the free place
+    assert ("team", "q00") in t.quotas() and ("team", names[used - 1]) in t.quotas()
+    why = t.quota_event(made(5), "team", "older")
+    assert why is None and ("team", "older") in t.quotas() and ("team", names[used - 1]) not in t.quotas()
+    # A selector that would make its namespace's keys pass their bound is not used; an enforced quota
+    # whose edit would is kept as it was.
+    many = {"matchLabels": {f"k{i}": "v" for i in range(c.QUOTA_LABEL_KEYS_LIMIT + 1)}}
+    why = t.quota_event(made(2, selector=many), "other", "wide")
+    assert why is not None and "label keys" in why and ("other", "wide") not in t.quotas()
+    why = t.quota_event(made(1, selector=many), "other", "q")
+    assert why is not None and why.endswith("the quota's earlier spec stays in force") and ("other", "q") in t.quotas()
+    assert len(t.label_keys_for("other")) <= c.QUOTA_LABEL_KEYS_LIMIT
 
 
 def test_two_namespaces_pods_of_one_name_hold_their_own_reservations() -> None:
@@ -136,7 +149,8 @@ def test_a_used_up_day_holds_runs_until_the_next_local_midnight_and_a_new_flow_o
     t.quota_event(body, "team", "tokens")
     t.flow_event("team", "a", flow("a", {}, ended("a-0", 100)))
     held = t.exhausted("team", "a", NOW)
-    assert held is not None and held.startswith("FlowQuota team/tokens: limit daily") and "100 tokens used of 100" in held
+    assert held is not None and held.startswith("FlowQuota team/tokens: limit daily")
+    assert "100 tokens used of 100" in held
     assert "the window resets at 2026-11-28T23:00:00+00:00" in held
     assert t.refuses("team", {}, NOW) is not None and t.refuses("other", {}, NOW) is None
     before_midnight = dt.datetime(2026, 11, 28, 22, 59, tzinfo=dt.UTC)
@@ -146,3 +160,28 @@ def test_a_used_up_day_holds_runs_until_the_next_local_midnight_and_a_new_flow_o
     queued["spec"]["limits"][0]["window"]["timeZone"] = "Europe/Berlin"
     t.quota_event(queued, "team", "tokens")
     assert t.refuses("team", {}, NOW) is None and t.exhausted("team", "a", NOW) is not None, "admitted, then held"
+
+
+def test_a_quotas_own_status_echo_does_not_undo_sticky_coverage_and_a_flow_made_again_is_counted() -> None:
+    """Review findings: the quota's status write (or a relist) came back as an event and decided
+    coverage afresh from labels, so a relabelled Flow escaped; a Flow deleted and made again under its
+    name has pods of the same names, which counted as already ended and charged nothing."""
+    t = QuotaTracker()
+    body = quota(100, selector={"matchLabels": {"team": "a"}})
+    t.quota_event(body, "team", "tokens")
+    t.flow_event("team", "a", flow("a", {"team": "a"}, ended("a-0", 60)))
+    t.flow_event("team", "a", flow("a", {"team": "elsewhere"}, ended("a-0", 60)))
+    t.quota_event({**body, "status": {"summary": "daily 60%"}}, "team", "tokens")  # its own status, echoed
+    assert t.covering("team", "a") == [KEY[0]] and t.book.used(KEY, NOW) == Spend(60)
+    assert isinstance(t.reserve("team", "a", "a-1", "m", Spend(41), NOW), Refusal)
+
+    # x ran x-0 to its end, was deleted and made again; its new x-0 runs and settles 30 tokens.
+    t.flow_event("team", "x", {"metadata": {"name": "x", "namespace": "team", "uid": "uid-x1",
+                                            "labels": {"team": "a"}}, "status": {"runs": [ended("x-0", 5)]}})
+    t.flow_event("team", "x", None)
+    t.flow_event("team", "x", {"metadata": {"name": "x", "namespace": "team", "uid": "uid-x2", "labels": {"team": "a"}},
+                               "status": {"runs": [{"pod": "x-0", "startedAt": "2026-11-28T08:15:00Z"}]}})
+    r = t.reserve("team", "x", "x-0", "m", Spend(30), NOW)
+    assert isinstance(r, Reservation)
+    assert t.settle("team", "x", "x-0", r.id, [(NOW, "m", Spend(30))]) is True
+    assert t.book.used(KEY, NOW) == Spend(95), "60 (a) + 5 (the first x, deleted) + 30 (the new x's call)"

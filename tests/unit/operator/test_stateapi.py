@@ -851,7 +851,12 @@ def test_quota_reservations_through_the_state_api_are_the_books_and_bad_bodies_a
             many_held = [{"id": i + 1, "model": "m", "tokens": 1} for i in range(65)]
             for bad, field in (({"model": "m", "tokens": -1}, "tokens"), ({"model": "m" * 600, "tokens": 1}, "model"),
                                ({"tokens": 1}, "model"), ({"model": "m", "tokens": 1, "held": many_held}, "held"),
-                               ({"model": "m", "tokens": 1, "held": [{"id": 0, "model": "m", "tokens": 1}]}, "id")):
+                               ({"model": "m", "tokens": 1, "held": [{"id": 0, "model": "m", "tokens": 1}]}, "id"),
+                               ({"model": "m", "tokens": 1, "cost": "1E+100000000"}, "cost"),
+                               ({"model": "m", "tokens": 1, "charges": [{"at": "2026-11-28T08:00:00Z", "model": "m",
+                                                                        "totalTokens": 10**1000}]}, "tokens"),
+                               ({"model": "m", "tokens": 1, "charges": [{"at": "2026-11-28T08:00:00Z", "model": "m",
+                                                                        "cost": "1E+100000000"}]}, "cost")):
                 answer = await client.post(url + "reserve", json=bad, headers=auth)
                 assert answer.status == 422 and field in (await answer.json())["message"], bad
             big = await client.post(url + "settle", data=b"x" * (600 * 1024), headers=auth)

@@ -165,3 +165,24 @@ def test_direct_and_async_calls_are_reserved_and_settled_and_a_refusal_is_not_re
             llm.call("PART4 of a call after the refusal")
     assert stub.ledger()[mark:] == [] and len(desk.worst) == asked + 1, "one reservation asked, none retried"
     assert book.reserved((Q, "all")) == Spend()
+
+
+def test_a_provider_whose_requests_the_gate_cannot_see_is_refused_not_let_through() -> None:
+    """crewAI's Bedrock (boto3) and Azure AI Inference (azure-core) providers do not send through httpx:
+    under a quota their calls would go unreserved, so the gate refuses them before they start."""
+    from types import SimpleNamespace
+
+    from crewai.hooks.dispatch import HookAborted
+
+    from flowkube_runner.engine.pricing import Pricer
+    from flowkube_runner.engine.quotagate import QuotaGate
+
+    class Bedrock:
+        model = "anthropic.claude-3-haiku"
+
+    Bedrock.__module__ = "crewai.llms.providers.bedrock.completion"
+    book = QuotaBook()
+    gate = QuotaGate(BookDesk(book, "p-0"), Pricer(), lambda: None)
+    with pytest.raises(HookAborted, match="cannot see the requests of Bedrock"):
+        gate.before(SimpleNamespace(llm=Bedrock()))
+    assert gate.refused is not None and "use a provider that does" in gate.refused
