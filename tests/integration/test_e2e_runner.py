@@ -646,7 +646,11 @@ def test_parallel_calls_never_pass_a_quota_together_even_across_an_operator_sigk
     served = stack.stub.ledger()[mark:]
     alpha_calls = [e for e in served if "about alpha" in e["lastUser"]]
     bravo_calls = [e for e in served if "about bravo" in e["lastUser"]]
-    assert (len(alpha_calls), len(bravo_calls)) == (6, 3), "six of alpha's and exactly three of bravo's fit 9 W"
+    runs = [(r.get("reason"), (r.get("message") or "")[:300]) for r in bravo.get("runs") or []]
+    assert (len(alpha_calls), len(bravo_calls)) == (6, 3), (
+        f"six of alpha's and exactly three of bravo's fit 9 W; bravo: {bravo.get('message')}; runs {runs}\n"
+        f"{stack.operator.diagnose()[-4000:]}\n--- bravo-0\n"
+        f"{stack.cluster.kubectl('logs', 'bravo-0', '-n', ns, check=False).stdout[-3000:]}")
     assert cond(bravo, "Succeeded")["reason"] == "QuotaExhausted"
     spent = ledger_usage(served).total_tokens
     assert spent == limit, f"the model served {spent} tokens against a limit of {limit}"
