@@ -178,10 +178,12 @@ class StateApiStore:
         return cls(client, retry_for=retry_for)
 
     def _request(self, method: str, key: str, leader_for: float | None = None, *, path: str | None = None,
-                 **kwargs: Any) -> httpx.Response:
-        """``path`` (default: the state key's) is retried the same way."""
+                 refused_for: float | None = None, **kwargs: Any) -> httpx.Response:
+        """``path`` (default: the state key's) is retried the same way; ``refused_for``: how long a
+        401/403 is asked again (default: the store's)."""
         if path is None and not KEY_PATTERN.fullmatch(key):
             raise StoreError(f"invalid key {key!r}")
+        refused_for = self._refused_for if refused_for is None else refused_for
         delay = 0.25
         start = time.monotonic()
         while True:
@@ -194,7 +196,7 @@ class StateApiStore:
             else:
                 code = response.status_code
                 if code in (401, 403):
-                    if elapsed > self._refused_for:
+                    if elapsed > refused_for:
                         return response
                 else:
                     # Stored by a replica that does not reconcile: sent again only for ``leader_for``.
@@ -229,7 +231,11 @@ class StateApiStore:
         recovering its book) is asked again."""
         body = {"model": model, "tokens": tokens, "cost": money_text(cost or Decimal(0)), "priced": cost is not None,
                 "charges": _charges_json(charges), "held": _held_json(held)}
-        response = self._request("POST", "reserve", path=f"{c.QUOTA_API_PREFIX}reserve", json=body)
+        # A refusal of our token (an operator that has just started and does not know this pod yet) is
+        # waited out as long as an operator restart: a settle given up would leave a new leader
+        # waiting for this pod, and a reserve given up fails the call.
+        response = self._request("POST", "reserve", path=f"{c.QUOTA_API_PREFIX}reserve", json=body,
+                                 refused_for=self._retry_for)
         if response.status_code == 402:
             raise QuotaRefused(_status_text(response).removeprefix("HTTP 402 "))
         if response.status_code == 404:
@@ -244,7 +250,8 @@ class StateApiStore:
         if reservation == 0:
             return
         body = {"id": reservation, "charges": _charges_json(charges), "held": _held_json(held)}
-        response = self._request("POST", "settle", path=f"{c.QUOTA_API_PREFIX}settle", json=body)
+        response = self._request("POST", "settle", path=f"{c.QUOTA_API_PREFIX}settle", json=body,
+                                 refused_for=self._retry_for)
         if response.status_code not in (204, 404):
             raise StoreError(f"POST quota settle: {_status_text(response)}")
 

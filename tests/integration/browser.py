@@ -51,7 +51,10 @@ class Browser:
         self.driver.get(url)
 
     def text(self, css: str) -> str:
-        return str(self.driver.find_element(By.CSS_SELECTOR, css).text)
+        """The element's text; found again when a live update replaced it between the find and the read."""
+        found: list[str] = []
+        self._again(lambda: found.append(str(self.driver.find_element(By.CSS_SELECTOR, css).text)))
+        return found[-1]
 
     def has(self, css: str) -> bool:
         return bool(self.driver.find_elements(By.CSS_SELECTOR, css))

@@ -32,7 +32,10 @@ from tests.integration.conftest import Flows, PodWatch, watched_pods
 
 pytestmark = pytest.mark.slow
 
-TAKEOVER_LIMIT = 15.0
+# The takeover is a lease duration (10 s) plus a retry period in a quiet run (9.5 s measured alone on
+# 2026-11-28); with the whole suite's runner pods beside it on this 2-core machine it took 23-24 s. The
+# bound guards against a replica that never takes over, not a figure (printed above).
+TAKEOVER_LIMIT = 30.0
 BURST = 8
 
 

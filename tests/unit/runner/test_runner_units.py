@@ -380,3 +380,22 @@ def test_an_edited_output_undoes_what_completed_after_it_and_the_edit_is_applied
     assert edited.forked == "/origin#4" and doc.runtime["completedMethods"] == ["draft", "research", "merge"]
     with pytest.raises(ForkRefused, match=r"spec\.forkFrom\.outputs\.publish"):
         fork(doc, ForkFrom(name="origin", checkpoint=4, outputs={"publish": "x"}))
+
+
+def test_a_quota_request_waits_out_an_operator_that_does_not_know_the_pod_yet(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An operator that has just started refuses a pod's token until its watches list the pod (401/403).
+    A state read gives up after refused_for (30 s); a quota settle must not (a new leader would wait for
+    the pod to say what it holds), nor a reserve (the call would fail): they wait as long as a restart."""
+    clock = iter(range(0, 10_000, 10))  # every look at the clock is ten seconds later
+    monkeypatch.setattr("flowkube_runner.store.time.monotonic", lambda: float(next(clock)))
+    monkeypatch.setattr("flowkube_runner.store.time.sleep", lambda _s: None)
+    answers = iter([httpx.Response(403, json={"message": "unknown pod"})] * 6 + [httpx.Response(204)]
+                   + [httpx.Response(403, json={"message": "unknown pod"})] * 6 + [httpx.Response(200, json={"id": 9})])
+    store = state_store(tmp_path, lambda request: next(answers), retry_for=300.0, refused_for=30.0)
+    store.settle(7, None)  # 60 s of refusals, then taken: no StoreError
+    assert store.reserve("m", 1, Decimal(0)) == 9
+    refusals = iter([httpx.Response(403, json={"message": "unknown pod"})] * 10)
+    reader = state_store(tmp_path, lambda request: next(refusals), retry_for=300.0, refused_for=30.0)
+    with pytest.raises(StoreError, match="403"):
+        reader.get(c.STATE_KEY)
