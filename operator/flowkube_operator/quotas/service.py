@@ -173,8 +173,8 @@ class Quotas:
 
     def settle(self, t: Caller, reservation: int, charges: Charges,
                held: list[tuple[int, str, Spend]] | None = None) -> bool | None:
-        if not self._lead():
-            return None
+        if not self._lead() or not self.listed():
+            return None  # asked again (503): a settle taken before the Flows are listed would be lost
         self._adopt(t, None, held or [])
         return self.tracker.settle(t.namespace, t.flow, t.pod, reservation, charges)
 

@@ -335,7 +335,9 @@ class QuotaTracker:
             return self.book.free(reservation, holder)
         quotas = self.covering(namespace, flow)
         if not quotas and holder not in self._running:
-            return False  # nothing of this Flow is in the book: no source for a pod no quota covers
+            # Nothing of this Flow is in the book: no source for a pod no quota covers; its id is
+            # remembered as freed all the same (an older held list must not take it again).
+            return self.book.free(reservation, holder)
         return self.book.settle(reservation, holder, charges, quotas)
 
     def adopt(self, namespace: str, flow: str, pod: str, charges: Charges | None,

@@ -288,3 +288,22 @@ def test_a_cluster_quota_covers_the_flows_of_the_namespaces_its_selector_picks_a
     asyncio.run(q.write_statuses())
     path = next(p for p, _ in kube.patches if "clusterflowquotas" in p)
     assert path == "/apis/flowkube.io/v1alpha1/clusterflowquotas/team-a/status"
+
+
+def test_a_settle_before_the_flows_are_listed_is_asked_again_not_lost() -> None:
+    """Found by the parallel test under load: a new leader took a pod's settle before its Flow cache
+    listed the Flow, dropped it without remembering the id as freed, and a later held list took that
+    reservation again: it stayed reserved and refused the next Flow's calls."""
+    kube = FakeKube()
+    listed = [False]
+    q = service(kube, [True], [NOW])
+    q.listed = lambda: listed[0]
+    q.quota_event("ADDED", quota("tokens", 100))
+    assert q.settle(Pod("team", "a", "a-0"), 777, [(NOW, "m", Spend(10))], []) is None, "asked again (503)"
+    listed[0] = True
+    q.flow_changed(("team", "a"), {"metadata": {"name": "a", "namespace": "team", "uid": "uid-a"},
+                                   "status": {"runs": [{"pod": "a-0", "startedAt": "2026-11-28T08:00:00Z"}]}})
+    assert q.settle(Pod("team", "a", "a-0"), 777, [(NOW, "m", Spend(10))], []) is False
+    q.settle(Pod("team", "a", "a-0"), 778, [(NOW, "m", Spend(20))], [(777, "m", Spend(10))])  # a stale list
+    key = ("FlowQuota team/tokens", "daily")
+    assert q.tracker.book.reserved(key) == Spend() and q.tracker.book.used(key, NOW) == Spend(20)
