@@ -270,35 +270,19 @@ class Quotas:
                 self.quota_event("MODIFIED", found)
         while self._backfill_namespaces:
             key = self._backfill_namespaces.pop()
-            cont = ""
-            while True:
-                params = {"labelSelector": key, "limit": str(BACKFILL_PAGE), **({"continue": cont} if cont else {})}
-                page, _ = await kube.list_page("/api/v1/namespaces", params, max_bytes=64 * 1024 * 1024)
-                for namespace in page.get("items") or []:
-                    self.namespace_event("MODIFIED", namespace)
-                cont = (page.get("metadata") or {}).get("continue") or ""
-                if not cont:
-                    break
+            await _list_with(kube, "/api/v1/namespaces", key, lambda ns: self.namespace_event("MODIFIED", ns))
         while self._backfill:
             key = self._backfill.pop()
             for ns in self._namespaces or [""]:
-                await self._list_flows_with(kube, ns, key)
+                path = flow_path(ns) if ns else f"/apis/{c.GROUP}/{c.VERSION}/{c.PLURAL}"
+                await _list_with(kube, path, key, self._flow_listed)
 
-    async def _list_flows_with(self, kube: Kube, namespace: str, key: str) -> None:
-        path = flow_path(namespace) if namespace else f"/apis/{c.GROUP}/{c.VERSION}/{c.PLURAL}"
-        cont = ""
-        while True:
-            params = {"labelSelector": key, "limit": str(BACKFILL_PAGE), **({"continue": cont} if cont else {})}
-            page, _ = await kube.list_page(path, params, max_bytes=64 * 1024 * 1024)
-            for flow in page.get("items") or []:
-                meta = flow.get("metadata") or {}
-                kept = {**meta, "labels": {k: v for k, v in (meta.get("labels") or {}).items()
-                                           if k in self.tracker.label_keys()}}
-                self.tracker.flow_event(str(meta.get("namespace") or ""), str(meta.get("name") or ""),
-                                        {"metadata": kept, "status": flow.get("status") or {}})
-            cont = (page.get("metadata") or {}).get("continue") or ""
-            if not cont:
-                return
+    def _flow_listed(self, flow: Body) -> None:
+        meta = flow.get("metadata") or {}
+        kept = {**meta, "labels": {k: v for k, v in (meta.get("labels") or {}).items()
+                                   if k in self.tracker.label_keys()}}
+        self.tracker.flow_event(str(meta.get("namespace") or ""), str(meta.get("name") or ""),
+                                {"metadata": kept, "status": flow.get("status") or {}})
 
     def metrics_text(self) -> str:
         """``flowkube_quota_used``, ``_limit`` and ``_reserved`` per quota, limit and unit (``tokens``,
@@ -372,6 +356,19 @@ QUOTA_FAMILIES = (
 
 def _label_value(v: str) -> str:
     return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+async def _list_with(kube: Kube, path: str, key: str, deliver: Callable[[Body], None]) -> None:
+    """Every object of ``path`` that carries label ``key``, a page at a time, to ``deliver``."""
+    cont = ""
+    while True:
+        params = {"labelSelector": key, "limit": str(BACKFILL_PAGE), **({"continue": cont} if cont else {})}
+        page, _ = await kube.list_page(path, params, max_bytes=64 * 1024 * 1024)
+        for item in page.get("items") or []:
+            deliver(item)
+        cont = (page.get("metadata") or {}).get("continue") or ""
+        if not cont:
+            return
 
 
 def _dump(condition: QuotaCondition) -> Body:
