@@ -13,6 +13,8 @@ confined to ``runtime`` and say why.
   start (the token budget; none once the runner is stopping).
 - ``persistence``: crewAI persistence and the human-feedback provider, backed by the state object.
 - ``runtime``: what crewAI leaves out of persistence, snapshotted and restored.
+- ``rebuilds``: pydantic's build of a deferred model on first use, one thread at a time (a flow's
+  parallel branches get their first model answers together).
 - ``definitions``: inline definitions (crewAI's verdict, for the validate server too) and ``flowRef``
   classes.
 

@@ -22,6 +22,7 @@ from .api import Ending, InvalidFlow, InvalidInputs, Turn
 from .checkpoints import CheckpointLog
 from .definitions import automatic_memory, import_flow_class, load_definition, uses_memory
 from .persistence import StorePersistence, install
+from .rebuilds import serialize_model_rebuilds
 from .runtime import json_safe, restore_runtime, state_dict
 from .state import StateDocument
 from .tasks import install as install_task_cache
@@ -45,6 +46,7 @@ class FlowSession:
         install(self._persistence)
         install_task_cache(self.tasks)
         share_default_contexts()  # before crewAI builds its first model client
+        serialize_model_rebuilds()  # before a flow's threads build its first model answers
         self._definition: FlowDefinition | None = None
         self._flow_class: Any = None
         self._flow: Flow[Any] | None = None
