@@ -485,5 +485,22 @@ class ChartOperator(_Operator):
         return text
 
     def diagnose(self) -> str:
+        """Pods and events, why each operator container last ended (OOMKilled, a failed liveness probe's
+        exit, an error), and the tails of the log before that restart and of the current one."""
         out = self.cluster.kubectl("get", "pods,events", "-n", self.namespace, "-o", "wide", check=False)
-        return f"{out.stdout}{out.stderr}\n--- operator log (tail)\n{self.logs()[-3000:]}"
+        text = f"{out.stdout}{out.stderr}"
+        for pod in self.pods():
+            name = pod["metadata"]["name"]
+            for status in pod.get("status", {}).get("containerStatuses", []):
+                ended = status.get("lastState", {}).get("terminated")
+                if status["name"] != "operator" or not ended:
+                    continue
+                text += (f"\n--- {name}: the operator's last container ended {ended.get('reason')} "
+                         f"(exit {ended.get('exitCode')}) at {ended.get('finishedAt')}, "
+                         f"started {ended.get('startedAt')}")
+                before = self.cluster.kubectl("logs", name, "-n", self.namespace, "-c", "operator", "--previous",
+                                              check=False)
+                text += f"\n--- {name}: its log (tail)\n{before.stdout[-2500:]}"
+            now = self.cluster.kubectl("logs", name, "-n", self.namespace, "-c", "operator", check=False)
+            text += f"\n--- {name}: the operator's log now (tail)\n{now.stdout[-2500:]}"
+        return text

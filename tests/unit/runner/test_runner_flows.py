@@ -23,6 +23,9 @@ from flowkube_runner.__main__ import STOP_LOG
 from flowkube_runner.run import STOPPED_MESSAGE
 from flowkube_runner.store import FileStore, decode_json
 from tests.definitions import crew_definition, part_rules, parts_of, quiet_crewai_env
+from tests.runnerforks import ForkedRun, runner_forks
+
+Runner = subprocess.Popen[str] | ForkedRun
 
 pytestmark = pytest.mark.slow
 
@@ -41,8 +44,9 @@ class Finished:
 
 
 class Harness:
-    def __init__(self, root: Path, stub: StubModel, flow: str = "demo") -> None:
+    def __init__(self, root: Path, stub: StubModel, flow: str = "demo", fresh: bool = False) -> None:
         self.root = root
+        self.fresh = fresh  # a new interpreter per run instead of a fork
         self.stub = stub
         self.flow = flow
         self.state_dir = root / "state"
@@ -82,28 +86,30 @@ class Harness:
         self.runs += 1
         return f"{self.flow}-{self.runs}"
 
-    def spawn(self, trigger: c.Trigger, spec: dict[str, Any], **kwargs: Any) -> tuple[str, subprocess.Popen[str]]:
+    def spawn(self, trigger: c.Trigger, spec: dict[str, Any], **kwargs: Any) -> tuple[str, Runner]:
+        """A runner process for this run: forked from one that has crewAI loaded (tests.runnerforks:
+        its own process and environment, only the import shared), or with ``fresh`` a new interpreter."""
         pod = self.next_pod()
-        with (self.root / f"{pod}.stderr").open("w") as stderr:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "flowkube_runner"],
-                env=self.env(pod, trigger, spec, **kwargs),
-                stdout=subprocess.DEVNULL,
-                stderr=stderr,
-                text=True,
-            )
+        stderr = self.root / f"{pod}.stderr"
+        stderr.write_text("")
+        env = self.env(pod, trigger, spec, **kwargs)
+        if not self.fresh:
+            return pod, runner_forks().spawn(env, stderr)
+        with stderr.open("w") as err:
+            proc = subprocess.Popen([sys.executable, "-m", "flowkube_runner"], env=env, stdout=subprocess.DEVNULL,
+                                    stderr=err, text=True)
         return pod, proc
 
     def stderr(self, pod: str) -> str:
         """The runner's log so far (it writes to a file, so a test can read it while it runs)."""
         return (self.root / f"{pod}.stderr").read_text()
 
-    def finish(self, pod: str, proc: subprocess.Popen[str], timeout: float = 120) -> Finished:
-        proc.wait(timeout=timeout)
+    def finish(self, pod: str, proc: Runner, timeout: float = 120) -> Finished:
+        exit_code = proc.wait(timeout=timeout)
         data = self.store.get(c.report_key(pod))
         termination = self.root / f"{pod}.termination"
         return Finished(
-            exit_code=proc.returncode,
+            exit_code=exit_code,
             report=RunReport.decode(data) if data is not None else None,
             termination=termination.read_text() if termination.exists() else "",
             stderr=self.stderr(pod),
@@ -397,7 +403,7 @@ def test_crewai_alone_loses_earlier_outputs_across_processes(tmp_path: Path, stu
 
 
 def kill_during_held_call(
-    harness: Harness, stub: StubModel, pod: str, proc: subprocess.Popen[str], *, calls_before: int = 0
+    harness: Harness, stub: StubModel, pod: str, proc: Runner, *, calls_before: int = 0
 ) -> Finished:
     """SIGKILL the runner while the stub holds one of its model calls, once the interim report
     counts every call of this run answered before it (crewAI's event handler writes it just after
