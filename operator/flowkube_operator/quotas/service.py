@@ -235,8 +235,11 @@ class Quotas:
             return
         everything, self._announced = not self._announced, True
         namespaces, self._announce = self._announce, set()
-        for key in [k for k in self._known if k[0] and (everything or k[0] in namespaces)]:
+        keys = [k for k in self._known if k[0] and (everything or k[0] in namespaces)]
+        for key in keys:
             self._offer(key)
+        if everything:
+            log.info("quotas: the notifications of %d FlowQuota(s) offered (this leader's first look)", len(keys))
 
     def flow_changed(self, key: Key, body: Body | None) -> None:
         """The Flow cache's listener: a Flow seen, or gone (None)."""
