@@ -220,6 +220,9 @@ class Quotas:
 
     def notified(self, key: Key) -> None:
         """A delivery of the quota's ended: write its status soon, which records it."""
+        if key not in self._known and self._notices is not None:  # the quota is gone: nowhere to record it
+            self._notices.recorded(key, self._notices.take(key))
+            return
         self._wake.set()
 
     def defaults_changed(self, namespace: str) -> None:

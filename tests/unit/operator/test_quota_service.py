@@ -414,6 +414,11 @@ def test_the_leader_offers_a_quotas_events_after_each_write_and_records_ended_de
     stale["status"] = kube.patches[0][1]["status"]
     q.quota_event("MODIFIED", stale)
     assert notices.announced[-1][1]["status"]["notifications"] == [ops, team]
+    # A delivery that ends after its quota is gone is dropped: nowhere to record it.
+    q.quota_event("DELETED", quota("tokens", 100))
+    notices.ended[key] = [Outcome("team", event_id, E.QUOTA_EXHAUSTED, True, "Delivered", 2, NOW, 200)]
+    q.notified(key)
+    assert notices.ended == {}
 
 
 def test_a_follower_offers_and_writes_nothing_and_a_new_leader_offers_every_quota_once_ready() -> None:
