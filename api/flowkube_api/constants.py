@@ -81,18 +81,23 @@ class ConditionType(StrEnum):
 class NotificationEvent(StrEnum):
     """What a notification sink may ask to be told of (spec.notifications[].events)."""
 
+    # The quota events are a FlowQuota's, told to its namespace's default sinks only (a defaults
+    # Secret's `events`); a Flow's notices never hold them.
+
     FEEDBACK_REQUESTED = "FeedbackRequested"
     MESSAGE_AWAITED = "MessageAwaited"
     FEEDBACK_TIMED_OUT = "FeedbackTimedOut"
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
     BUDGET_EXCEEDED = "BudgetExceeded"
+    QUOTA_WARNING = "QuotaWarning"
+    QUOTA_EXHAUSTED = "QuotaExhausted"
 
 
 # A sink that names no events hears of these: the ones where a person has something to do.
 DEFAULT_NOTIFICATION_EVENTS = (
     NotificationEvent.FEEDBACK_REQUESTED, NotificationEvent.FEEDBACK_TIMED_OUT, NotificationEvent.FAILED,
-    NotificationEvent.BUDGET_EXCEEDED,
+    NotificationEvent.BUDGET_EXCEEDED, NotificationEvent.QUOTA_WARNING, NotificationEvent.QUOTA_EXHAUSTED,
 )
 NOTIFICATION_SINKS_LIMIT = 8  # entries of spec.notifications
 NOTIFICATION_HANDLED_KEPT = 16  # event ids status.notifications[].handled keeps per sink

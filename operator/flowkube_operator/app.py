@@ -37,6 +37,7 @@ import kopf
 from aiohttp import web
 from prometheus_client import generate_latest
 
+from flowkube_api import constants as c
 from flowkube_operator import selfmetrics
 from flowkube_operator.flows.controller import Controller
 from flowkube_operator.flows.metrics import FlowMetrics, MetricsSnapshot
@@ -45,7 +46,7 @@ from flowkube_operator.kube.client import ApiError, Kube
 from flowkube_operator.kube.issuerkeys import IssuerKeys
 from flowkube_operator.kube.leader import LeaderElector, LeaseConfig
 from flowkube_operator.kube.reviews import MetricsAuth
-from flowkube_operator.notify.notifier import Notifier
+from flowkube_operator.notify.notifier import Notifier, QuotaNotices
 from flowkube_operator.quotas.service import Quotas
 from flowkube_operator.serve import webhook
 from flowkube_operator.serve.stateapi import StateApi
@@ -105,16 +106,23 @@ class App:
         self.metrics = FlowMetrics(per_flow=settings.metrics_per_flow, label_values=settings.metrics_label_values)
         selfmetrics.TURN_SECONDS.limit(settings.metrics_label_values)
         self.elector = LeaderElector(lambda: self.kube, lease_config(settings)) if settings.leader_election else None
-        # Outcomes of deliveries are folded into status by the controller's next reconcile of their Flow.
+        # Outcomes of deliveries are folded into status by the controller's next reconcile of their Flow,
+        # or by the quota service's next status write of their FlowQuota.
         self.notifier = Notifier(
-            settings, wake=lambda key: self.controller.notified(key),
-            wake_namespace=lambda ns: self.controller.requeue_namespace(ns),
-            flow_of=lambda key: self.controller.cache.flow(key)) if settings.notifications_enabled else None
+            settings, wake=lambda key: self.controller.notified(key), wake_namespace=self._notification_secrets,
+            flow_of=lambda key: self.controller.cache.flow(key),
+            wake_quota=lambda key: self.quotas.notified(key) if self.quotas is not None else None,
+            quota_of=lambda key: self.quotas.noticed(key) if self.quotas is not None else None,
+        ) if settings.notifications_enabled else None
         # FlowQuotas (when enforced): fed by their watch and the Flow cache; the leader answers the
-        # runner pods' reservations through the state API and writes the quotas' status.
-        self.quotas = Quotas(lambda: self.kube, lambda: self.controller.leading,
-                             status_seconds=settings.quota_status_seconds,
-                             recovery_seconds=settings.quota_recovery_seconds) if settings.quotas_enabled else None
+        # runner pods' reservations through the state API, writes the quotas' status and tells their
+        # namespaces' default sinks when one is exhausted or near (through the same notifier).
+        self.quotas = Quotas(
+            lambda: self.kube, lambda: self.controller.leading, status_seconds=settings.quota_status_seconds,
+            recovery_seconds=settings.quota_recovery_seconds,
+            notices=QuotaNotices(self.notifier) if self.notifier is not None else None,
+            event=lambda obj, etype, reason, message: self.controller.writes.event(
+                obj, etype, reason, message, kind=c.QUOTA_KIND)) if settings.quotas_enabled else None
         self.controller = Controller(
             settings, listeners=[self.metrics.update, *([self.quotas.flow_changed] if self.quotas else [])],
             notifier=self.notifier, fence=self.elector.still_leading if self.elector is not None else lambda: True,
@@ -142,6 +150,13 @@ class App:
         self._leadership: asyncio.Task[None] | None = None  # acquires, then holds the Lease
         self._watches: list[asyncio.Task[None]] = []  # the informers feeding the caches
         self.lost_leadership = False  # the process stops because it lost the Lease: exit non-zero
+
+    def _notification_secrets(self, namespace: str) -> None:
+        """A notification Secret of the namespace changed: its Flows and FlowQuotas may have sinks to
+        serve now."""
+        self.controller.requeue_namespace(namespace)
+        if self.quotas is not None:
+            self.quotas.defaults_changed(namespace)
 
     # -- lifecycle -----------------------------------------------------------------------------------
 

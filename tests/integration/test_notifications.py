@@ -7,7 +7,8 @@ What users rely on: a pause gives one notification with a stable id and a signat
 with the documented recipe; a receiver's 500s are retried until it answers 200, and delivered once; a
 404 is not retried, and is recorded and told as an Event; an operator SIGKILLed while a delivery is
 under way, or a leader that hands over with one pending, delivers it once afterwards, and nothing that
-was recorded is sent again.
+was recorded is sent again; a FlowQuota tells its namespace's default sink when it passes its warning
+threshold and when it is used up, once each, also across an operator restart.
 """
 
 from __future__ import annotations
@@ -117,8 +118,11 @@ def stack(cluster: LocalCluster) -> Iterator[Stack]:
     url = cluster.host_service("notification-receiver", "flowkube-dev", server.server_address[1])
     ip = cluster.kubectl("get", "service", "notification-receiver", "-n", "flowkube-dev",
                          "-o", "jsonpath={.spec.clusterIP}").stdout.strip()
+    # Quotas enforced too (statuses written every 0.5 s), for the FlowQuotas' notifications; the scripted
+    # runner reserves nothing, so the Flows' tests run as without.
     op = scripted_operator(cluster, values=["replicaCount=2", f"notifications.allowedCIDRs={{{ip}/32}}",
-                                            "notifications.retrySeconds=120"]).start()
+                                            "notifications.retrySeconds=120", "quotas.enabled=true",
+                                            "quotas.statusSeconds=0.5"]).start()
     try:
         yield Stack(cluster, op, receiver, url)
     finally:
@@ -274,3 +278,64 @@ def test_a_tenant_cannot_make_the_operator_post_inside_the_cluster_or_to_the_met
         assert (rec["reason"], rec["attempts"]) == ("Refused", 1), rec
         assert "SECRET-IN-URL" not in json.dumps(flows.status(name))
     assert "denied" in record(flows, "apiserver", "team", "Failed")["message"]
+
+
+def test_a_flowquota_tells_its_namespaces_default_sink_once_per_threshold_also_across_a_restart(
+        stack: Stack, flows: Flows) -> None:
+    """Flows spend 8 then 2 of a 10-token limit: the namespace's default sink (naming no events) hears
+    QuotaWarning, then QuotaExhausted, signed. The operator that sent them is SIGKILLed: its successor
+    offers every quota's events once it is ready (its log says so), and sends nothing again; raising
+    the limit to 12 (83 %) is a new warning, the one notification after the restart."""
+    path = f"/{flows.ns}/quota"
+    hook(flows, "quota-defaults", stack.url + path, defaults=True, signingKey=KEY.decode())
+    quota: dict[str, Any] = {"apiVersion": "flowkube.io/v1alpha1", "kind": "FlowQuota", "metadata": {"name": "team"},
+             "spec": {"limits": [{"name": "daily", "maxTotalTokens": 10, "window": {"kind": "Day"}}]}}
+    flows.cluster.kubectl("apply", "-n", flows.ns, "-f", "-", input=json.dumps(quota))
+
+    def events(etype: str) -> list[dict[str, Any]]:
+        got = [json.loads(h.body) for h in stack.receiver.on(path) if 200 <= h.answered < 300]
+        return [e for e in got if e["type"] == f"io.flowkube.quota.{etype}"]
+
+    def received(etype: str, count: int) -> None:
+        stack.receiver.wait(lambda _hits: len(events(etype)) >= count, f"{count} {etype} at {path}")
+
+    flows.apply("spends-8", {"flowRef": "a:A", "inputs": {"plan": [{"tokens": 8}]}})
+    received("QuotaWarning", 1)
+    flows.apply("spends-2", {"flowRef": "a:A", "inputs": {"plan": [{"tokens": 2}]}})
+    received("QuotaExhausted", 1)
+    (exhausted,) = events("QuotaExhausted")
+    assert exhausted["source"] == f"/apis/flowkube.io/v1alpha1/namespaces/{flows.ns}/flowquotas/team"
+    assert exhausted["id"].endswith("/QuotaExhausted") and exhausted["data"]["limits"][0]["limit"] == {
+        "maxTotalTokens": 10}
+    for hit in stack.receiver.on(path):
+        assert documented_recipe()(KEY, hit.body, hit.headers["X-Flowkube-Signature"])
+
+    def recorded() -> bool:
+        st = json.loads(flows.cluster.kubectl("get", "flowquota", "team", "-n", flows.ns, "-o", "json").stdout)
+        return any(exhausted["id"] in (r.get("handled") or []) for r in (st.get("status") or {}).get(
+            "notifications") or [])
+
+    wait_for(recorded, 30, "the QuotaExhausted delivery in the quota's status.notifications")
+    leader = stack.operator.leader()
+    killed = stack.operator.kill_container(leader)
+    assert killed
+
+    def restarted() -> str:
+        """The leader's current container's log, once a container started after the kill leads."""
+        now = stack.operator.leader()
+        pod = next((p for p in stack.operator.pods() if p["metadata"]["name"] == now), None)
+        running = [c for c in (pod or {}).get("status", {}).get("containerStatuses", [])
+                   if c["name"] == "operator" and "running" in c.get("state", {})]
+        if not running or running[0].get("containerID", "").endswith(killed):
+            return ""
+        return str(stack.cluster.kubectl("logs", now, "-n", stack.operator.namespace, "-c", "operator",
+                                         check=False).stdout)
+
+    wait_for(lambda: "notifications of" in restarted() and "FlowQuota(s) offered" in restarted(), 60,
+             "the new leader offering every FlowQuota's notifications")
+    quota["spec"]["limits"][0]["maxTotalTokens"] = 12
+    flows.cluster.kubectl("apply", "-n", flows.ns, "-f", "-", input=json.dumps(quota))
+    received("QuotaWarning", 2)
+    assert len(events("QuotaExhausted")) == 1, "recorded as handled: the new leader did not send it again"
+    first, second = events("QuotaWarning")
+    assert first["id"] != second["id"], "each transition to True is an event of its own"

@@ -13,6 +13,7 @@ from pydantic import ConfigDict, Field, model_validator
 from flowkube_api import selectors
 from flowkube_api.base import Model, Money, Time
 from flowkube_api.models.common import FreeObject, cel
+from flowkube_api.models.flow import NotificationRecord
 from flowkube_api.report import Charge, SpentSoFar
 from flowkube_api.windows import ROLLING_HOURS_LIMIT, WindowError, WindowSpec
 
@@ -122,6 +123,9 @@ class FlowQuotaStatus(Model):
     retired: list[Charge] | None = Field(
         default=None, max_length=RETIRED_LIMIT, description="What the Flows it covered that were deleted had "
         "charged, by quarter hour and model: it still counts in its windows (kept by the operator across restarts).")
+    notifications: list[NotificationRecord] | None = Field(
+        default=None, description="Per default sink of its namespace: the last QuotaWarning or QuotaExhausted "
+        "delivery, and the events it is done with (as a Flow's status.notifications).")
 
 
 class FlowQuota(Model):

@@ -241,7 +241,9 @@ class NotificationSink(Model):
     events: list[NotificationEvent] | None = Field(
         default=None, min_length=1, max_length=len(NotificationEvent),
         json_schema_extra={"x-kubernetes-list-type": "set"},
-        description="What to send; unset: FeedbackRequested, FeedbackTimedOut, Failed and BudgetExceeded.")
+        description="What to send; unset: FeedbackRequested, FeedbackTimedOut, Failed and BudgetExceeded. "
+        "(QuotaWarning and QuotaExhausted are a FlowQuota's, told to its namespace's default sinks only: a "
+        "Flow's own sink never hears of them.)")
     format: Literal["cloudevents", "slack"] = Field(
         default="cloudevents", description="cloudevents: a CloudEvents 1.0 JSON body (structured mode); "
         "slack: a Slack incoming-webhook body (text and blocks).")

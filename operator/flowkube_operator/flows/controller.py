@@ -240,7 +240,7 @@ class Controller:
                 self.notifier.recorded(key, taken_outcomes)  # nowhere to record them any more
             return
         # Only this Flow's: an earlier Flow of the same name, deleted while a delivery ran, is not this one.
-        delivered = [o for o in taken_outcomes if notices.of_flow(o.notice_id, body)]
+        delivered = [o for o in taken_outcomes if notices.of_object(o.notice_id, body)]
         uid = body["metadata"]["uid"]
         # Pods of an earlier Flow with the same name are not this Flow's, however named.
         pods = {n: v for n, v in self.cache.pods.get(key, {}).items() if v.owner_uid == uid}

@@ -1,10 +1,12 @@
-"""Notifications, the pure part: which events a Flow's status holds for which sink, the bodies sent
-(CloudEvents 1.0, Slack), the signature, the retry schedule, the destination policy, and how a
-delivery is recorded in ``status.notifications``. The bodies and their signature are `bodies`', where the
-operator may send `policy`'s, the sending `notifier`'s.
+"""Notifications, the pure part: which events a Flow's (or a FlowQuota's) status holds for which sink,
+the bodies sent (CloudEvents 1.0, Slack), the signature, the retry schedule, the destination policy,
+and how a delivery is recorded in ``status.notifications``. The bodies and their signature are
+`bodies`', where the operator may send `policy`'s, the sending `notifier`'s.
 
 Events are read off the status, level-based, like everything else the operator does: a Flow that
-waits for an answer *has* a FeedbackRequested event (its id names the request), whoever looks. Each
+waits for an answer *has* a FeedbackRequested event (its id names the request), whoever looks; a
+FlowQuota whose Exhausted condition is True *has* a QuotaExhausted event (its id names when the
+condition turned True). Each
 sink's record keeps the ids it is done with (`handled`), so an operator restart or a new leader sends
 what is not recorded there, once, and nothing that is. The gap left is the moment between a
 receiver's 2xx and the status write that records it: a crash there sends that one event again, with
@@ -18,14 +20,15 @@ import binascii
 import datetime as dt
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import quote
 
 from flowkube_api import constants as c
 from flowkube_api.base import parse_time
 from flowkube_api.constants import NotificationEvent as E
 from flowkube_api.constants import Phase, Reason
-from flowkube_api.models import FlowStatus, NotificationRecord
+from flowkube_api.models import NotificationRecord
+from flowkube_api.models.quota import FlowQuotaStatus
 
 Body = dict[str, Any]
 
@@ -171,19 +174,22 @@ def sinks_of(spec: Body, defaults: Iterable[Sink]) -> list[Sink]:
 
 @dataclass(frozen=True)
 class Notice:
-    """One event of one Flow, as every sink that wants it is told of it."""
+    """One event of one object (a Flow, or a FlowQuota), as every sink that wants it is told of it."""
 
-    id: str  # <flow uid>/<request id | turn-N | run-N>/<type>: stable across restarts and leaders
+    # <uid>/<request id | turn-N | run-N | Exhausted-<time> | Warning-<time>>/<type>: stable across
+    # restarts and leaders
+    id: str
     type: E
     namespace: str
-    flow: str
+    name: str
     time: dt.datetime | None  # when the status says it happened
     data: Body = field(compare=False)
+    kind: str = c.KIND  # whose event: a Flow's, or a FlowQuota's
 
 
-def of_flow(event_id: str, flow: Body) -> bool:
-    """Is this event id one of this Flow's (not of an earlier Flow of the same name)? Ids begin with the uid."""
-    return event_id.startswith(f"{(flow.get('metadata') or {}).get('uid')}/")
+def of_object(event_id: str, obj: Body) -> bool:
+    """Is this event id one of this object's (not of an earlier one of the same name)? Ids begin with the uid."""
+    return event_id.startswith(f"{(obj.get('metadata') or {}).get('uid')}/")
 
 
 def _failure_reason(status: Body) -> str:
@@ -246,6 +252,40 @@ def notices(flow: Body, console_url: str = "") -> list[Notice]:
     return out
 
 
+def quota_notices(quota: Body, console_url: str = "") -> list[Notice]:
+    """The event a FlowQuota's status holds now: QuotaExhausted while its Exhausted condition is True,
+    else QuotaWarning while its Warning condition is True. Each transition to True is one event: its
+    id names the condition's lastTransitionTime, which the operator keeps across restarts (a condition
+    that stays True keeps its time), so a restart or a new leader sees the same event."""
+    meta, status = quota.get("metadata") or {}, quota.get("status") or {}
+    uid, ns, name = meta.get("uid", ""), meta.get("namespace", ""), meta.get("name", "")
+    if not ns:
+        return []  # a ClusterFlowQuota: no namespace, no default sinks (alert on its metrics instead)
+    conditions = {x.get("type"): x for x in status.get("conditions") or [] if isinstance(x, dict)}
+    ctype = next((t for t in ("Exhausted", "Warning") if (conditions.get(t) or {}).get("status") == "True"), None)
+    if ctype is None:
+        return []
+    etype, cond = E.QUOTA_EXHAUSTED if ctype == "Exhausted" else E.QUOTA_WARNING, conditions[ctype]
+    since = str(cond.get("lastTransitionTime") or "")
+    caps = {x.get("name"): x for x in (quota.get("spec") or {}).get("limits") or [] if isinstance(x, dict)}
+    limits = []
+    for lim in status.get("limits") or []:
+        if not isinstance(lim, dict):
+            continue
+        cap = caps.get(lim.get("name")) or {}
+        used = lim.get("used") or {}
+        limits.append({"name": lim.get("name"),
+                       "used": {"totalTokens": used.get("totalTokens", 0), "cost": used.get("cost")},
+                       "limit": {k: cap[k] for k in ("maxTotalTokens", "maxCost") if cap.get(k) is not None},
+                       "windowStart": lim.get("windowStart"), "resetsAt": lim.get("resetsAt")})
+    data: Body = {"event": str(etype), "quota": {"namespace": ns, "name": name, "uid": uid},
+                  "message": _cut(cond.get("message")), "limits": limits}
+    if console_url:
+        data["consoleUrl"] = f"{console_url.rstrip('/')}/quotas?namespace={quote(ns, safe='')}"
+    return [Notice(f"{uid}/{ctype}-{since}/{etype}", etype, ns, name, parse_time(since or None), data,
+                   kind=c.QUOTA_KIND)]
+
+
 def _request(req: Body) -> Body:
     return {"id": req.get("id"), "method": req.get("method"), "message": _cut(req.get("message")),
             "outcomes": req.get("emit") or [], "defaultOutcome": req.get("defaultOutcome"),
@@ -268,12 +308,15 @@ def wanted(sink: Sink, found: Sequence[Notice]) -> list[Notice]:
 
 def due(flow: Body, sinks: Sequence[Sink], console_url: str = "") -> list[tuple[Sink, Notice]]:
     """(sink, event) pairs not yet handled according to the Flow's status."""
-    if not sinks:
+    return pending(flow, sinks, notices(flow, console_url) if sinks else [])
+
+
+def pending(obj: Body, sinks: Sequence[Sink], found: Sequence[Notice]) -> list[tuple[Sink, Notice]]:
+    """(sink, event) pairs of ``found`` (the events the object's status holds) not yet handled
+    according to its status.notifications: a Flow's or a FlowQuota's alike."""
+    if not sinks or not found:
         return []
-    found = notices(flow, console_url)
-    if not found:
-        return []
-    records = {r.get("name"): r for r in (flow.get("status") or {}).get("notifications") or []}
+    records = {r.get("name"): r for r in (obj.get("status") or {}).get("notifications") or []}
     out = []
     for sink in sinks:
         handled = set((records.get(sink.name) or {}).get("handled") or [])
@@ -324,7 +367,13 @@ class Outcome:
     message: str = ""
 
 
-def record(status: FlowStatus, outcomes: Iterable[Outcome], current: Iterable[str] = ()) -> list[tuple[str, str, str]]:
+class Recorded(Protocol):
+    """A status that records deliveries: a Flow's, a FlowQuota's."""
+
+    notifications: list[NotificationRecord] | None
+
+
+def record(status: Recorded, outcomes: Iterable[Outcome], current: Iterable[str] = ()) -> list[tuple[str, str, str]]:
     """Fold finished deliveries into ``status.notifications``; returns the Events to post for them.
     ``current``: the ids of the events the status holds now (`notices`), which are kept in `handled`
     before older ones (an event still current must never be forgotten, or it would be sent again)."""
@@ -345,4 +394,18 @@ def record(status: FlowStatus, outcomes: Iterable[Outcome], current: Iterable[st
             events.append(("Warning", "NotificationFailed",
                            f"{o.event} to sink {o.sink}: {o.reason} after {o.attempts} attempt(s): {o.message}"))
     status.notifications = [records[k] for k in sorted(records)] or None
+    return events
+
+
+def record_quota(quota: Body, outcomes: Iterable[Outcome], console_url: str = "") -> list[tuple[str, str, str]]:
+    """`record` for a FlowQuota as JSON (the quota service writes its status as a merge patch): the
+    outcomes of this quota (by uid) are folded into ``quota["status"]["notifications"]``, the events
+    its status holds now kept in `handled` first; returns the Events to post."""
+    status = quota.setdefault("status", {})
+    ours = [o for o in outcomes if of_object(o.notice_id, quota)]
+    if not ours:
+        return []
+    held = FlowQuotaStatus.model_validate({"notifications": status.get("notifications")})
+    events = record(held, ours, [n.id for n in quota_notices(quota)])
+    status["notifications"] = held.dump().get("notifications")
     return events

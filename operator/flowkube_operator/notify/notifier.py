@@ -1,8 +1,10 @@
 """Notifications, the sending: the leader's delivery queue, the Secrets it reads, and the HTTP client
 that will only call where the destination policy allows. What to send and how it is recorded is
-`notify`'s (pure); the controller offers each Flow it reconciles and folds the outcomes into status.
+`notify`'s (pure); the controller offers each Flow it reconciles and folds the outcomes into status,
+and the quota service does the same for each FlowQuota (through `QuotaNotices`): one queue, one set
+of bounds, one delivery loop for both kinds, each delivery keyed by its owner (kind, namespace, name).
 
-A delivery never holds up a reconcile: each (Flow, sink, event) is a task of its own, bounded by a
+A delivery never holds up a reconcile: each (owner, sink, event) is a task of its own, bounded by a
 limit on deliveries in flight and a smaller one per receiver (host and port), so a receiver that hangs
 holds only its own slots. Each attempt has a deadline; 5xx, 408, 429, timeouts and connection errors
 are tried again after 1, 2, 4 ... 60 s until ``notifications_retry_seconds`` have passed.
@@ -17,6 +19,7 @@ import logging
 import ssl
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
@@ -35,6 +38,7 @@ from flowkube_operator.settings import Settings
 
 Body = dict[str, Any]
 Key = tuple[str, str]
+Owner = tuple[str, str, str]  # (kind, namespace, name): whose events, a Flow's or a FlowQuota's
 Job = tuple[str, str]  # (sink, event id)
 log = logging.getLogger("flowkube.notifier")
 
@@ -141,16 +145,28 @@ def _phrase(code: int) -> str:
         return "(no standard reason)"
 
 
+@dataclass(frozen=True)
+class Kind:
+    """What the notifier asks of a kind whose objects hold events (Flows, FlowQuotas)."""
+
+    wake: Callable[[Key], None]  # a delivery of this object ended: fold it into its status
+    current: Callable[[Key], Body | None]  # the object as known now, to drop a retry of an event that is over
+    notices: Callable[[Body], list[Notice]]  # the events it holds
+
+
 class Notifier:
-    """The leader's deliveries. ``wake(key)`` asks for a reconcile of the Flow whose delivery ended
-    (it folds the outcome into status, see `take` and `recorded`)."""
+    """The leader's deliveries. ``wake(key)`` asks for a reconcile of the Flow whose delivery ended,
+    ``wake_quota(key)`` for a status write of the FlowQuota's (each folds the outcome into status, see
+    `take` and `recorded`)."""
 
     def __init__(self, settings: Settings, wake: Callable[[Key], None], *,
                  wake_namespace: Callable[[str], None] = lambda _ns: None,
-                 flow_of: Callable[[Key], Body | None] = lambda _key: None) -> None:
+                 flow_of: Callable[[Key], Body | None] = lambda _key: None,
+                 wake_quota: Callable[[Key], None] = lambda _key: None,
+                 quota_of: Callable[[Key], Body | None] = lambda _key: None) -> None:
         self.settings = settings
-        self.wake = wake  # reconcile this Flow (a delivery of its ended)
-        self.flow_of = flow_of  # the Flow as cached now, to drop a retry of an event that is over
+        self.kinds = {c.KIND: Kind(wake, flow_of, notices.notices),
+                      c.QUOTA_KIND: Kind(wake_quota, quota_of, notices.quota_notices)}
         self.secrets = Secrets(changed=wake_namespace)
         self._informers: list[Informer] = []
         self.learned = asyncio.Event()  # the cluster's ranges are in the policy (or could not be read)
@@ -159,8 +175,8 @@ class Notifier:
         self._ranges: dict[tuple[str, str], tuple[str, ...]] = {}  # (kind, name) -> what it says to deny
         self._stale: list[str] = []  # the last term's, denied until this term's lists are in
         self._kube: Callable[[], Kube | None] | None = None  # the client of the latest login
-        self._tasks: dict[tuple[Key, Job], asyncio.Task[None]] = {}
-        self._done: dict[Key, dict[Job, Outcome]] = {}  # ended, not yet in status
+        self._tasks: dict[tuple[Owner, Job], asyncio.Task[None]] = {}
+        self._done: dict[Owner, dict[Job, Outcome]] = {}  # ended, not yet in status
         self._slots = asyncio.Semaphore(settings.notifications_max_in_flight)
         self._per_host: dict[str, asyncio.Semaphore] = {}
         self._per_namespace: dict[str, asyncio.Semaphore] = {}
@@ -234,40 +250,55 @@ class Notifier:
         for i in self._informers:
             await i.synced.wait()
 
-    # -- what the controller calls ------------------------------------------------------------------
+    # -- what the controller and the quota service call ---------------------------------------------
 
     def offer(self, key: Key, flow: Body) -> None:
         """Start a delivery for every (sink, event) of the Flow that is not handled in its status, not
-        under way, and not ended and waiting to be recorded."""
+        under way, and not ended and waiting to be recorded. Its sinks: its own and its namespace's
+        defaults."""
         if not self.ready():
             return  # every Flow is offered again once it is (Controller._offer_when_ready)
         sinks = notices.sinks_of(flow.get("spec") or {}, self.secrets.defaults(key[0]))
-        done = self._done.get(key, {})
-        for sink, notice in notices.due(flow, sinks, self.settings.console_url):
-            job = (sink.name, notice.id)
-            if (key, job) in self._tasks or job in done:
-                continue
-            task = asyncio.create_task(self._deliver(key, sink, notice))
-            self._tasks[(key, job)] = task
-            task.add_done_callback(functools.partial(self._ended, (key, job)))
+        self._offer((c.KIND, *key), flow, sinks, notices.notices(flow, self.settings.console_url) if sinks else [])
 
-    def _ended(self, job: tuple[Key, Job], _task: asyncio.Task[None]) -> None:
+    def offer_quota(self, key: Key, quota: Body) -> None:
+        """`offer` for a FlowQuota: its events go to its namespace's default sinks only (a ClusterFlowQuota,
+        of no namespace, has none)."""
+        if not self.ready() or not key[0]:
+            return  # every quota is offered again once it is (Quotas' loop)
+        sinks = self.secrets.defaults(key[0])
+        self._offer((c.QUOTA_KIND, *key), quota, sinks,
+                    notices.quota_notices(quota, self.settings.console_url) if sinks else [])
+
+    def _offer(self, owner: Owner, obj: Body, sinks: list[Sink], found: list[Notice]) -> None:
+        done = self._done.get(owner, {})
+        for sink, notice in notices.pending(obj, sinks, found):
+            job = (sink.name, notice.id)
+            if (owner, job) in self._tasks or job in done:
+                continue
+            task = asyncio.create_task(self._deliver(owner, sink, notice))
+            self._tasks[(owner, job)] = task
+            task.add_done_callback(functools.partial(self._ended, (owner, job)))
+
+    def _ended(self, job: tuple[Owner, Job], _task: asyncio.Task[None]) -> None:
         self._tasks.pop(job, None)
 
-    def take(self, key: Key) -> list[Outcome]:
-        """The deliveries of the Flow that ended and are not in its status yet."""
-        return list(self._done.get(key, {}).values())
+    def take(self, key: Key, kind: str = c.KIND) -> list[Outcome]:
+        """The deliveries of the object (a Flow, unless ``kind`` says) that ended and are not in its
+        status yet."""
+        return list(self._done.get((kind, *key), {}).values())
 
-    def recorded(self, key: Key, outcomes: list[Outcome]) -> None:
-        """These outcomes are in the Flow's status now (or the Flow is gone)."""
-        done = self._done.get(key)
+    def recorded(self, key: Key, outcomes: list[Outcome], kind: str = c.KIND) -> None:
+        """These outcomes are in the object's status now (or the object is gone)."""
+        owner = (kind, *key)
+        done = self._done.get(owner)
         if done is None:
             return
         for o in outcomes:
             if done.get((o.sink, o.notice_id)) is o:
                 del done[(o.sink, o.notice_id)]
         if not done:
-            del self._done[key]
+            del self._done[owner]
 
     async def stop(self) -> None:
         """No longer the leader: every delivery under way stops (the next leader sends what its status
@@ -287,20 +318,20 @@ class Notifier:
 
     # -- one delivery -------------------------------------------------------------------------------
 
-    async def _deliver(self, key: Key, sink: Sink, notice: Notice) -> None:
+    async def _deliver(self, owner: Owner, sink: Sink, notice: Notice) -> None:
         started, attempts = time.monotonic(), 0
         payload, content_type = bodies.body(sink, notice)
         while True:
             attempts += 1
-            code, reason, message, again, asked = await self._attempt(key[0], sink, notice, payload, content_type)
+            code, reason, message, again, asked = await self._attempt(owner[1], sink, notice, payload, content_type)
             wait = max(notices.backoff(attempts), asked)
             if again and time.monotonic() - started + wait <= self.settings.notifications_retry_seconds:
-                log.info("notification %s to %s/%s sink %s: %s (attempt %d); trying again in %.0fs",
-                         notice.type, *key, sink.name, message, attempts, wait)
+                log.info("notification %s to %s %s/%s sink %s: %s (attempt %d); trying again in %.0fs",
+                         notice.type, *owner, sink.name, message, attempts, wait)
                 await asyncio.sleep(wait)  # the backoff itself, not a wait for a condition
-                if not self._still_current(key, notice):
-                    log.info("notification %s to %s/%s sink %s dropped: the event is over (or the Flow gone)",
-                             notice.type, *key, sink.name)
+                if not self._still_current(owner, notice):
+                    log.info("notification %s to %s %s/%s sink %s dropped: the event is over (or its object gone)",
+                             notice.type, *owner, sink.name)
                     return
                 continue
             if again:
@@ -313,16 +344,17 @@ class Notifier:
             selfmetrics.NOTIFICATION_SECONDS.labels(str(notice.type)).observe(
                 max(0.0, (outcome.time - notice.time).total_seconds()))
         elif not delivered:
-            log.warning("notification %s to %s/%s sink %s failed: %s after %d attempt(s): %s",
-                        notice.type, *key, sink.name, reason, attempts, message)
-        self._done.setdefault(key, {})[(sink.name, notice.id)] = outcome
-        self.wake(key)
+            log.warning("notification %s to %s %s/%s sink %s failed: %s after %d attempt(s): %s",
+                        notice.type, *owner, sink.name, reason, attempts, message)
+        self._done.setdefault(owner, {})[(sink.name, notice.id)] = outcome
+        self.kinds[owner[0]].wake((owner[1], owner[2]))
 
-    def _still_current(self, key: Key, notice: Notice) -> bool:
-        flow = self.flow_of(key)
-        if flow is None or not notices.of_flow(notice.id, flow):
+    def _still_current(self, owner: Owner, notice: Notice) -> bool:
+        kind = self.kinds[owner[0]]
+        obj = kind.current((owner[1], owner[2]))
+        if obj is None or not notices.of_object(notice.id, obj):
             return False
-        return any(n.id == notice.id for n in notices.notices(flow))
+        return any(n.id == notice.id for n in kind.notices(obj))
 
     async def _attempt(self, namespace: str, sink: Sink, notice: Notice, payload: bytes,
                        content_type: str) -> Attempt:
@@ -426,3 +458,26 @@ class Notifier:
                 connector=connector, timeout=aiohttp.ClientTimeout(total=self.settings.notifications_timeout_seconds),
                 trust_env=False)
         return self._session
+
+
+class QuotaNotices:
+    """The notifier as the quota service uses it (its `quotas.service.Notices`; app.py wires the two,
+    so that quotas never import notify): the same deliveries as the Flows', keyed by the FlowQuota."""
+
+    def __init__(self, notifier: Notifier) -> None:
+        self.notifier = notifier
+
+    def ready(self) -> bool:
+        return self.notifier.ready()
+
+    def announce(self, key: Key, quota: Body) -> None:
+        self.notifier.offer_quota(key, quota)
+
+    def take(self, key: Key) -> list[Outcome]:
+        return self.notifier.take(key, c.QUOTA_KIND)
+
+    def fold(self, quota: Body, ended: list[Outcome]) -> list[tuple[str, str, str]]:
+        return notices.record_quota(quota, ended)
+
+    def recorded(self, key: Key, ended: list[Outcome]) -> None:
+        self.notifier.recorded(key, ended, c.QUOTA_KIND)

@@ -14,8 +14,15 @@ Until each covered running pod has been heard from, or ``recovery_seconds`` pass
 that time has no call in flight), reservations are answered 503 and the pods ask again.
 
 What is kept of a FlowQuota is its parsed spec in the tracker (at most ``QUOTAS_PER_NAMESPACE_LIMIT``
-per namespace; the rest are named and wait) and, per quota, its uid, generation and the status last
-written.
+per namespace; the rest are named and wait) and, per quota, its uid, generation, the status last
+written, and the conditions and notification records its watch last showed.
+
+A FlowQuota tells its namespace's default notification sinks when its Exhausted or Warning condition
+turns True (QuotaExhausted, QuotaWarning): the leader offers its events to the notifier (`Notices`,
+wired by the app) after each status write and whenever the quota is seen, and folds the deliveries
+that ended into ``status.notifications`` with its next write. An event is named after the time its
+condition turned True, so that time is kept across restarts: a new operator keeps each condition's
+lastTransitionTime from the status it observes until it has written its own.
 
 The Flow cache keeps only the labels quota selectors name. When a quota names a key no selector named
 before, the Flows carrying that key are listed once (``labelSelector=<key>``, in pages) so that the
@@ -38,6 +45,7 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 
 from flowkube_api import constants as c
+from flowkube_api.base import money_text
 from flowkube_api.models.quota import QuotaCondition
 from flowkube_api.report import RunReport
 from flowkube_operator.kube.client import ApiError, Kube, flow_path, ns_path
@@ -66,6 +74,32 @@ class Caller(Protocol):
     def pod(self) -> str: ...
 
 
+class Notices(Protocol):
+    """The notifier, as the FlowQuotas' notifications use it (app.py wires it: quotas never import
+    notify). Outcomes are the notifier's own; here they are only carried from `take` to `fold` and
+    `recorded`."""
+
+    def ready(self) -> bool:
+        """Offers are taken: the notification Secrets are listed and the cluster's ranges known."""
+        ...
+
+    def announce(self, key: Key, quota: Body) -> None:
+        """Deliver what the quota's status holds and does not record as handled (not twice at once)."""
+        ...
+
+    def take(self, key: Key) -> list[Any]:
+        """The quota's deliveries that ended and are not in its status yet."""
+        ...
+
+    def fold(self, quota: Body, ended: list[Any]) -> list[tuple[str, str, str]]:
+        """Fold ``ended`` into ``quota["status"]["notifications"]``; the Events to post for them."""
+        ...
+
+    def recorded(self, key: Key, ended: list[Any]) -> None:
+        """These are in the quota's status now (or the quota is gone)."""
+        ...
+
+
 def quota_path(namespace: str, name: str | None = None, sub: str | None = None) -> str:
     """A FlowQuota's path (namespace "" and no name: every namespace's), or, for namespace "" and a
     name, that ClusterFlowQuota's."""
@@ -81,11 +115,16 @@ def _now() -> dt.datetime:
 
 
 class Quotas:
+    """``notices``: the notifier (None: notifications are off); ``event`` posts an Event on a quota
+    (type, reason, message), as the Flows' Events are posted."""
+
     def __init__(self, kube: Callable[[], Kube | None], leading: Callable[[], bool], *,
                  status_seconds: float = 5.0, recovery_seconds: float = 30.0,
-                 clock: Callable[[], dt.datetime] = _now) -> None:
+                 clock: Callable[[], dt.datetime] = _now, notices: Notices | None = None,
+                 event: Callable[[Body, str, str, str], None] = lambda _obj, _type, _reason, _message: None) -> None:
         self.tracker = QuotaTracker()
         self._kube, self._leading, self._clock = kube, leading, clock
+        self._notices, self._event = notices, event
         self._status_seconds, self._recovery_seconds = status_seconds, recovery_seconds
         self._leading_since: float | None = None  # monotonic time this replica began to answer the desk
         self._reports_read = False  # the covered running pods' interim reports, read once per leadership
@@ -93,7 +132,12 @@ class Quotas:
         self.listed: Callable[[], bool] = lambda: True  # every watch has listed once (the app sets it)
         self._known: dict[Key, tuple[str, int]] = {}  # quota -> (uid, generation)
         self._why: dict[Key, str] = {}  # quota -> why it is not used
-        self._written: dict[Key, Body] = {}  # quota -> the status last written
+        self._written: dict[Key, Body] = {}  # quota -> the status last written (while this replica leads)
+        # quota -> its conditions and notification records as its watch last showed them: where a new
+        # leader keeps transition times and handled events from, before it writes its own
+        self._observed: dict[Key, Body] = {}
+        self._announced = False  # every quota's events offered since the notifier was ready, this term
+        self._announce: set[str] = set()  # namespaces whose default sinks changed: offer their quotas again
         self._backfill: set[str] = set()  # label keys whose Flows are to be listed
         self._backfill_namespaces: set[str] = set()  # label keys whose namespaces are to be listed
         self._fetch: set[Key] = set()  # waiting quotas to read again (a place came free)
@@ -131,6 +175,9 @@ class Quotas:
             self._known.pop(key, None)
             self._why.pop(key, None)
             self._written.pop(key, None)
+            self._observed.pop(key, None)
+            if self._notices is not None:
+                self._notices.recorded(key, self._notices.take(key))  # nowhere to record them any more
             waiting = self.tracker.next_waiting(key[0])
             if waiting is not None:
                 self._fetch.add((key[0], waiting))
@@ -141,10 +188,61 @@ class Quotas:
                 self._why.pop(key, None)
             else:
                 self._why[key] = why
+            status = body.get("status") or {}
+            self._observed[key] = {"conditions": status.get("conditions") or [],
+                                   "notifications": status.get("notifications")}
+            if self._notices is not None and key[0] and self._leading():
+                self._offer(key)
         self._backfill |= self.tracker.label_keys() - before
         self._backfill_namespaces |= self.tracker.namespace_keys() - spaces_before
         if self._backfill or self._fetch or self._backfill_namespaces:
             self._wake.set()
+
+    # -- notifications ------------------------------------------------------------------------------
+
+    def noticed(self, key: Key) -> Body | None:
+        """The FlowQuota as its notifications read it (None: not known): its status as this leader
+        last wrote it, else as last observed (an echo of an older write must not make a recorded event
+        look new), and its limits' caps."""
+        known, status = self._known.get(key), self._written.get(key) or self._observed.get(key)
+        if known is None or status is None:
+            return None
+        limits = [{"name": lim.name, "maxTotalTokens": lim.max_tokens,
+                   "maxCost": money_text(lim.max_cost) if lim.max_cost is not None else None}
+                  for lim in self.tracker.book.limits(quota_name(*key))]
+        return {"metadata": {"namespace": key[0], "name": key[1], "uid": known[0]},
+                "spec": {"limits": limits}, "status": status}
+
+    def _offer(self, key: Key) -> None:
+        quota = self.noticed(key)
+        if quota is not None and self._notices is not None:
+            self._notices.announce(key, quota)
+
+    def notified(self, key: Key) -> None:
+        """A delivery of the quota's ended: write its status soon, which records it."""
+        if key not in self._known and self._notices is not None:  # the quota is gone: nowhere to record it
+            self._notices.recorded(key, self._notices.take(key))
+            return
+        self._wake.set()
+
+    def defaults_changed(self, namespace: str) -> None:
+        """A notification Secret of the namespace changed: its quotas may have sinks to serve now."""
+        if self._notices is not None and self._leading():
+            self._announce.add(namespace)
+            self._wake.set()
+
+    def _announce_due(self) -> None:
+        """Offer the events of every quota once the notifier is ready in this term (a new leader sends
+        what no record says is handled), and of the quotas of namespaces whose defaults changed."""
+        if self._notices is None or not self._notices.ready():
+            return
+        everything, self._announced = not self._announced, True
+        namespaces, self._announce = self._announce, set()
+        keys = [k for k in self._known if k[0] and (everything or k[0] in namespaces)]
+        for key in keys:
+            self._offer(key)
+        if everything:
+            log.info("quotas: the notifications of %d FlowQuota(s) offered (this leader's first look)", len(keys))
 
     def flow_changed(self, key: Key, body: Body | None) -> None:
         """The Flow cache's listener: a Flow seen, or gone (None)."""
@@ -189,8 +287,9 @@ class Quotas:
         """Whether this replica answers the desk; its recovery starts when it begins to."""
         if not self._leading():
             if self._leading_since is not None:
-                self._leading_since, self._reports_read = None, False
+                self._leading_since, self._reports_read, self._announced = None, False, False
                 self._heard.clear()
+                self._written.clear()  # another leader may write next: what it writes is observed
             return False
         if self._leading_since is None:
             self._leading_since = time.monotonic()
@@ -248,16 +347,20 @@ class Quotas:
                 await asyncio.wait_for(self._wake.wait(), self._status_seconds)
             self._wake.clear()
             try:
-                await self._catch_up()
-                if self._lead():
-                    kube = self._kube()
-                    if not self._reports_read and kube is not None and self.listed():
-                        await self._read_reports(kube)
-                    await self.write_statuses()
+                await self.one_pass()
             except asyncio.CancelledError:
                 raise
             except Exception:
                 log.exception("quotas: a pass failed; trying again in %.1f s", self._status_seconds)
+
+    async def one_pass(self) -> None:
+        await self._catch_up()
+        if self._lead():
+            kube = self._kube()
+            if not self._reports_read and kube is not None and self.listed():
+                await self._read_reports(kube)
+            await self.write_statuses()
+            self._announce_due()
 
     async def _catch_up(self) -> None:
         kube = self._kube()
@@ -326,24 +429,41 @@ class Quotas:
         return out
 
     async def write_statuses(self) -> int:
-        """Write each quota's status that changed since it was last written; how many were written."""
+        """Write each quota's status that changed since it was last written, or that has deliveries to
+        record; how many were written. Each written quota's events are offered after its write."""
         kube, now, written = self._kube(), self._clock(), 0
         if kube is None:
             return 0
         for key in list(self._known):
             status = self.status_of(key, now)
             last = self._written.get(key)
-            if last is not None and _same(last, status):
+            notices = self._notices if key[0] else None  # a ClusterFlowQuota has no default sinks
+            ended = notices.take(key) if notices is not None else []
+            before = last if last is not None else self._observed.get(key)
+            if notices is not None:
+                status["notifications"] = (before or {}).get("notifications")
+            if last is not None and _same(last, status) and not ended:
                 continue
-            _keep_transitions(status, last)
+            _keep_transitions(status, before)
+            if notices is not None and ended:
+                # Folded after the transitions are kept: the events still current are named by them.
+                quota = {"metadata": {"namespace": key[0], "name": key[1], "uid": self._known[key][0]},
+                         "status": status}
+                for etype, reason, message in notices.fold(quota, ended):
+                    self._event(quota, etype, reason, message)  # before the write, as a Flow's
             try:
                 await kube.merge_patch(quota_path(key[0], key[1], "status"), {"status": status})
             except ApiError as e:
                 if e.status != 404:
                     log.warning("quotas: could not write the status of FlowQuota %s/%s: %s", *key, e)
+                elif notices is not None:
+                    notices.recorded(key, ended)  # the quota is gone: nowhere to record them
                 continue
             self._written[key] = status
             written += 1
+            if notices is not None:
+                notices.recorded(key, ended)
+                self._offer(key)
         return written
 
 

@@ -569,3 +569,162 @@ def test_keys_kept_are_bounded_in_number_and_defaults_still_work() -> None:
     assert view.dropped == 42 - notify.KEYS_KEPT
     assert view.default is not None and view.default.format == "slack"
     assert "among the 8 keys kept" in view.missing("d", "k39")
+
+
+# -- a FlowQuota's events: QuotaWarning, QuotaExhausted ---------------------------------------------------
+
+SINCE = "2026-11-27T11:30:00Z"
+
+
+def quota(exhausted: str = "False", warning: str = "False", *, name: str = "team-a",
+          message: str = "daily at 100%", since: str = SINCE, namespace: str = "team") -> dict[str, Any]:
+    def cond(ctype: str, status: str) -> dict[str, Any]:
+        return {"type": ctype, "status": status, "reason": "x", "message": message if status == "True" else "",
+                "lastTransitionTime": since}
+
+    return {"metadata": {"name": name, "namespace": namespace, "uid": "q-1"},
+            "spec": {"limits": [{"name": "daily", "maxTotalTokens": 100}, {"name": "monthly", "maxCost": "5"}]},
+            "status": {"conditions": [cond("Ready", "True"), cond("Exhausted", exhausted), cond("Warning", warning)],
+                       "limits": [{"name": "daily", "used": {"totalTokens": 100, "cost": "0"},
+                                   "windowStart": "2026-11-27T00:00:00Z", "resetsAt": "2026-11-28T00:00:00Z"},
+                                  {"name": "monthly", "used": {"totalTokens": 100, "cost": "1.5"},
+                                   "windowStart": "2026-11-01T00:00:00Z"}]}}
+
+
+def test_a_quota_holds_quota_exhausted_or_else_quota_warning_named_after_when_its_condition_turned_true() -> None:
+    assert notify.quota_notices(quota()) == []
+    (warned,) = notify.quota_notices(quota(warning="True"))
+    assert (warned.id, warned.type, warned.kind) == (f"q-1/Warning-{SINCE}/QuotaWarning", E.QUOTA_WARNING, "FlowQuota")
+    (n,) = notify.quota_notices(quota(exhausted="True", warning="True"), "https://console.example/")
+    assert (n.id, n.type, n.namespace, n.name) == (f"q-1/Exhausted-{SINCE}/QuotaExhausted", E.QUOTA_EXHAUSTED,
+                                                   "team", "team-a")
+    assert n.time == dt.datetime(2026, 11, 27, 11, 30, tzinfo=dt.UTC)
+    assert n.data["quota"] == {"namespace": "team", "name": "team-a", "uid": "q-1"}
+    assert n.data["message"] == "daily at 100%" and n.data["consoleUrl"] == "https://console.example/quotas?namespace=team"
+    assert n.data["limits"][0] == {"name": "daily", "used": {"totalTokens": 100, "cost": "0"},
+                                   "limit": {"maxTotalTokens": 100}, "windowStart": "2026-11-27T00:00:00Z",
+                                   "resetsAt": "2026-11-28T00:00:00Z"}
+    assert n.data["limits"][1]["limit"] == {"maxCost": "5"}
+    # The same event whoever looks, whenever; a later transition to True is another one.
+    assert notify.quota_notices(quota(exhausted="True")) == [n]
+    assert notify.quota_notices(quota(exhausted="True", since="2026-12-01T00:00:00Z"))[0].id != n.id
+    # A ClusterFlowQuota has no namespace, so no default sinks: nothing.
+    assert notify.quota_notices(quota(exhausted="True", namespace="")) == []
+
+
+def test_a_flow_never_holds_quota_events_and_its_own_sink_never_hears_of_them() -> None:
+    failed = flow({"phase": "Failed", "runs": [{"pod": "review-0"}],
+                   "conditions": [{"type": "Succeeded", "status": "False", "reason": "QuotaExhausted"}]})
+    assert {n.type for n in notify.notices(failed)} == {E.FAILED}
+    assert {E.QUOTA_WARNING, E.QUOTA_EXHAUSTED} <= SINK.events  # a sink naming no events hears of them
+
+
+def test_quota_cloudevent_and_slack_bodies_keep_tenant_text_plain() -> None:
+    hostile = quota(exhausted="True", message=HOSTILE, name="evil-quota")
+    # Names are DNS labels; the body holds whatever is there, as plain text.
+    hostile["status"]["limits"][0]["name"] = hostile["spec"]["limits"][0]["name"] = "<!channel>"
+    (n,) = notify.quota_notices(hostile)
+    ev = json.loads(bodies.body(SINK, n)[0])
+    assert (ev["type"], ev["source"], ev["subject"], ev["time"]) == (
+        "io.flowkube.quota.QuotaExhausted", "/apis/flowkube.io/v1alpha1/namespaces/team/flowquotas/evil-quota",
+        f"Exhausted-{SINCE}", SINCE)
+    assert ev["data"]["message"] == HOSTILE
+    msg = json.loads(bodies.body(Sink("s", "s", format="slack"), n)[0])
+    assert msg["text"] == "FlowQuota team/evil-quota is exhausted"
+    texts = [b["text"] for b in msg["blocks"] if b["type"] in ("section", "header")]
+    assert {"type": "plain_text", "text": HOSTILE, "emoji": False} in texts
+    assert all(t["type"] == "plain_text" for t in texts)
+    (ctx,) = [b for b in msg["blocks"] if b["type"] == "context"]
+    assert ctx["elements"][0]["type"] == "plain_text"
+    assert ctx["elements"][0]["text"] == ("<!channel>: 100 tokens of 100, resets 2026-11-28T00:00:00Z · monthly: "
+                                          "100 tokens, USD 1.5 of 5, window from 2026-11-01T00:00:00Z")
+    (warned,) = notify.quota_notices(quota(warning="True"))
+    assert json.loads(bodies.slack(warned))["text"] == "FlowQuota team/team-a passed a warning threshold"
+
+
+def test_a_quotas_deliveries_are_recorded_in_its_status_and_not_sent_again() -> None:
+    q = quota(exhausted="True")
+    (n,) = notify.quota_notices(q)
+    assert [(s.name, m.id) for s, m in notify.pending(q, [SINK], [n])] == [("team", n.id)]
+    only_flows = Sink("flows", "s", frozenset({E.FAILED}))
+    assert notify.pending(q, [only_flows], [n]) == []  # a sink that does not name the quota events
+    earlier = Outcome("team", "q-0/Exhausted-x/QuotaExhausted", E.QUOTA_EXHAUSTED, True, "Delivered", 1, NOW)
+    assert notify.record_quota(q, [earlier]) == [], "an earlier quota's (another uid): not this one's"
+    assert "notifications" not in q["status"]
+    failed = Outcome("ops", n.id, E.QUOTA_EXHAUSTED, False, "Rejected", 1, NOW, 404, "404 Not Found")
+    events = notify.record_quota(q, [Outcome("team", n.id, E.QUOTA_EXHAUSTED, True, "Delivered", 1, NOW, 200),
+                                     failed])
+    assert events == [("Warning", "NotificationFailed", "QuotaExhausted to sink ops: Rejected after 1 attempt(s): "
+                                                          "404 Not Found")]
+    ops, team = q["status"]["notifications"]  # by name
+    assert (team["name"], team["outcome"], team["eventId"], team["handled"]) == ("team", "Delivered", n.id, [n.id])
+    assert (ops["name"], ops["outcome"], ops["code"], ops["handled"]) == ("ops", "Failed", 404, [n.id])
+    assert notify.pending(q, [SINK, Sink("ops", "s")], [n]) == []  # handled: a restart sends nothing again
+
+
+def test_an_exhausted_quota_tells_its_namespaces_default_sinks_once_and_a_new_operator_not_again() -> None:
+    """The quota service and the notifier as app.py wires them, against a real receiver: the defaults
+    sink that names no events hears of it, signed; one that names other events, and a Flow's own
+    sink, do not; the delivery is folded into the next status write, and a new operator (a restart,
+    a new leader) fed that status sends nothing."""
+    from flowkube_operator.notify.notifier import QuotaNotices
+    from flowkube_operator.quotas.service import Quotas
+    from tests.unit.operator import test_quota_service as qs
+
+    def operator(kube: qs.FakeKube, port: int, woke: asyncio.Event, now: dt.datetime) -> tuple[Notifier, Quotas]:
+        box: list[Quotas] = []
+
+        def ended(key: tuple[str, str]) -> None:
+            box[0].notified(key)
+            woke.set()
+
+        n = Notifier(Settings(notifications_allowed_cidrs="127.0.0.1/32"), wake=lambda _k: None,
+                     wake_quota=ended, quota_of=lambda key: box[0].noticed(key))
+        box.append(Quotas(lambda: kube, lambda: True, clock=lambda: now,  # type: ignore[arg-type,return-value]
+                          notices=QuotaNotices(n)))
+        url = f"http://127.0.0.1:{port}/hook".encode()
+        n.secrets.event("ADDED", labelled("ns-default", "defaults", url=url, signingKey=b"k"))
+        n.secrets.event("ADDED", labelled("ns-flows-only", "defaults", url=url, events=b"Failed"))
+        n.secrets.event("ADDED", labelled("team-hook", url=url))  # a Flow's own sink's Secret
+        n.learned.set()
+        return n, box[0]
+
+    async def go() -> None:
+        async with receiving([]) as (r, port):
+            kube, woke = qs.FakeKube(), asyncio.Event()
+            n, q = operator(kube, port, woke, qs.NOW)
+            try:
+                q.quota_event("ADDED", qs.quota("tokens", 100))
+                q.flow_changed(("team", "a"), qs.flow("a", {}, 100))
+                await q._read_reports(kube)  # type: ignore[arg-type]
+                await q.one_pass()  # the status is written, its event offered
+                await asyncio.wait_for(woke.wait(), 10)
+                await q.one_pass()  # and recorded
+            finally:
+                await n.close()
+            (headers, body), = r.seen
+            assert bodies.verify(b"k", body, headers["X-Flowkube-Signature"], now=time.time())
+            event = json.loads(body)
+            assert event["type"] == "io.flowkube.quota.QuotaExhausted"
+            assert event["id"] == headers["X-Flowkube-Event-Id"] == \
+                "uid-tokens/Exhausted-2026-11-28T08:20:00Z/QuotaExhausted"
+            status = kube.patches[-1][1]["status"]
+            (rec,) = status["notifications"]
+            assert (rec["name"], rec["outcome"], rec["handled"]) == ("ns-default", "Delivered", [event["id"]])
+
+            again, woke = qs.FakeKube(), asyncio.Event()
+            n, q = operator(again, port, woke, qs.NOW + dt.timedelta(minutes=10))  # restarted later
+            try:
+                stored = qs.quota("tokens", 100)
+                stored["status"] = status
+                q.quota_event("ADDED", stored)
+                q.flow_changed(("team", "a"), qs.flow("a", {}, 100))
+                await q._read_reports(again)  # type: ignore[arg-type]
+                await q.one_pass()
+                assert not n._tasks and n.take(("team", "tokens"), "FlowQuota") == []
+            finally:
+                await n.close()
+            assert len(r.seen) == 1, "handled: not sent again"
+            exhausted = next(x for x in again.patches[-1][1]["status"]["conditions"] if x["type"] == "Exhausted")
+            assert exhausted["lastTransitionTime"] == "2026-11-28T08:20:00Z"
+    run(go)

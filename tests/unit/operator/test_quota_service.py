@@ -5,12 +5,16 @@ wait for a place, and the desk answering only on the leader."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import datetime as dt
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
 from flowkube_api import constants as c
+from flowkube_api.constants import NotificationEvent as E
+from flowkube_operator.notify import notices as notify
+from flowkube_operator.notify.notices import Outcome, Sink
 from flowkube_operator.quotas.book import Refusal, Spend
 from flowkube_operator.quotas.service import Quotas
 
@@ -307,3 +311,149 @@ def test_a_settle_before_the_flows_are_listed_is_asked_again_not_lost() -> None:
     q.settle(Pod("team", "a", "a-0"), 778, [(NOW, "m", Spend(20))], [(777, "m", Spend(10))])  # a stale list
     key = ("FlowQuota team/tokens", "daily")
     assert q.tracker.book.reserved(key) == Spend() and q.tracker.book.used(key, NOW) == Spend(20)
+
+
+# -- notifications: QuotaWarning, QuotaExhausted ---------------------------------------------------------
+
+T = "2026-11-28T07:00:00Z"  # when an earlier operator saw the quota exhausted
+
+
+class FakeNotices:
+    """The notifier as Quotas sees it (quotas.service.Notices), folding with the real record."""
+
+    def __init__(self) -> None:
+        self.announced: list[tuple[tuple[str, str], dict[str, Any]]] = []
+        self.ended: dict[tuple[str, str], list[Any]] = {}
+        self.is_ready = True
+
+    def ready(self) -> bool:
+        return self.is_ready
+
+    def announce(self, key: tuple[str, str], quota: dict[str, Any]) -> None:
+        self.announced.append((key, copy.deepcopy(quota)))
+
+    def take(self, key: tuple[str, str]) -> list[Any]:
+        return list(self.ended.get(key, []))
+
+    def fold(self, quota: dict[str, Any], ended: list[Any]) -> list[tuple[str, str, str]]:
+        return notify.record_quota(quota, ended)
+
+    def recorded(self, key: tuple[str, str], ended: list[Any]) -> None:
+        left = [o for o in self.ended.get(key, []) if o not in ended]
+        if left:
+            self.ended[key] = left
+        else:
+            self.ended.pop(key, None)
+
+
+def noticed(quota: dict[str, Any]) -> list[str]:
+    return [n.id for n in notify.quota_notices(quota)]
+
+
+def exhausted_since(when: str) -> dict[str, Any]:
+    body = quota("tokens", 100)
+    body["status"] = {"conditions": [
+        {"type": "Ready", "status": "True", "reason": "Enforced", "lastTransitionTime": "2026-11-28T00:00:00Z"},
+        {"type": "Exhausted", "status": "True", "reason": "LimitReached", "lastTransitionTime": when},
+        {"type": "Warning", "status": "False", "reason": "WithinLimits", "lastTransitionTime": when}]}
+    return body
+
+
+def test_a_new_operator_keeps_when_each_condition_last_changed_from_the_status_it_observes() -> None:
+    """An event is named after when its condition turned True: a restart that took that time for
+    "now" would make every exhausted quota a new event, sent again."""
+    kube = FakeKube()
+    q = service(kube, [True], [NOW])
+    q.quota_event("ADDED", exhausted_since(T))
+    q.flow_changed(("team", "a"), flow("a", {}, 100))
+    assert asyncio.run(q.write_statuses()) == 1
+    conditions = {x["type"]: x for x in kube.patches[-1][1]["status"]["conditions"]}
+    assert conditions["Exhausted"]["status"] == "True" and conditions["Exhausted"]["lastTransitionTime"] == T
+    assert conditions["Ready"]["lastTransitionTime"] == "2026-11-28T00:00:00Z"
+    # A condition that did change takes the time of this write.
+    again = service(FakeKube(), [True], [NOW])
+    again.quota_event("ADDED", exhausted_since(T))
+    again.flow_changed(("team", "a"), flow("a", {}, 10))
+    asyncio.run(again.write_statuses())
+    assert {x["type"]: x for x in again._written[("team", "tokens")]["conditions"]}["Exhausted"] == {
+        "type": "Exhausted", "status": "False", "reason": "WithinLimits", "message": "", "lastTransitionTime":
+        "2026-11-28T08:20:00Z"}
+
+
+def test_the_leader_offers_a_quotas_events_after_each_write_and_records_ended_deliveries_in_the_next() -> None:
+    kube, notices, events = FakeKube(), FakeNotices(), []
+    q = Quotas(lambda: kube, lambda: True, clock=lambda: NOW, notices=notices,  # type: ignore[arg-type,return-value]
+               event=lambda obj, *what: events.append((obj["metadata"]["uid"], *what)))
+    key = ("team", "tokens")
+    q.quota_event("ADDED", quota("tokens", 100))
+    assert [k for k, _ in notices.announced] == [key], "seen: offered (it holds no event yet)"
+    q.flow_changed(("team", "a"), flow("a", {}, 100))
+    assert asyncio.run(q.write_statuses()) == 1
+    offered = notices.announced[-1][1]
+    (event_id,) = noticed(offered)
+    assert event_id == "uid-tokens/Exhausted-2026-11-28T08:20:00Z/QuotaExhausted"
+    assert offered["spec"]["limits"] == [{"name": "daily", "maxTotalTokens": 100, "maxCost": None}]
+    # The deliveries end (the notifier wakes the loop): the next write records them, though nothing else changed.
+    notices.ended[key] = [Outcome("team", event_id, E.QUOTA_EXHAUSTED, True, "Delivered", 1, NOW, 200),
+                          Outcome("ops", event_id, E.QUOTA_EXHAUSTED, False, "Rejected", 1, NOW, 404, "404 Not Found")]
+    q._wake.clear()
+    q.notified(key)
+    assert q._wake.is_set()
+    assert asyncio.run(q.write_statuses()) == 1
+    ops, team = kube.patches[-1][1]["status"]["notifications"]
+    assert (team["name"], team["outcome"], team["handled"]) == ("team", "Delivered", [event_id])
+    assert (ops["name"], ops["reason"], ops["handled"]) == ("ops", "Rejected", [event_id])
+    assert events == [("uid-tokens", "Warning", "NotificationFailed",
+                       "QuotaExhausted to sink ops: Rejected after 1 attempt(s): 404 Not Found")]
+    assert notices.ended == {}, "recorded once written"
+    assert notify.pending(notices.announced[-1][1], [Sink("team", "s"), Sink("ops", "s")],
+                          notify.quota_notices(notices.announced[-1][1])) == [], "offered again: nothing due"
+    assert asyncio.run(q.write_statuses()) == 0
+    # The watch's echo of an earlier write (no records yet) comes late: what is offered is what was written.
+    stale = quota("tokens", 100)
+    stale["status"] = kube.patches[0][1]["status"]
+    q.quota_event("MODIFIED", stale)
+    assert notices.announced[-1][1]["status"]["notifications"] == [ops, team]
+    # A delivery that ends after its quota is gone is dropped: nowhere to record it.
+    q.quota_event("DELETED", quota("tokens", 100))
+    notices.ended[key] = [Outcome("team", event_id, E.QUOTA_EXHAUSTED, True, "Delivered", 2, NOW, 200)]
+    q.notified(key)
+    assert notices.ended == {}
+
+
+def test_a_follower_offers_and_writes_nothing_and_a_new_leader_offers_every_quota_once_ready() -> None:
+    kube, notices, leading = FakeKube(), FakeNotices(), [False]
+    q = Quotas(lambda: kube, lambda: leading[0], clock=lambda: NOW, notices=notices)  # type: ignore[arg-type,return-value]
+    q.quota_event("ADDED", exhausted_since(T))
+    q.quota_event("ADDED", {**quota("other", 100), "metadata": {**quota("other")["metadata"], "namespace": "b"}})
+    q.flow_changed(("team", "a"), flow("a", {}, 100))
+    q.defaults_changed("team")
+    asyncio.run(q.one_pass())
+    assert notices.announced == [] and kube.patches == [], "a follower: nothing offered, nothing written"
+    leading[0], notices.is_ready = True, False
+    asyncio.run(q._read_reports(kube))  # type: ignore[arg-type]
+    asyncio.run(q.one_pass())
+    assert len(kube.patches) == 2
+    offered = [k for k, _ in notices.announced]
+    asyncio.run(q.one_pass())
+    assert [k for k, _ in notices.announced] == offered, "the notifier not ready: nothing more offered"
+    notices.is_ready = True
+    asyncio.run(q.one_pass())
+    assert sorted(k for k, _ in notices.announced[len(offered):]) == [("b", "other"), ("team", "tokens")]
+    (last,) = [b for k, b in notices.announced if k == ("team", "tokens")][-1:]
+    assert noticed(last) == [f"uid-tokens/Exhausted-{T}/QuotaExhausted"], "the earlier operator's event, not a new one"
+    count = len(notices.announced)
+    asyncio.run(q.one_pass())
+    assert len(notices.announced) == count, "once a term, not every pass"
+    q.defaults_changed("b")  # new default sinks in namespace b: its quotas are offered again
+    asyncio.run(q.one_pass())
+    assert [k for k, _ in notices.announced[count:]] == [("b", "other")]
+
+
+def test_a_cluster_quota_has_no_notifications() -> None:
+    kube, notices = FakeKube(), FakeNotices()
+    q = Quotas(lambda: kube, lambda: True, clock=lambda: NOW, notices=notices)  # type: ignore[arg-type,return-value]
+    q.quota_event("ADDED", {"metadata": {"name": "team-a", "uid": "uid-cq", "generation": 1},
+                            "spec": {"limits": [{"name": "daily", "maxTotalTokens": 100, "window": {"kind": "Day"}}]}})
+    asyncio.run(q.write_statuses())
+    assert notices.announced == [] and "notifications" not in kube.patches[-1][1]["status"]
