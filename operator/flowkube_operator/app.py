@@ -117,15 +117,18 @@ class App:
         # FlowQuotas (when enforced): fed by their watch and the Flow cache; the leader answers the
         # runner pods' reservations through the state API, writes the quotas' status and tells their
         # namespaces' default sinks when one is exhausted or near (through the same notifier).
+        # The desk answers and the status is written only within the lease's renew deadline (the
+        # elector's fence, as every Flow write): a replica frozen past it may have a successor already.
+        fence = self.elector.still_leading if self.elector is not None else lambda: True
         self.quotas = Quotas(
-            lambda: self.kube, lambda: self.controller.leading, status_seconds=settings.quota_status_seconds,
-            recovery_seconds=settings.quota_recovery_seconds,
+            lambda: self.kube, lambda: self.controller.leading and fence(),
+            status_seconds=settings.quota_status_seconds, recovery_seconds=settings.quota_recovery_seconds,
             notices=QuotaNotices(self.notifier) if self.notifier is not None else None,
             event=lambda obj, etype, reason, message: self.controller.writes.event(
                 obj, etype, reason, message, kind=c.QUOTA_KIND)) if settings.quotas_enabled else None
         self.controller = Controller(
             settings, listeners=[self.metrics.update, *([self.quotas.flow_changed] if self.quotas else [])],
-            notifier=self.notifier, fence=self.elector.still_leading if self.elector is not None else lambda: True,
+            notifier=self.notifier, fence=fence,
             state_ca=serving.ca_pem.decode() if serving is not None else "",
             flow_labels=self.quotas.tracker.label_keys_for if self.quotas else lambda namespace: frozenset(),
             quota_exhausted=self.quotas.exhausted if self.quotas else lambda namespace, flow: None)
