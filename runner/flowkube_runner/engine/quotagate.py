@@ -28,6 +28,13 @@ than bytes), plus its answers' bound: ``max_tokens`` (``max_completion_tokens``,
 ``max_output_tokens``) times ``n``, or ``DEFAULT_ANSWER_TOKENS`` when the request sets none, priced
 as the call would be. The one overshoot left: a model that answers a request with no ``max_tokens``
 with more than ``DEFAULT_ANSWER_TOKENS`` tokens (set ``max_tokens`` on the LLM for a hard bound).
+
+Media the body only points at are not in its bytes: an image by URL adds ``REMOTE_IMAGE_TOKENS``
+(providers scale an image down before they count it: at most about 1,600 tokens at Anthropic, 1,445
+at OpenAI's gpt-4o and about 3,800 at its patch-billed models, 258 per tile at Gemini); a file or
+document by URL or by an uploaded file's id (a PDF's pages, an audio file's length) has no bound the
+request shows, so under a quota such a request is not sent (pass the file inline: its bytes are then
+counted).
 """
 
 from __future__ import annotations
@@ -59,6 +66,49 @@ UNSEEN_PROVIDERS = (".bedrock.", ".azure.")
 # (asyncio.to_thread and SDK retries within the call see it; the next call sets its own).
 _CALL_MODEL: ContextVar[str | None] = ContextVar("flowkube_call_model", default=None)
 ANSWER_BOUNDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+REMOTE_IMAGE_TOKENS = 6000  # an image a request points at (see the docstring): above every provider's own cap
+# Content parts that point at media instead of holding it: OpenAI chat ``image_url``, OpenAI responses
+# ``input_image`` / ``input_file``, Anthropic ``image`` / ``document`` with a ``url`` or ``file``
+# source, Gemini ``fileData`` / ``file_data``.
+_IMAGE_PARTS = ("image_url", "input_image", "image")
+
+
+class UnboundedRequest(QuotaRefused):
+    """A request whose worst case its body does not show (a file by reference): not sent under a quota."""
+
+
+def _remote(value: Any) -> bool:
+    return isinstance(value, str) and not value.startswith("data:")
+
+
+def remote_media(asked: Any) -> int:
+    """How many images the request points at (by URL); raises ``UnboundedRequest`` for a file or
+    document it points at (by URL or by an uploaded file's id)."""
+    images, stack = 0, [asked]
+    while stack:  # every node, without recursion: as many as json.loads made of the body, no more
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        kind = node.get("type")
+        raw_source = node.get("source")
+        source: dict[str, Any] = raw_source if isinstance(raw_source, dict) else {}
+        if kind in _IMAGE_PARTS:
+            url = node.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if _remote(url) or (kind == "image" and source.get("type") in ("url", "file")) or node.get("file_id"):
+                images += 1
+        elif ((kind == "input_file" and (_remote(node.get("file_url")) or node.get("file_id")))
+              or (kind == "document" and source.get("type") in ("url", "file"))
+              or "fileData" in node or "file_data" in node):
+            raise UnboundedRequest(
+                "a model request points at a file by URL or by id, whose size (pages, length) the request does "
+                "not show: under a FlowQuota its worst case cannot be reserved, so it was not sent (pass the "
+                "file inline)")
+        stack.extend(v for v in node.values() if isinstance(v, dict | list))
+    return images
 
 
 Held = tuple[int, str, int, Decimal]  # a reservation in flight: (id, model, tokens, cost)
@@ -79,17 +129,21 @@ class QuotaDesk(Protocol):
 
 
 def worst_case(body: bytes, model: str | None, pricer: Pricer) -> tuple[str, int, Decimal | None]:
-    """(model, tokens, cost) a model request may use at most; the cost is None for a model with no price."""
+    """(model, tokens, cost) a model request may use at most; the cost is None for a model with no price.
+    Raises ``UnboundedRequest`` for a request that points at a file (see ``remote_media``)."""
     try:
         asked = json.loads(body) if body else {}
     except ValueError:
-        asked = {}
+        asked = {}  # not JSON (a multipart upload holds its file): its bytes bound it
+    except RecursionError:
+        raise UnboundedRequest("a model request nested too deeply to be read: under a FlowQuota its worst "
+                               "case cannot be reserved, so it was not sent") from None
     asked = asked if isinstance(asked, dict) else {}
     model = model or str(asked.get("model") or "unknown")
     answer = next((v for k in ANSWER_BOUNDS if isinstance(v := asked.get(k), int) and v > 0), DEFAULT_ANSWER_TOKENS)
     n = asked.get("n")
     choices = n if isinstance(n, int) and n > 1 else 1
-    prompt, answers = len(body), answer * choices
+    prompt, answers = len(body) + remote_media(asked) * REMOTE_IMAGE_TOKENS, answer * choices
     price = pricer.price(model, CallTokens(prompt=prompt, completion=answers))
     return model, prompt + answers, price.cost if price is not None else None
 

@@ -186,3 +186,46 @@ def test_a_provider_whose_requests_the_gate_cannot_see_is_refused_not_let_throug
     with pytest.raises(HookAborted, match="cannot see the requests of Bedrock"):
         gate.before(SimpleNamespace(llm=Bedrock()))
     assert gate.refused is not None and "use a provider that does" in gate.refused
+
+
+def test_media_a_request_points_at_are_in_its_worst_case_and_a_file_by_reference_is_not_sent() -> None:
+    """An image by URL is not in the body's bytes: each adds REMOTE_IMAGE_TOKENS (an inline data: URL's
+    bytes are counted already). A file or document by URL or id has no bound the request shows: under a
+    quota the request is refused before it is sent, with a message saying why and what to do."""
+    import json
+
+    from flowkube_runner.engine.pricing import Pricer
+    from flowkube_runner.engine.quotagate import REMOTE_IMAGE_TOKENS, UnboundedRequest, worst_case
+
+    def tokens(body: dict[str, Any]) -> int:
+        raw = json.dumps(body).encode()
+        return worst_case(raw, "gpt-4o-mini", Pricer())[1] - len(raw) - 64
+
+    def chat(*parts: dict[str, Any]) -> dict[str, Any]:
+        return {"model": "gpt-4o-mini", "max_tokens": 64, "messages": [{"role": "user", "content": list(parts)}]}
+
+    text = {"type": "text", "text": "what is in it?"}
+    assert tokens(chat(text)) == 0
+    assert tokens(chat(text, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}})) == 0
+    two = [{"type": "image_url", "image_url": {"url": f"https://x.example/{i}.png"}} for i in range(2)]
+    assert tokens(chat(text, *two)) == 2 * REMOTE_IMAGE_TOKENS
+    responses = {"model": "gpt-4o-mini", "max_output_tokens": 64, "input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "https://x.example/a.png"}, {"type": "input_image", "file_id": "f-1"}]}]}
+    assert tokens(responses) == 2 * REMOTE_IMAGE_TOKENS
+    anthropic = {"model": "claude", "max_tokens": 64, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "url", "url": "https://x.example/a.png"}},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]}
+    assert tokens(anthropic) == REMOTE_IMAGE_TOKENS
+    for unbounded in (
+            chat({"type": "input_file", "file_url": "https://x.example/report.pdf"}),
+            chat({"type": "input_file", "file_id": "file-1"}),
+            chat({"type": "document", "source": {"type": "url", "url": "https://x.example/report.pdf"}}),
+            {"contents": [{"role": "user", "parts": [{"fileData": {"fileUri": "gs://b/report.pdf"}}]}]}):
+        with pytest.raises(UnboundedRequest, match="points at a file by URL or by id"):
+            worst_case(json.dumps(unbounded).encode(), "gpt-4o-mini", Pricer())
+    deep = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with pytest.raises(UnboundedRequest, match="nested too deeply"):
+        worst_case(deep, "gpt-4o-mini", Pricer())
+    wide = json.dumps(chat(*[{"type": "image_url", "image_url": {"url": f"https://x.example/{i}"}}
+                             for i in range(3)], *[text] * 200_000)).encode()
+    assert worst_case(wide, "gpt-4o-mini", Pricer())[1] == len(wide) + 3 * REMOTE_IMAGE_TOKENS + 64  # none hidden
