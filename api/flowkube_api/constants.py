@@ -198,6 +198,9 @@ ENV_FEEDBACK_KEEP_WARM_SECONDS = "FLOWKUBE_FEEDBACK_KEEP_WARM_SECONDS"
 ENV_PRIOR_TOTAL_TOKENS = "FLOWKUBE_PRIOR_TOTAL_TOKENS"
 ENV_PRIOR_COST = "FLOWKUBE_PRIOR_COST"  # USD spent by earlier runs, a decimal string ("0.0123")
 ENV_QUOTAS = "FLOWKUBE_QUOTAS"  # "true": every model request is reserved at the quota desk first (issue 41)
+# Seconds between a pod's reminders of the reservations it holds while a call is in flight (a new
+# leader learns of a long call within them, before its recovery ends): a third of quotas.recoverySeconds.
+ENV_QUOTA_HEARTBEAT_SECONDS = "FLOWKUBE_QUOTA_HEARTBEAT_SECONDS"
 ENV_PRICES = "FLOWKUBE_PRICES"  # JSON: price overrides by model (flowkube_api.prices), set by the operator
 ENV_TERMINATION_LOG = "FLOWKUBE_TERMINATION_LOG"  # default /dev/termination-log
 ENV_STATE_DIR = "FLOWKUBE_STATE_DIR"  # development only: a directory instead of the ConfigMap
@@ -209,7 +212,7 @@ RUNNER_ENV = (
     ENV_FLOW_NAME, ENV_NAMESPACE, ENV_POD_NAME, ENV_TRIGGER, ENV_SPEC, ENV_STATE_URL, ENV_STATE_CA,
     ENV_STATE_TOKEN_FILE, ENV_STATE_RETRY_SECONDS, ENV_FEEDBACK, ENV_MESSAGE, ENV_KEEP_WARM_SECONDS,
     ENV_FEEDBACK_KEEP_WARM_SECONDS, ENV_PRIOR_TOTAL_TOKENS, ENV_PRIOR_COST, ENV_PRICES, ENV_TERMINATION_LOG,
-    ENV_STATE_DIR, ENV_QUOTAS,
+    ENV_STATE_DIR, ENV_QUOTAS, ENV_QUOTA_HEARTBEAT_SECONDS,
 )
 RUNNER_TUNABLE_ENV = (ENV_STATE_RETRY_SECONDS, ENV_STATE_TOKEN_FILE)
 

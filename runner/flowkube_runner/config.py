@@ -69,6 +69,7 @@ class RunnerConfig:
     keep_warm_seconds: float = 0.0  # a conversation's pod waits this long for its next message
     feedback_keep_warm_seconds: float = 0.0  # a paused run's pod waits this long for the answer
     quotas: bool = False  # every model request is reserved at the quota desk (the state API) first
+    quota_heartbeat_seconds: float = 0.0  # reminders of the reservations held while a call is in flight
 
     @staticmethod
     def termination_log_from_env(env: Mapping[str, str] | None = None) -> Path:
@@ -127,6 +128,7 @@ class RunnerConfig:
             keep_warm_seconds=keep_warm,
             feedback_keep_warm_seconds=feedback_keep_warm,
             quotas=env.get(c.ENV_QUOTAS, "").strip().lower() == "true",
+            quota_heartbeat_seconds=_seconds(env, c.ENV_QUOTA_HEARTBEAT_SECONDS),
         )
 
 

@@ -145,6 +145,7 @@ class _Run:
             stop=stop,
             # Spend quotas: the state API is the desk (a pod without one, e.g. a local run, has none).
             quota=store if config.quotas and isinstance(store, StateApiStore) else None,
+            quota_heartbeat=config.quota_heartbeat_seconds,
         )
         self.session: FlowSession | None = None
         self.feedback_applied: FeedbackApplied | None = None

@@ -255,6 +255,15 @@ class StateApiStore:
         if response.status_code not in (204, 404):
             raise StoreError(f"POST quota settle: {_status_text(response)}")
 
+    def hold(self, charges: list[Charge] | None, held: list[tuple[int, str, int, Decimal]]) -> None:
+        """Remind the desk of the reservations held while their calls are in flight (a new leader
+        learns of them within its recovery); asked again through an operator's restart."""
+        body = {"charges": _charges_json(charges), "held": _held_json(held)}
+        response = self._request("POST", "hold", path=f"{c.QUOTA_API_PREFIX}hold", json=body,
+                                 refused_for=self._retry_for)
+        if response.status_code not in (204, 404):
+            raise StoreError(f"POST quota hold: {_status_text(response)}")
+
     def next_message(self, after: int, wait: float) -> dict[str, Any] | None:
         return self._long_poll(f"{c.MESSAGE_API_PREFIX}{after}", wait)
 

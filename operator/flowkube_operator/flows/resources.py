@@ -30,6 +30,13 @@ CONTAINER_SECURITY = {
 STATE_TOKEN_VOLUME = "flowkube-state-token"  # noqa: S105 - a volume name
 
 
+def quota_heartbeat(settings: Settings) -> float:
+    """Seconds between a runner pod's reminders of the reservations it holds: three within a new
+    leader's recovery, so a call in flight that long is heard of before its reservations could be lost."""
+    recovery = settings.quota_recovery_seconds
+    return max(0.2, recovery / 3) if recovery > 0 else 0.0
+
+
 def owner_reference(flow: Body) -> Body:
     return {
         "apiVersion": c.API_VERSION,
@@ -291,7 +298,9 @@ def runner_pod(  # noqa: PLR0913 - keyword-only: every input of the pod spec, ea
         {"name": "CREWAI_DISABLE_TELEMETRY", "value": "true"},
         {"name": "OTEL_SDK_DISABLED", "value": "true"},
         # Spend quotas enforced: every model request is reserved at the state API before it is sent.
-        *([{"name": c.ENV_QUOTAS, "value": "true"}] if settings.quotas_enabled else []),
+        *([{"name": c.ENV_QUOTAS, "value": "true"},
+           {"name": c.ENV_QUOTA_HEARTBEAT_SECONDS, "value": f"{quota_heartbeat(settings):g}"}]
+          if settings.quotas_enabled else []),
     ]
     if settings.runner_policy and not settings.runner_allow_scripts:
         env.append({"name": SCRIPTS_ENV, "value": "false"})  # set here: envFrom cannot turn it on

@@ -276,6 +276,14 @@ class Quotas:
         self._adopt(t, None, held or [])
         return self.tracker.settle(t.namespace, t.flow, t.pod, reservation, charges)
 
+    def hold(self, t: Caller, charges: Charges | None, held: list[tuple[int, str, Spend]]) -> bool | None:
+        """A pod's reminder, while its calls are in flight, of the reservations it holds: taken again
+        by a new leader (answered while it recovers: this is what its recovery waits for)."""
+        if not self._lead() or not self.listed():
+            return None
+        self._adopt(t, charges, held)
+        return True
+
     def _adopt(self, t: Caller, charges: Charges | None, held: list[tuple[int, str, Spend]]) -> None:
         restored = self.tracker.adopt(t.namespace, t.flow, t.pod, charges, held)
         if restored:

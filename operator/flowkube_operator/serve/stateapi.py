@@ -112,6 +112,9 @@ class QuotaDesk(Protocol):
     def settle(self, t: Target, reservation: int, charges: Charges,
                held: list[tuple[int, str, Spend]]) -> bool | None: ...
 
+    def hold(self, t: Target, charges: Charges | None, held: list[tuple[int, str, Spend]]) -> bool | None:
+        """A pod's reminder of the reservations it holds (None: not the leader, or not listed yet)."""
+
 
 QUOTA_BODY_LIMIT = 512 * 1024  # the run's charges (at most CHARGES_LIMIT entries) and what it holds
 HELD_LIMIT = 64  # reservations one pod says it holds
@@ -295,8 +298,9 @@ class StateApi:
     # -- spend quotas --------------------------------------------------------------------------------
 
     async def _quota(self, request: web.Request, t: Target, what: str) -> web.Response:
-        """``POST /v1/quota/reserve`` (a call's worst case: ``{"id"}``, or 402 and why) and
-        ``POST /v1/quota/settle`` (the call answered: the run's charges so far; 204)."""
+        """``POST /v1/quota/reserve`` (a call's worst case: ``{"id"}``, or 402 and why),
+        ``POST /v1/quota/settle`` (the call answered: the run's charges so far; 204) and
+        ``POST /v1/quota/hold`` (calls still in flight: what the pod holds; 204)."""
         if self._quotas is None:
             return _error(404, "spend quotas are not enforced by this operator")
         if (request.content_length or 0) > QUOTA_BODY_LIMIT:
@@ -313,8 +317,13 @@ class StateApi:
                 settled = Settle.model_validate_json(body)
                 if self._quotas.settle(t, settled.id, _charges(settled.charges), _held(settled.held)) is not None:
                     return web.Response(status=204)
+            elif what == "hold":
+                holding = _Charged.model_validate_json(body)
+                charges = _charges(holding.charges) if holding.charges is not None else None
+                if self._quotas.hold(t, charges, _held(holding.held)) is not None:
+                    return web.Response(status=204)
             else:
-                return _error(404, "the quota paths are reserve and settle")
+                return _error(404, "the quota paths are reserve, settle and hold")
         except ValidationError as e:
             return _error(422, f"{what}: {_first_error(e)}")
         response = _error(503, "this operator replica does not lead: ask again")

@@ -43,6 +43,7 @@ import asyncio
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 from contextvars import ContextVar
 from decimal import Decimal
@@ -127,6 +128,11 @@ class QuotaDesk(Protocol):
         run's, all of them so far."""
         ...
 
+    def hold(self, charges: list[Charge] | None, held: list[Held]) -> None:
+        """A reminder, while calls are in flight, of the reservations held (a new leader takes them
+        again before its recovery ends, however long the calls take)."""
+        ...
+
 
 def worst_case(body: bytes, model: str | None, pricer: Pricer) -> tuple[str, int, Decimal | None]:
     """(model, tokens, cost) a model request may use at most; the cost is None for a model with no price.
@@ -151,8 +157,11 @@ def worst_case(body: bytes, model: str | None, pricer: Pricer) -> tuple[str, int
 class QuotaGate:
     """The quota side of a run's model calls (see the module's docstring)."""
 
-    def __init__(self, desk: QuotaDesk, pricer: Pricer, charges: Callable[[], list[Charge] | None]) -> None:
+    def __init__(self, desk: QuotaDesk, pricer: Pricer, charges: Callable[[], list[Charge] | None], *,
+                 heartbeat: float = 0.0) -> None:
         self._desk, self._pricer, self._charges = desk, pricer, charges
+        self._heartbeat = heartbeat  # seconds between reminders of what is held (0: none)
+        self._beating: threading.Thread | None = None  # the reminders' thread, while anything is held
         self._lock = threading.Lock()
         self._held: dict[str, list[int]] = {}  # crewAI call id -> reservations of its answered requests
         self._outstanding: dict[int, Held] = {}  # every reservation not settled yet
@@ -194,6 +203,10 @@ class QuotaGate:
                 if reservation:
                     with self._lock:
                         self._outstanding[reservation] = (reservation, name, tokens, cost or Decimal(0))
+                        if self._heartbeat > 0 and self._beating is None:
+                            self._beating = threading.Thread(target=self._remind, name="quota-heartbeat",
+                                                             daemon=True)
+                            self._beating.start()
                 return reservation
             except Exception as e:
                 # Fail closed: a desk that cannot be reached (or any error here) stops the request
@@ -273,6 +286,25 @@ class QuotaGate:
     def _in_flight(self) -> list[Held]:
         with self._lock:
             return list(self._outstanding.values())
+
+    def _remind(self) -> None:
+        """While reservations are held, tell the desk which every ``heartbeat`` seconds: a call longer
+        than a new leader's recovery (``quotas.recoverySeconds``, a third of which this is) is then
+        reserved there again before the leader lets other calls through. Ends when nothing is held."""
+        while True:
+            time.sleep(self._heartbeat)  # the interval itself, not a wait for a condition
+            with self._lock:
+                held = list(self._outstanding.values())
+                if not held:
+                    self._beating = None
+                    return
+            self._asking.on = True
+            try:
+                self._desk.hold(self._charges(), held)
+            except Exception:  # the next reminder, or the call's settle, tells it again
+                log.warning("quota: could not remind the desk of %d reservation(s) held", len(held), exc_info=True)
+            finally:
+                self._asking.on = False
 
     def _settle(self, reservations: list[int]) -> None:
         charges = self._charges()

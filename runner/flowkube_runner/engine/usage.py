@@ -65,6 +65,7 @@ class UsageRecorder:
         on_call: Callable[[UsageRecorder], None] | None = None,
         stop: threading.Event | None = None,
         quota: QuotaDesk | None = None,
+        quota_heartbeat: float = 0.0,
     ) -> None:
         self._prior = prior_total_tokens
         self._prior_cost = prior_cost
@@ -85,7 +86,8 @@ class UsageRecorder:
         self.exceeded = False
         self.stopped = False
         # Spend quotas: each call's worst case reserved before it is sent, settled after (quotagate.py).
-        self.quota = QuotaGate(quota, self._pricer, self.charges) if quota is not None else None
+        self.quota = QuotaGate(quota, self._pricer, self.charges, heartbeat=quota_heartbeat) if quota is not None \
+            else None
 
     def _price(self, model: str, metrics: UsageMetrics, event: Any) -> Price | None:
         tokens = CallTokens(prompt=metrics.prompt_tokens, completion=metrics.completion_tokens,

@@ -198,7 +198,11 @@ def test_a_new_leader_lets_no_call_through_until_the_running_pods_spend_and_call
     assert q.tracker.book.used(key, NOW) == Spend(40), "a's interim report: what it spent so far"
     why = q.reserve(Pod("team", "b", "b-0"), "m", Spend(1), True, [], [])
     assert isinstance(why, str) and "1 running pod" in why, "a has not said what it holds yet"
-    # a settles a call it reserved with the old leader, and says it holds another one of 30.
+    # a's call made with the old leader is still in flight: its reminder (heartbeat) says what it
+    # holds, answered while the book recovers, and ends the wait for a.
+    assert q.hold(Pod("team", "a", "a-0"), [(NOW, "m", Spend(45))], [(777, "m", Spend(30))]) is True
+    assert q.tracker.book.used(key, NOW) == Spend(45) and q.tracker.book.reserved(key) == Spend(30)
+    # Then it settles another call it reserved with the old leader; 777 is still held.
     assert q.settle(Pod("team", "a", "a-0"), 12345, [(NOW, "m", Spend(45))], [(777, "m", Spend(30))]) is False
     assert q.tracker.book.used(key, NOW) == Spend(45) and q.tracker.book.reserved(key) == Spend(30)
     # Now the book is whole: b may reserve what is left (100 - 45 - 30), not a token more.

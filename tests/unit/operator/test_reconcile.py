@@ -556,6 +556,12 @@ def test_a_flow_cannot_reach_the_operators_runner_variables_through_env_or_envfr
     assert "FLOWKUBE_ANYTHING" not in env and env["TEAM_SETTING"] == "kept"
     assert env["FLOWKUBE_STATE_RETRY_SECONDS"] == "60"  # the chart's defaults may tune what is tunable
     assert container["envFrom"] == [{"configMapRef": {"name": "holds-FLOWKUBE_-keys"}}]
+    assert env["FLOWKUBE_QUOTAS"] == "" and env["FLOWKUBE_QUOTA_HEARTBEAT_SECONDS"] == ""
+    # With quotas on, a pod reminds the leader of its calls in flight three times per recovery window.
+    quotas = Settings(quotas_enabled=True, quota_recovery_seconds=30)
+    (on,) = runner_pod(body, index=0, trigger=Trigger.KICKOFF, settings=quotas)["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in on["env"]}
+    assert (env["FLOWKUBE_QUOTAS"], env["FLOWKUBE_QUOTA_HEARTBEAT_SECONDS"]) == ("true", "10")
 
 
 def test_a_flow_over_the_spec_bounds_fails_invalid_spec_without_a_pod() -> None:

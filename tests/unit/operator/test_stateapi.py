@@ -818,6 +818,7 @@ def test_quota_reservations_through_the_state_api_are_the_books_and_bad_bodies_a
     book = QuotaBook()
     book.set_limits(q, [Limit(q, "all", WindowSpec("Lifetime"), max_tokens=100)])
     leading = [True]
+    reminded: list[Any] = []
 
     class Desk:
         def reserve(self, t: Any, model: str, worst: Spend, priced: bool, charges: Any, held: Any) -> Any:
@@ -829,6 +830,10 @@ def test_quota_reservations_through_the_state_api_are_the_books_and_bad_bodies_a
 
         def settle(self, t: Any, reservation: int, charges: Any, held: Any) -> Any:
             return book.settle(reservation, t.pod, charges) if leading[0] else None
+
+        def hold(self, t: Any, charges: Any, held: Any) -> Any:
+            reminded.append(held)
+            return True if leading[0] else None
 
     runs = FakeRuns({("ns", "demo-0"): ("demo", FLOW_UID, "pod-uid")})
     auth = {"Authorization": f"Bearer {jwt('good')}"}
@@ -861,6 +866,11 @@ def test_quota_reservations_through_the_state_api_are_the_books_and_bad_bodies_a
                 assert answer.status == 422 and field in (await answer.json())["message"], bad
             big = await client.post(url + "settle", data=b"x" * (600 * 1024), headers=auth)
             assert big.status == 413
+            held = [{"id": 7, "model": "m", "tokens": 5, "cost": "0.01"}]
+            reminder = await client.post(url + "hold", json={"charges": charges, "held": held}, headers=auth)
+            assert reminder.status == 204
+            assert reminded == [[(7, "m", Spend(5, Decimal("0.01")))]]
+            assert (await client.post(url + "hold", json={"held": many_held}, headers=auth)).status == 422
             assert (await client.post(url + "spend", json={}, headers=auth)).status == 404
             assert (await client.post(url + "reserve", json={"model": "m", "tokens": 1})).status == 401
             leading[0] = False

@@ -33,6 +33,7 @@ class BookDesk:
     def __init__(self, book: QuotaBook, pod: str, url: str = "") -> None:
         self.book, self.pod, self.url = book, pod, url
         self.worst: list[int] = []
+        self.holds: list[list[int]] = []  # the reservation ids of each reminder
 
     def _ask(self) -> None:
         if self.url:
@@ -55,6 +56,10 @@ class BookDesk:
         self._ask()
         self.book.settle(reservation, self.pod, [(ch.at, ch.model, Spend(ch.total_tokens, ch.cost))
                                                       for ch in charges or []])
+
+    def hold(self, charges: list[Charge] | None, held: list[Any]) -> None:
+        self._ask()
+        self.holds.append([h[0] for h in held])
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +120,9 @@ def test_a_desk_that_cannot_be_reached_stops_the_call_instead_of_letting_it_go_u
             raise StoreError("POST quota reserve: state API unreachable")
 
         def settle(self, reservation: int, charges: list[Charge] | None, **_: Any) -> None:
+            raise AssertionError("nothing was reserved")
+
+        def hold(self, charges: list[Charge] | None, held: list[Any]) -> None:
             raise AssertionError("nothing was reserved")
 
     mark = len(stub.ledger())
@@ -229,3 +237,47 @@ def test_media_a_request_points_at_are_in_its_worst_case_and_a_file_by_reference
     wide = json.dumps(chat(*[{"type": "image_url", "image_url": {"url": f"https://x.example/{i}"}}
                              for i in range(3)], *[text] * 200_000)).encode()
     assert worst_case(wide, "gpt-4o-mini", Pricer())[1] == len(wide) + 3 * REMOTE_IMAGE_TOKENS + 64  # none hidden
+
+
+def test_while_a_call_is_in_flight_the_pod_reminds_the_desk_of_what_it_holds_and_stops_after(
+        stub: StubModel) -> None:
+    """A call longer than a new leader's recovery must still be reserved there: while it is in flight
+    the gate tells the desk every heartbeat which reservations it holds (through the desk's own
+    ungated POST), and stops once nothing is held."""
+    import threading
+
+    from crewai import LLM
+
+    from flowkube_devstack.cluster import wait_for
+    from flowkube_runner.engine.usage import UsageRecorder
+
+    book = QuotaBook()
+    book.set_limits(Q, [Limit(Q, "all", WindowSpec("Lifetime"), max_tokens=10**9)])
+    desk = BookDesk(book, "long-0", stub.base_url)
+    recorder = UsageRecorder(quota=desk, quota_heartbeat=0.05)
+    rules = Rules.from_json({"default": "A plain reply.", "rules": [{"contains": "LONG", "hold": True}]})
+    before = stub.rules
+    stub.set_rules(rules)
+    stub.arm_holds()
+    answers: list[str] = []
+    try:
+        with recorder.recording():
+            call = threading.Thread(target=lambda: answers.append(
+                LLM(model="gpt-4o-mini", max_tokens=64).call("LONG call held at the model")))
+            call.start()
+            assert stub.wait_held(1, timeout=30), "the call should reach the model"
+            assert recorder.quota is not None
+            (held,) = recorder.quota._in_flight()
+            wait_for(lambda: len(desk.holds) >= 3, 30, "three reminders while the call is in flight")
+            assert all(ids == [held[0]] for ids in desk.holds), desk.holds
+            stub.release_held()
+            call.join(timeout=30)
+        assert answers, "the call was answered"
+        gate = recorder.quota
+        wait_for(lambda: gate._beating is None, 30, "the reminders to stop once nothing is held")
+        reminded = len(desk.holds)
+        assert book.reserved((Q, "all")) == Spend()
+        assert not gate._in_flight() and len(desk.holds) == reminded
+    finally:
+        stub.release_held()
+        stub.set_rules(before)

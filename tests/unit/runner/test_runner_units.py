@@ -213,6 +213,9 @@ def test_config_from_env() -> None:
     assert config.feedback is not None and config.feedback.request_id == "r-1"
     assert config.prior_total_tokens == 7
     assert config.termination_log == Path("/dev/termination-log")
+    assert not config.quotas and config.quota_heartbeat_seconds == 0
+    quotas = RunnerConfig.from_env(env(**{c.ENV_QUOTAS: "true", c.ENV_QUOTA_HEARTBEAT_SECONDS: "10"}))
+    assert quotas.quotas and quotas.quota_heartbeat_seconds == 10
 
 
 @pytest.mark.parametrize(
