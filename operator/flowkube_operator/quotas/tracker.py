@@ -141,9 +141,10 @@ class QuotaTracker:
             self._retired.pop(key, None)
             self.book.drop_source(f"retired:{key}")
             return None
-        if key not in self._retired:  # a restart: what its deleted Flows charged, from its status
-            self._retired[key] = {}
-            self._add_retired(key, parse_charges((body.get("status") or {}).get("retired")))
+        # What its deleted Flows charged, as its status says: a floor, on every event. A restart reads it
+        # back; a follower takes what the leader added (a Flow deleted mid-run: its pods' settled calls
+        # are only in the leader's book), so after a failover it writes no less.
+        self._floor_retired(key, parse_charges((body.get("status") or {}).get("retired")))
         created = str((body.get("metadata") or {}).get("creationTimestamp") or "")
         cluster = not namespace
         try:
@@ -276,6 +277,26 @@ class QuotaTracker:
             del self._running[holder]
         for quota in f.quotas & self._quotas.keys():
             self._add_retired(quota, charges)
+
+    def _floor_retired(self, quota: str, charges: Charges) -> None:
+        """Each (quarter hour, model) of ``charges`` (a status.retired) at least as ``charges`` says:
+        the larger of the two per figure, so a status seen again (the leader's own write, echoed)
+        counts nothing twice. (A slot the leader merged into a later one past RETIRED_LIMIT may then
+        count in both: spend counted twice, never missed.)"""
+        kept = self._retired.setdefault(quota, {})
+        observed: dict[tuple[dt.datetime, str], Spend] = {}
+        for at, model, spend in charges:
+            slot = (bucket_of(at), model)
+            observed[slot] = observed.get(slot, Spend()) + spend
+        raised = {}
+        for slot, spend in observed.items():
+            have = kept.get(slot, Spend())
+            top = Spend(max(spend.tokens, have.tokens), max(spend.cost, have.cost))
+            if top != have:
+                raised[slot] = top
+        if raised:
+            kept.update(raised)
+            self._add_retired(quota, [])
 
     def _add_retired(self, quota: str, charges: Charges) -> None:
         kept = self._retired.setdefault(quota, {})

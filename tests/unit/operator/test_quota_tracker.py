@@ -185,3 +185,26 @@ def test_a_quotas_own_status_echo_does_not_undo_sticky_coverage_and_a_flow_made_
     assert isinstance(r, Reservation)
     assert t.settle("team", "x", "x-0", r.id, [(NOW, "m", Spend(30))]) is True
     assert t.book.used(KEY, NOW) == Spend(95), "60 (a) + 5 (the first x, deleted) + 30 (the new x's call)"
+
+
+def test_a_follower_takes_the_leaders_retired_spend_as_a_floor_and_counts_an_echo_once() -> None:
+    """A Flow deleted mid-run: the calls its pod settled are only in the leader's book, which moves
+    them into the quota's status.retired. A follower (the next leader after a failover) takes that
+    status as a floor on every event, so it counts them too; the same status seen again, or its own
+    retirement of the same Flow, counts nothing twice."""
+    t = QuotaTracker()
+    t.quota_event(quota(), "team", "tokens")
+    t.flow_event("team", "a", flow("a", {}, ended("a-0", 30), {"pod": "a-1", "startedAt": "2026-11-28T08:11:00Z"}))
+    assert t.book.used(KEY, NOW) == Spend(30)
+    t.flow_event("team", "a", None)  # deleted mid-run: this replica retires only what the status shows
+    assert t.book.used(KEY, NOW) == Spend(30)
+    leaders = {"status": {"retired": [{"at": "2026-11-28T08:00:00Z", "model": "m", "totalTokens": 30},
+                                      {"at": "2026-11-28T08:15:00Z", "model": "m", "totalTokens": 25}]}}
+    t.quota_event({**quota(), **leaders}, "team", "tokens")
+    assert t.book.used(KEY, NOW) == Spend(55), "the leader's retired spend of a-1's settled calls counts here too"
+    t.quota_event({**quota(), **leaders}, "team", "tokens")
+    assert t.book.used(KEY, NOW) == Spend(55), "seen again: counted once"
+    assert {r["totalTokens"] for r in t.retired(KEY[0])} == {30, 25}
+    older = {"status": {"retired": [{"at": "2026-11-28T08:00:00Z", "model": "m", "totalTokens": 10}]}}
+    t.quota_event({**quota(), **older}, "team", "tokens")
+    assert t.book.used(KEY, NOW) == Spend(55), "an older status lowers nothing"
