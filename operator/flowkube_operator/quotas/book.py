@@ -52,6 +52,15 @@ class Spend:
         return Spend(self.tokens - other.tokens, self.cost - other.cost)
 
 
+def _by_slot(charges: Charges) -> dict[tuple[dt.datetime, str], Spend]:
+    """Charges summed by (quarter hour, model)."""
+    out: dict[tuple[dt.datetime, str], Spend] = {}
+    for at, model, spend in charges:
+        slot = (bucket_of(at), model)
+        out[slot] = out.get(slot, Spend()) + spend
+    return out
+
+
 @dataclass(frozen=True)
 class Limit:
     """One limit of one quota: ``quota`` names it where messages and status show it
@@ -236,12 +245,25 @@ class QuotaBook:
     # -- what is used --------------------------------------------------------------------------------
 
     def set_source(self, source: str, quotas: list[str], charges: Charges) -> None:
-        """What ``source`` has charged, all of it (it replaces what it said before)."""
-        self.drop_source(source)
-        entry = (frozenset(quotas), list(charges))
-        self._sources[source] = entry
-        for account in self._covering(list(entry[0])):
-            self._add(account, entry[1], 1)
+        """What ``source`` has charged, all of it (it replaces what it said before). Under the same
+        quotas only what changed is applied: a settle hands a run's charges so far (up to 1,024
+        quarter hours and models), of which one or two are new, to every limit covering it."""
+        scope, old = frozenset(quotas), self._sources.get(source)
+        self._sources[source] = (scope, list(charges))
+        if old is None or old[0] != scope:
+            if old is not None:
+                for account in self._covering(list(old[0])):
+                    self._add(account, old[1], -1)
+            for account in self._covering(list(scope)):
+                self._add(account, charges, 1)
+            return
+        delta = _by_slot(charges)
+        for slot, spend in _by_slot(old[1]).items():
+            delta[slot] = delta.get(slot, Spend()) - spend
+        changed = [(at, model, d) for (at, model), d in delta.items() if d != Spend()]
+        if changed:
+            for account in self._covering(list(scope)):
+                self._add(account, changed, 1)
 
     def source_charges(self, source: str) -> Charges:
         return list(self._sources.get(source, (frozenset(), []))[1])
