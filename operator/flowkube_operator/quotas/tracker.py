@@ -50,6 +50,7 @@ from flowkube_operator.quotas.book import (
 Body = dict[str, Any]
 DEFAULT_WARN_AT = 80
 ENDED_KEPT = 4096  # pods whose runs ended lately: a late word from one charges nothing twice
+SHORT_KEPT = 4096  # Flows whose last call a Queue quota refused for room: each waits for that much
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,10 @@ class QuotaTracker:
         self._namespace_labels: dict[str, dict[str, str]] = {}  # only the keys namespaceSelectors name
         # Per quota, what its deleted Flows had charged (status.retired): (quarter hour, model) -> spend.
         self._retired: dict[str, dict[tuple[dt.datetime, str], Spend]] = {}
+        # A Flow whose call an ``action: Queue`` quota refused for lack of room: (limit, that call's
+        # worst case). Its next run waits until the limit has that much room (the used-up check alone
+        # would start it again at once, to be refused at the same call).
+        self._short: OrderedDict[tuple[str, str], tuple[tuple[str, str], Spend]] = OrderedDict()
 
     # -- what the watches see ------------------------------------------------------------------------
 
@@ -231,6 +236,7 @@ class QuotaTracker:
         if body is None:
             gone = self._flows.pop((namespace, name), None)
             self._active.pop((namespace, name), None)
+            self._short.pop((namespace, name), None)
             if gone is not None:
                 self._retire(gone)
             return
@@ -348,7 +354,16 @@ class QuotaTracker:
         holder = self._run_holder(namespace, flow, pod)
         f = self._flows.get((namespace, flow))
         self._running.setdefault(holder, f.uid if f is not None else "")
-        return self.book.reserve(quotas, holder, model, worst, now, priced=priced)
+        outcome = self.book.reserve(quotas, holder, model, worst, now, priced=priced)
+        if not isinstance(outcome, Refusal):
+            self._short.pop((namespace, flow), None)
+        elif outcome.reason is None and outcome.unpriced is None and (
+                (q := self._quotas.get(outcome.limit.quota)) is not None and q.action == "Queue"):
+            self._short[(namespace, flow)] = (outcome.limit.key, outcome.needed)
+            self._short.move_to_end((namespace, flow))
+            while len(self._short) > SHORT_KEPT:
+                self._short.popitem(last=False)
+        return outcome
 
     def settle(self, namespace: str, flow: str, pod: str, reservation: int, charges: Charges) -> bool:
         holder = self._run_holder(namespace, flow, pod)
@@ -385,8 +400,21 @@ class QuotaTracker:
         return [(ns, flow, pod) for (ns, flow), pod in self._active.items()]
 
     def exhausted(self, namespace: str, flow: str, now: dt.datetime) -> str | None:
-        """Why the Flow may start no run now: a limit of a quota covering it is used up (None: none is)."""
-        return self._used_up(self.covering(namespace, flow), now)
+        """Why the Flow may start no run now: a limit of a quota covering it is used up, or an
+        ``action: Queue`` quota refused its last call and has not the room for it yet (None: neither)."""
+        used_up = self._used_up(self.covering(namespace, flow), now)
+        if used_up is not None or (short := self._short.get((namespace, flow))) is None:
+            return used_up
+        key, needed = short
+        limit = next((lim for lim in self.book.limits(key[0]) if lim.key == key), None)
+        if limit is None:  # the limit is gone (or changed): nothing to wait for
+            self._short.pop((namespace, flow), None)
+            return None
+        used, reserved = self.book.used(key, now), self.book.reserved(key)
+        if limit.fits(used + reserved + needed):
+            return None
+        waiting = Refusal(limit, used, reserved, needed, resets_at(limit.window, now)).message()
+        return f"{waiting}: the Flow waits for that room (spec.action: Queue)"
 
     def refuses(self, namespace: str, labels: dict[str, str], now: dt.datetime) -> str | None:
         """Why a new Flow with these labels is refused at apply: a quota that would cover it, with

@@ -208,3 +208,35 @@ def test_a_follower_takes_the_leaders_retired_spend_as_a_floor_and_counts_an_ech
     older = {"status": {"retired": [{"at": "2026-11-28T08:00:00Z", "model": "m", "totalTokens": 10}]}}
     t.quota_event({**quota(), **older}, "team", "tokens")
     assert t.book.used(KEY, NOW) == Spend(55), "an older status lowers nothing"
+
+
+def test_a_queue_quota_that_refused_a_call_for_room_holds_the_flows_next_run_until_it_has_that_room() -> None:
+    """90 of 100 used: no limit is used up, but a call that may use 40 does not fit. Under
+    ``action: Queue`` the Flow's next run waits until the limit has room for that call (starting it at
+    once would only be refused again); under Refuse the run's failure is the Flow's."""
+    t = QuotaTracker()
+    t.quota_event(quota(100, action="Queue"), "team", "tokens")
+    t.flow_event("team", "a", flow("a", {}, ended("a-0", 90)))
+    assert t.exhausted("team", "a", NOW) is None
+    refused = t.reserve("team", "a", "a-1", "m", Spend(40), NOW)
+    assert isinstance(refused, Refusal)
+    why = t.exhausted("team", "a", NOW)
+    assert why is not None and why.endswith("the Flow waits for that room (spec.action: Queue)")
+    assert "90 tokens used + 0 reserved by calls in flight, and this call may use up to 40" in why
+    assert t.exhausted("team", "b", NOW) is None, "only the refused Flow waits"
+    t.quota_event(quota(120, action="Queue"), "team", "tokens")  # 90 + 40 > 120: still short
+    assert t.exhausted("team", "a", NOW) is not None
+    t.quota_event(quota(130, action="Queue"), "team", "tokens")  # room for it now
+    assert t.exhausted("team", "a", NOW) is None
+    assert isinstance(t.reserve("team", "a", "a-2", "m", Spend(40), NOW), Reservation)
+    assert not t._short, "a reservation that fits ends the wait"
+    assert isinstance(t.reserve("team", "a", "a-2", "m", Spend(40), NOW), Refusal)  # 90 + 40 held + 40 > 130
+    assert t.exhausted("team", "a", NOW) is not None
+    # Under Refuse a refusal for room leaves no wait behind, and a deleted Flow's is forgotten.
+    r = QuotaTracker()
+    r.quota_event(quota(100), "team", "tokens")
+    r.flow_event("team", "a", flow("a", {}, ended("a-0", 90)))
+    assert isinstance(r.reserve("team", "a", "a-1", "m", Spend(40), NOW), Refusal)
+    assert r.exhausted("team", "a", NOW) is None
+    t.flow_event("team", "a", None)
+    assert not t._short

@@ -1014,3 +1014,42 @@ def test_an_exhausted_quota_holds_a_kickoff_and_a_resume_keeps_its_answer_until_
     p = step(body, pod("f-0", "Succeeded", exit_code=0), at=90)
     assert p.create_pod is not None and p.create_pod.trigger == Trigger.RESUME and p.create_pod.index == 1
     assert p.create_pod.feedback == {"requestId": "req-1", "text": "approved", "timedOut": False}
+
+
+ROOM = ("FlowQuota ns/team: limit daily (maxTotalTokens=100, per day in UTC): 90 tokens used + 0 reserved by calls "
+        "in flight, and this call may use up to 400: the Flow waits for that room (spec.action: Queue)")
+
+
+def test_a_run_a_queue_quota_stopped_for_room_waits_and_is_retried_once_there_is_room() -> None:
+    """A run refused at a call by an ``action: Queue`` quota that still has room, but not enough for
+    that call: the quota service says the Flow waits (``quota``), so the Flow is Pending, not Failed,
+    and the retry starts when there is room (not counted against retries.limit: 0 here). Without that
+    word (a Refuse quota) the run's failure is the Flow's, as budget.maxCost's is."""
+    stopped = report("f-0", RunResult.FAILED, reason=Reason.QUOTA_EXHAUSTED, exit_code=2, usage=usage(3, 4),
+                     message="FlowQuota ns/team: limit daily ...")
+
+    def planned(body: dict[str, Any], at: float, quota: str | None) -> Plan:
+        pods, now = pod("f-0", "Failed", exit_code=2), T0 + dt.timedelta(seconds=at)
+        p = plan(body, pods, stopped, now=now, quota=quota)
+        if p.need_report:
+            p = plan(body, pods, stopped, now=now, quota=quota, report_checked=True)
+        body["status"] = p.status.dump()
+        return p
+
+    body = flow()
+    step(body)
+    step(body, pod("f-0", "Running"), at=1)
+    p = planned(body, 5, ROOM)
+    st = body["status"]
+    assert p.create_pod is None and st["phase"] == Phase.PENDING and st["message"] == ROOM
+    assert st["runs"][0]["reason"] == Reason.QUOTA_EXHAUSTED and st["usage"]["totalTokens"] == 7
+    assert cond(body, "Running")["reason"] == Reason.QUOTA_EXHAUSTED and p.requeue_after == 30
+    assert planned(body, 35, ROOM).create_pod is None, "still no room"
+    p = planned(body, 65, None)  # room: the limit was raised, or the window reset
+    assert p.create_pod is not None and p.create_pod.trigger == Trigger.RETRY and p.create_pod.index == 1
+
+    body = flow()
+    step(body)
+    step(body, pod("f-0", "Running"), at=1)
+    planned(body, 5, None)
+    assert body["status"]["phase"] == Phase.FAILED and cond(body, "Succeeded")["reason"] == Reason.QUOTA_EXHAUSTED

@@ -75,10 +75,11 @@ def running_seconds(runs: list[Run], now: dt.datetime) -> float:
 
 
 def trailing_failures(runs: list[Run]) -> int:
-    """Failed runs since the last one that did not fail; disruptions are not the flow's failures."""
+    """Failed runs since the last one that did not fail; disruptions and runs a Queue quota stopped
+    for room (the Flow waited, then went on) are not the flow's failures."""
     n = 0
     for r in reversed(runs):
-        if r.result == RunResult.FAILED and r.reason in DISRUPTION_REASONS:
+        if r.result == RunResult.FAILED and r.reason in (*DISRUPTION_REASONS, Reason.QUOTA_EXHAUSTED):
             continue
         if r.result != RunResult.FAILED:
             break

@@ -226,7 +226,11 @@ class Runs:
         limit = s.spec.retries.limit if s.spec.retries else 0
         failures = trailing_failures(s.runs)
         s.plan.event(str(reason), f"run {run.pod} failed: {excerpt(message, 512)}", warning=True)
-        if permanent:
+        if reason == Reason.QUOTA_EXHAUSTED and s.quota is not None:
+            # The quota service says the Flow waits (an ``action: Queue`` quota refused the call for
+            # room it may have later): no failure of the flow's, a retry once there is room.
+            s.hold_for_quota()
+        elif permanent:
             s.terminal(Phase.FAILED, reason, message)
         elif failures > limit:
             why = f"{failures} failed run(s), retries.limit={limit}; last: {message}"
@@ -250,6 +254,9 @@ class Runs:
         """The last run failed: a replacement at once after a disruption (like a Job's pod lost to
         one), a retry once the backoff has passed after a failure."""
         s = self.s
+        if last.reason == Reason.QUOTA_EXHAUSTED and s.quota is not None:
+            s.hold_for_quota()  # stopped by a Queue quota for room: it starts when there is room
+            return
         if last.reason not in DISRUPTION_REASONS:
             due = last.finished_at or s.now
             wait = backoff_seconds(s.spec, trailing_failures(s.runs), s.backoff_cap)
