@@ -20,6 +20,7 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -28,12 +29,32 @@ from flowkube_api import constants as c
 from flowkube_devstack.cluster import LocalCluster, wait_for
 from flowkube_devstack.operator import ChartOperator
 from tests.abuse import gzip_bomb
-from tests.integration.conftest import Flows
+from tests.integration.conftest import Flows, scripted_operator
 from tests.integration.test_ha import container_rss_mb
 
 pytestmark = pytest.mark.slow
 
 BOMB_MIB = 900  # compresses to about 874 KiB: under the state API's and a ConfigMap's value limits
+
+
+# This module's operator renews its Lease with a 20 s deadline (the chart's default is 7 s). What its
+# tests prove is that a tenant's bytes (bombs, Secrets near 1 MiB, made-up names by the hundred) neither
+# kill nor bloat the operator. On this 2-core machine with the whole suite beside it (load average 22),
+# one run saw the operator's renewals take over 7 s (its admission answers took 5 s: the whole machine
+# was starved, the API server too), so it gave up leading and exited by design, and the no-restart
+# check failed on that rather than on the abuse. (A renewal that does not share the operator's event
+# loop is the open improvement, in the notes of issue 41's last stop.)
+LEASE_ENV = {"FLOWKUBE_LEADER_ELECTION_LEASE_DURATION_SECONDS": "30",
+             "FLOWKUBE_LEADER_ELECTION_RENEW_DEADLINE_SECONDS": "20"}
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: LocalCluster) -> Iterator[ChartOperator]:
+    op = scripted_operator(cluster, extra_env=LEASE_ENV).start()
+    try:
+        yield op
+    finally:
+        op.stop()
 
 
 def restarts(op: ChartOperator) -> dict[str, int]:

@@ -109,7 +109,7 @@ def test_one_flow_per_minute_forbid_skips_history_prunes_and_a_killed_leader_sta
             st = get(cluster, ns, "cronflow", "tick").get("status") or {}
             return (st.get("usage") or {}).get("totalTokens") == 6 and not st.get("active")
 
-        wait_for(tick_status_settled, 60, "tick's status: both Flows' tokens, nothing active")
+        wait_for(tick_status_settled, 120, "tick's status: both Flows' tokens, nothing active")
         tick = get(cluster, ns, "cronflow", "tick")["status"]
         assert tick["lastScheduleTime"] == f"{second:%Y-%m-%dT%H:%M:%SZ}"
         assert tick["prunedUsage"]["totalTokens"] == 3 and tick["lastSuccessfulTime"]
