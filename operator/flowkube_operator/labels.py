@@ -9,6 +9,11 @@ OTHER = "other"  # the value that every label value past its namespace's budget 
 LABEL_VALUE_LIMIT = 256  # characters of a tenant-chosen label value; a longer one is folded into OTHER
 
 
+def escape_value(v: str) -> str:
+    """A label value as Prometheus' text format writes it between its quotes."""
+    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 class LabelBudget:
     """The tenant-chosen label values each namespace may use: the first ``limit`` of each kind
     (``group``: a (definition, template, cronflow) combination; ``model``), in the order the Flows are

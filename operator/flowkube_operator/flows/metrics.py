@@ -23,7 +23,7 @@ from flowkube_api.base import parse_time
 from flowkube_api.constants import CRONFLOW_KIND, GROUP, LABEL_CRONFLOW, Phase, Trigger
 from flowkube_api.report import Usage
 from flowkube_operator.flows.resources import definition_name
-from flowkube_operator.labels import DEFAULT_LABEL_VALUES, OTHER, LabelBudget
+from flowkube_operator.labels import DEFAULT_LABEL_VALUES, OTHER, LabelBudget, escape_value
 
 Body = dict[str, Any]
 Key = tuple[str, str]
@@ -65,13 +65,9 @@ ROLLUP_COUNTERS = frozenset({"flowkube_flow_tokens_total", "flowkube_flow_llm_re
                              "flowkube_flow_turns_total"})
 
 
-def _escape(v: str) -> str:
-    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
 @functools.lru_cache(maxsize=4096)
 def _label(k: str, v: str) -> str:
-    return f'{k}="{_escape(v)}"'
+    return f'{k}="{escape_value(v)}"'
 
 
 def _fmt_labels(labels: Labels) -> str:

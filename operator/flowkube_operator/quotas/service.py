@@ -50,6 +50,7 @@ from flowkube_api.models.quota import QuotaCondition
 from flowkube_api.report import RunReport
 from flowkube_operator.kube.client import ApiError, Kube, flow_path, ns_path
 from flowkube_operator.kube.informer import Informer
+from flowkube_operator.labels import escape_value
 from flowkube_operator.meta import owner_uid
 from flowkube_operator.quotas.book import Charges, Refusal, Spend
 from flowkube_operator.quotas.tracker import QuotaTracker, quota_name
@@ -407,8 +408,8 @@ class Quotas:
                                         ("usd", limit.max_cost, used.cost, reserved.cost)):
                     if cap is None:
                         continue
-                    labels = (f'namespace="{_label_value(namespace)}",quota="{_label_value(name)}",'
-                              f'limit="{_label_value(limit.name)}",unit="{unit}"')
+                    labels = (f'namespace="{escape_value(namespace)}",quota="{escape_value(name)}",'
+                              f'limit="{escape_value(limit.name)}",unit="{unit}"')
                     for family, value in (("flowkube_quota_used", u), ("flowkube_quota_limit", cap),
                                           ("flowkube_quota_reserved", r)):
                         text = f"{value:f}" if isinstance(value, Decimal) else str(value)  # never 1E+2
@@ -480,10 +481,6 @@ QUOTA_FAMILIES = (
     ("flowkube_quota_limit", "The limit (maxTotalTokens in tokens, maxCost in USD)."),
     ("flowkube_quota_reserved", "The worst case of the covered Flows' model calls in flight."),
 )
-
-
-def _label_value(v: str) -> str:
-    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 async def _list_with(kube: Kube, path: str, key: str, deliver: Callable[[Body], None]) -> None:
