@@ -52,7 +52,7 @@ class Spend:
         return Spend(self.tokens - other.tokens, self.cost - other.cost)
 
 
-def _by_slot(charges: Charges) -> dict[tuple[dt.datetime, str], Spend]:
+def by_slot(charges: Charges) -> dict[tuple[dt.datetime, str], Spend]:
     """Charges summed by (quarter hour, model)."""
     out: dict[tuple[dt.datetime, str], Spend] = {}
     for at, model, spend in charges:
@@ -257,8 +257,8 @@ class QuotaBook:
             for account in self._covering(list(scope)):
                 self._add(account, charges, 1)
             return
-        delta = _by_slot(charges)
-        for slot, spend in _by_slot(old[1]).items():
+        delta = by_slot(charges)
+        for slot, spend in by_slot(old[1]).items():
             delta[slot] = delta.get(slot, Spend()) - spend
         changed = [(at, model, d) for (at, model), d in delta.items() if d != Spend()]
         if changed:

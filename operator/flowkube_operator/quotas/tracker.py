@@ -42,6 +42,7 @@ from flowkube_operator.quotas.book import (
     Refusal,
     Reservation,
     Spend,
+    by_slot,
     flow_charges,
     limits_of,
     parse_charges,
@@ -290,12 +291,8 @@ class QuotaTracker:
         counts nothing twice. (A slot the leader merged into a later one past RETIRED_LIMIT may then
         count in both: spend counted twice, never missed.)"""
         kept = self._retired.setdefault(quota, {})
-        observed: dict[tuple[dt.datetime, str], Spend] = {}
-        for at, model, spend in charges:
-            slot = (bucket_of(at), model)
-            observed[slot] = observed.get(slot, Spend()) + spend
         raised = {}
-        for slot, spend in observed.items():
+        for slot, spend in by_slot(charges).items():
             have = kept.get(slot, Spend())
             top = Spend(max(spend.tokens, have.tokens), max(spend.cost, have.cost))
             if top != have:
