@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import IO, Any
 
 PRELOAD = ("flowkube_runner.__main__", "flowkube_runner.run", "flowkube_runner.engine.session",
-           "flowkube_runner.engine.usage")
+           "flowkube_runner.engine.usage", "flowkube_runner.engine.tracing")
 
 
 # -- the server (python -m tests.runnerforks) -------------------------------------------------------------

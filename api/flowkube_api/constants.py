@@ -204,6 +204,12 @@ ENV_QUOTA_HEARTBEAT_SECONDS = "FLOWKUBE_QUOTA_HEARTBEAT_SECONDS"
 ENV_PRICES = "FLOWKUBE_PRICES"  # JSON: price overrides by model (flowkube_api.prices), set by the operator
 ENV_TERMINATION_LOG = "FLOWKUBE_TERMINATION_LOG"  # default /dev/termination-log
 ENV_STATE_DIR = "FLOWKUBE_STATE_DIR"  # development only: a directory instead of the ConfigMap
+# Tracing (set only when the operator traces): the W3C traceparent of the pod's run span (the Flow's
+# trace, flowkube_api.traces), the OTLP/HTTP traces URL its spans go to, and "true" to keep message
+# content in them. flowkube's own names, not OTEL_*: a Flow's spec.env cannot point them elsewhere.
+ENV_TRACEPARENT = "FLOWKUBE_TRACEPARENT"
+ENV_TRACES_ENDPOINT = "FLOWKUBE_TRACES_ENDPOINT"
+ENV_TRACES_CONTENT = "FLOWKUBE_TRACES_CONTENT"
 # Every FLOWKUBE_ variable a runner reads. The operator sets each in every runner pod (empty when it
 # has nothing to say: the runner reads empty as unset), so neither spec.env nor envFrom (a container's
 # env wins over its envFrom) can give one another value; only the chart's runner.defaultEnv may set
@@ -212,7 +218,8 @@ RUNNER_ENV = (
     ENV_FLOW_NAME, ENV_NAMESPACE, ENV_POD_NAME, ENV_TRIGGER, ENV_SPEC, ENV_STATE_URL, ENV_STATE_CA,
     ENV_STATE_TOKEN_FILE, ENV_STATE_RETRY_SECONDS, ENV_FEEDBACK, ENV_MESSAGE, ENV_KEEP_WARM_SECONDS,
     ENV_FEEDBACK_KEEP_WARM_SECONDS, ENV_PRIOR_TOTAL_TOKENS, ENV_PRIOR_COST, ENV_PRICES, ENV_TERMINATION_LOG,
-    ENV_STATE_DIR, ENV_QUOTAS, ENV_QUOTA_HEARTBEAT_SECONDS,
+    ENV_STATE_DIR, ENV_QUOTAS, ENV_QUOTA_HEARTBEAT_SECONDS, ENV_TRACEPARENT, ENV_TRACES_ENDPOINT,
+    ENV_TRACES_CONTENT,
 )
 RUNNER_TUNABLE_ENV = (ENV_STATE_RETRY_SECONDS, ENV_STATE_TOKEN_FILE)
 

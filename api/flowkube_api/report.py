@@ -225,6 +225,14 @@ class TurnReport(Model):
     ended: bool = False
 
 
+class SpansLost(Model):
+    """The run's spans that never reached the collector, by reason (flowkube_api.otlp)."""
+
+    queue_full: int = Field(default=0, ge=0)
+    export_failed: int = Field(default=0, ge=0)
+    unflushed: int = Field(default=0, ge=0)
+
+
 class RunReport(Model):
     pod: str
     flow: str = ""
@@ -245,6 +253,8 @@ class RunReport(Model):
     checkpoints: list[CheckpointEntry] | None = Field(
         default=None, max_length=CHECKPOINTS_REPORTED,
         description="The checkpoints this run took (the last ones), oldest first.")
+    spans_lost: SpansLost | None = Field(
+        default=None, description="The run's trace spans lost (tracing on): counted in the operator's metric.")
     # The pod answered its turn and stays up for the next message: the run goes on (a conversation's
     # warm runner). The operator folds the turn in without ending the run.
     warm: bool = False

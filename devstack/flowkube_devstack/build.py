@@ -30,6 +30,7 @@ from flowkube_devstack.versions import (
     COREDNS_VERSION,
     ETCD_VERSION,
     HELM_VERSION,
+    JAEGER_VERSION,
     KIND_VERSION,
     KUBERNETES_VERSION,
 )
@@ -153,6 +154,17 @@ def coredns() -> Component:
         module="github.com/coredns/coredns",
         binaries=("coredns",),
         packages=("github.com/coredns/coredns",),
+    )
+
+
+def jaeger() -> Component:
+    """Jaeger v2 (an OpenTelemetry Collector build with Jaeger's storage and query), from its Go module."""
+    return Component(
+        name="jaeger",
+        version=JAEGER_VERSION,
+        module="github.com/jaegertracing/jaeger",
+        binaries=("jaeger",),
+        packages=("github.com/jaegertracing/jaeger/cmd/jaeger",),
     )
 
 
@@ -313,7 +325,7 @@ def control_plane(*, node: bool = False) -> dict[str, Path]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     factories = {"etcd": etcd, "kubernetes": kubernetes, "kubernetes-node": kubernetes_node,
-                 "coredns": coredns, "helm": helm}
+                 "coredns": coredns, "helm": helm, "jaeger": jaeger}
     defaults = list(factories)
     factories |= {"kubeadm": kubeadm, "kind": kind}  # hack/kind-e2e.sh's own, built only when named
     # Checked here, not with `choices`: argparse checks an empty `nargs="*"` against them as one value.

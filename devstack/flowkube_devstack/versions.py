@@ -12,3 +12,6 @@ HELM_VERSION = "v3.21.4"
 COREDNS_VERSION = "v1.15.0"
 # kind, built from its Go module for hack/kind-e2e.sh: the newest release, and the first to know Kubernetes 1.36.
 KIND_VERSION = "v0.33.0"
+# Jaeger, the local stack's trace backend (OTLP in, its query API out), from its Go module: the
+# newest release the module proxy serves (the v1 module path carries the v2 binary: v1.76.0 = v2.13.0).
+JAEGER_VERSION = "v1.76.0"

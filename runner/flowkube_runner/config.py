@@ -70,6 +70,9 @@ class RunnerConfig:
     feedback_keep_warm_seconds: float = 0.0  # a paused run's pod waits this long for the answer
     quotas: bool = False  # every model request is reserved at the quota desk (the state API) first
     quota_heartbeat_seconds: float = 0.0  # reminders of the reservations held while a call is in flight
+    traceparent: str = ""  # the run span's W3C traceparent (tracing on), see flowkube_api.traces
+    traces_endpoint: str = ""  # the OTLP/HTTP traces URL (tracing on)
+    traces_content: bool = False  # message content kept in spans
 
     @staticmethod
     def termination_log_from_env(env: Mapping[str, str] | None = None) -> Path:
@@ -129,6 +132,9 @@ class RunnerConfig:
             feedback_keep_warm_seconds=feedback_keep_warm,
             quotas=env.get(c.ENV_QUOTAS, "").strip().lower() == "true",
             quota_heartbeat_seconds=_seconds(env, c.ENV_QUOTA_HEARTBEAT_SECONDS),
+            traceparent=env.get(c.ENV_TRACEPARENT, "").strip(),
+            traces_endpoint=env.get(c.ENV_TRACES_ENDPOINT, "").strip(),
+            traces_content=env.get(c.ENV_TRACES_CONTENT, "").strip().lower() == "true",
         )
 
 

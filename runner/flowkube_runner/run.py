@@ -29,6 +29,7 @@ from flowkube_api.report import (
     FeedbackApplied,
     FeedbackRequest,
     RunReport,
+    SpansLost,
     SpentSoFar,
     TurnReport,
     Usage,
@@ -46,6 +47,7 @@ from .waiting import answered_and_open, paused_on, release_memory, wait_warm
 
 if TYPE_CHECKING:
     from .engine.session import FlowSession
+    from .engine.tracing import RunTracer
     from .engine.usage import UsageRecorder
 
 log = logging.getLogger("flowkube_runner")
@@ -132,6 +134,8 @@ class _Run:
             from .engine import session  # noqa: F401 - what `drive` names, loaded with the rest
             from .engine.usage import UsageRecorder
 
+            self.tracer = _tracer(config)
+
         self.config = config
         self.store = store
         self.interim: InterimReport | None = None  # the current step's (see _attempt)
@@ -146,7 +150,9 @@ class _Run:
             # Spend quotas: the state API is the desk (a pod without one, e.g. a local run, has none).
             quota=store if config.quotas and isinstance(store, StateApiStore) else None,
             quota_heartbeat=config.quota_heartbeat_seconds,
+            on_counted=self.tracer.counted if self.tracer is not None else None,
         )
+        self.steps = 0
         self.session: FlowSession | None = None
         self.feedback_applied: FeedbackApplied | None = None
         taking = config.spec.checkpoints is None or config.spec.checkpoints.keep > 0
@@ -258,8 +264,19 @@ class _Run:
             raise RuntimeError("a warm step before the run's first")
         self.feedback_applied = None
         self._refuse_if_stopped()
-        with self.recorder.recording():
+        with self._recording():
             return act(session, session.document)
+
+    @contextlib.contextmanager
+    def _recording(self) -> Iterator[None]:
+        """A step's model calls counted, and (tracing on) its spans under the run's span."""
+        self.steps += 1
+        traced = contextlib.nullcontext() if self.tracer is None else self.tracer.step(
+            f"{self.config.pod}/{self.steps}", self.config.flow,
+            {"flowkube.flow.name": self.config.flow, "k8s.namespace.name": self.config.namespace,
+             "k8s.pod.name": self.config.pod, "flowkube.run.step": self.steps})
+        with traced, self.recorder.recording():
+            yield
 
     def _refuse_if_stopped(self) -> None:
         if self.stop is not None and self.stop.is_set():
@@ -309,7 +326,7 @@ class _Run:
             self.recorder.exceeded = True
             raise permanent(c.Reason.BUDGET_EXCEEDED, self.recorder.budget_message())
         self._refuse_if_stopped()
-        with self.recorder.recording():
+        with self._recording():
             if session.is_conversation():
                 return self.converse(session, document)
             if trigger is c.Trigger.KICKOFF:
@@ -387,7 +404,25 @@ def execute(
     report = _attempt(template, run, run.drive)
     if inbox is not None and (config.keep_warm_seconds > 0 or config.feedback_keep_warm_seconds > 0):
         report = _stay_warm(run, template, report, inbox)
+    if run.tracer is not None:
+        lost: dict[str, int] = _safe(run.tracer.close, {}, "the last spans")
+        report.spans_lost = SpansLost(**lost)
     return report
+
+
+def _tracer(config: RunnerConfig) -> RunTracer | None:
+    """The run's tracer, when the operator traces (it gives the pod a traceparent and an endpoint)."""
+    if not (config.traceparent and config.traces_endpoint):
+        return None
+    from .engine.tracing import RunTracer
+
+    try:
+        return RunTracer(config.traceparent, endpoint=config.traces_endpoint, content=config.traces_content,
+                         resource={"k8s.namespace.name": config.namespace, "k8s.pod.name": config.pod,
+                                   "flowkube.flow.name": config.flow})
+    except ValueError as e:  # tracing is never a reason for a run to fail
+        log.warning("no spans for this run: %s", e)
+        return None
 
 
 def _attempt(template: RunReport, run: _Run | None, step: Callable[[], Ending] | BaseException) -> RunReport:

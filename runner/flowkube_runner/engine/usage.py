@@ -55,7 +55,7 @@ class UsageRecorder:
     was refused for it.
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - keyword-only, each a part of the run the recorder answers to
         self,
         *,
         prior_total_tokens: int = 0,
@@ -66,12 +66,14 @@ class UsageRecorder:
         stop: threading.Event | None = None,
         quota: QuotaDesk | None = None,
         quota_heartbeat: float = 0.0,
+        on_counted: Callable[[str, UsageMetrics, Decimal | None], None] | None = None,
     ) -> None:
         self._prior = prior_total_tokens
         self._prior_cost = prior_cost
         self._budget = budget or Budget()
         self._pricer = pricer or Pricer()
         self._on_call = on_call
+        self._on_counted = on_counted  # each call as counted (its crewAI call id): the trace's figures
         self._stop = stop
         self._lock = threading.Lock()
         self._totals = UsageMetrics()
@@ -150,6 +152,9 @@ class UsageRecorder:
             self._charges[slot] = (tokens + metrics.total_tokens, cost + (price.cost if price is not None else 0))
             self._bound_charges_locked()
             self._check_locked(before_call=False)
+        if self._on_counted is not None:
+            self._on_counted(str(getattr(event, "call_id", "") or ""), metrics,
+                             price.cost if price is not None else None)
         if self._on_call is not None:
             self._on_call(self)
 
