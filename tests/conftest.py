@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from flowkube_devstack import jaeger as jaeger_module
 from flowkube_devstack.cluster import ClusterError, LocalCluster, wait_for
+from flowkube_devstack.jaeger import Jaeger
 
 # tests.lanes: each local stack's tests in one xdist worker, on its own cluster, the other tests
 # beside them; tests.budget: each test's time budget, and the slowest modules at the end.
@@ -39,6 +41,18 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         yield c
     finally:
         c.stop()
+
+
+@pytest.fixture(scope="session")
+def jaeger(cluster: LocalCluster) -> Iterator[Jaeger]:
+    """The lane's trace backend (a host process beside the cluster), started by the first module that
+    asks; pods reach it as ``http://jaeger.flowkube-dev.svc`` (``TRACES_VALUES``)."""
+    j = Jaeger(cluster.root / "jaeger", cluster.host_ip).start()
+    cluster.host_service("jaeger", jaeger_module.NAMESPACE, jaeger_module.OTLP_PORT)
+    try:
+        yield j
+    finally:
+        j.stop()
 
 
 @pytest.fixture

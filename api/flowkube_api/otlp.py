@@ -52,27 +52,30 @@ DROP_REASONS = ("queue_full", "export_failed", "unflushed")
 
 
 class Drops:
-    """Spans lost, by reason (thread-safe)."""
+    """Spans lost, by reason, and spans exported (thread-safe); ``listener`` hears each change
+    (``"exported"`` or the reason, and how many), e.g. a Prometheus counter."""
 
-    def __init__(self) -> None:
+    def __init__(self, listener: Callable[[str, int], None] | None = None) -> None:
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(DROP_REASONS, 0)
         self.exported = 0
+        self._listener = listener
 
     def add(self, reason: str, n: int = 1) -> None:
         with self._lock:
             self._counts[reason] += n
+        if self._listener is not None:
+            self._listener(reason, n)
 
     def add_exported(self, n: int) -> None:
         with self._lock:
             self.exported += n
+        if self._listener is not None:
+            self._listener("exported", n)
 
     def counts(self) -> dict[str, int]:
         with self._lock:
             return dict(self._counts)
-
-    def total(self) -> int:
-        return sum(self.counts().values())
 
 
 def span_name(name: str, attributes: Mapping[str, Any]) -> str:

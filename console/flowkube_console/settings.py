@@ -30,6 +30,7 @@ class Settings:
     session_hours: float = 8.0
     namespaces: tuple[str, ...] = ()  # followed when a user may not list Flows cluster-wide
     grafana_url: str = ""  # with {namespace} and {name}
+    trace_url: str = ""  # with {traceId} (and {namespace}, {name}): a Flow's trace in the trace backend
     launch_key: str = ""  # local mode: the one-time key in the URL `kubectl flow console` opens
 
     @property
@@ -66,6 +67,7 @@ def load(argv: list[str] | None = None) -> Settings:
     p.add_argument("--token-header", default=env("FLOWKUBE_CONSOLE_TOKEN_HEADER", ""))
     p.add_argument("--namespaces", default=env("FLOWKUBE_CONSOLE_NAMESPACES", ""))
     p.add_argument("--grafana-url", default=env("FLOWKUBE_CONSOLE_GRAFANA_URL", ""))
+    p.add_argument("--trace-url", default=env("FLOWKUBE_CONSOLE_TRACE_URL", ""))
     p.add_argument("--session-hours", type=float, default=float(env("FLOWKUBE_CONSOLE_SESSION_HOURS", "8")))
     p.add_argument("--launch-key", default=env("FLOWKUBE_CONSOLE_LAUNCH_KEY", ""))
     a = p.parse_args(argv)
@@ -79,4 +81,4 @@ def load(argv: list[str] | None = None) -> Settings:
                     mode=a.mode,
                     token_header=a.token_header, session_key=_key(raw_key), session_hours=a.session_hours,
                     namespaces=tuple(n.strip() for n in a.namespaces.split(",") if n.strip()),
-                    grafana_url=a.grafana_url, launch_key=a.launch_key)
+                    grafana_url=a.grafana_url, trace_url=a.trace_url, launch_key=a.launch_key)

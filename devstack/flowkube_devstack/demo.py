@@ -1,7 +1,7 @@
 """`./dev demo`: what a new user sees in their first five minutes, on the running local stack.
 
 Applies examples/flows/inline-feedback.yaml, shows it pause for feedback, answers with the raw
-`kubectl patch`, and shows it finish with its usage and the matching /metrics lines.
+`kubectl patch`, and shows it finish with its usage, the matching /metrics lines and its one trace.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from flowkube_devstack.jaeger import Span, read_spans, waterfall
+
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "flows" / "inline-feedback.yaml"
 NAMESPACE = "demo"
@@ -24,6 +26,7 @@ PATCH = '{"status":{"feedback":{"response":{"text":"approved"}}}}'
 
 class Demo:
     def __init__(self, info: dict[str, Any]) -> None:
+        self.info = info
         self.kubectl_bin = info["bins"]["kubectl"]
         self.kubeconfig = info["kubeconfig"]
         self.metrics_url = info["metrics"]
@@ -99,8 +102,26 @@ class Demo:
                      and (ln.startswith("flowkube_flow_tokens_total") or ln.startswith("flowkube_flow_runs_total")
                           or ln.startswith("flowkube_flow_llm_requests_total"))]
         print("\n".join(lines))
+        self.show_trace(st)
         print("\nThe stack keeps running: `./dev status` shows how to point kubectl at it; `./dev down` stops it.")
         return 0
+
+
+    def show_trace(self, st: dict[str, Any]) -> None:
+        """The Flow's one trace, read back from the local Jaeger's query API (it has no web UI here)."""
+        query, trace_id = self.info.get("jaeger"), (st.get("trace") or {}).get("traceId")
+        if not query or not trace_id:
+            return
+        url = f"{query}/api/traces/{trace_id}"
+        print(f"\n== The Flow's one trace (status.trace.traceId {trace_id}), from Jaeger: {url}")
+        spans: list[Span] = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # the operator sends its spans within a second of its write
+            spans = read_spans(query, trace_id)
+            if any(not s.parent_id for s in spans):
+                break
+            time.sleep(0.5)
+        print(waterfall(spans))
 
 
 def demo(info: dict[str, Any]) -> int:

@@ -92,7 +92,8 @@ def chart_env_sources(deployment: str | None = None, helpers: str | None = None)
                 blocks.pop()
         name = _ENV_NAME.match(line)
         if name is not None:
-            pending = name["name"] if name["name"].startswith(Settings.model_config.get("env_prefix", "")) else None
+            pending = name["name"] if name["name"].startswith(Settings.model_config.get("env_prefix", "")) or (
+                name["name"] in _ALIASES) else None
             continue
         if pending is not None and _ENV_FIELD.match(line):
             sources[pending] = ChartSource(values=(), from_release=True, only_when=None)
@@ -133,7 +134,13 @@ def _configmap_values(name_expr: str) -> tuple[str, ...]:
 # ---------------------------------------------------------------------------------------- settings
 
 
+_ALIASES = frozenset(f.validation_alias for f in Settings.model_fields.values() if isinstance(f.validation_alias, str))
+
+
 def env_var(field_name: str) -> str:
+    alias = Settings.model_fields[field_name].validation_alias
+    if isinstance(alias, str):  # a standard variable read as it is named (OTEL_EXPORTER_OTLP_ENDPOINT)
+        return alias
     return f"{Settings.model_config.get('env_prefix', '')}{field_name}".upper()
 
 

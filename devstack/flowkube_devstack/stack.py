@@ -3,7 +3,8 @@
 Used by `./dev up` / `./dev demo` (held by a background supervisor). Everything runs as it would in a
 cluster: the operator is installed with `helm install` of charts/flowkube from its locally built
 image, runner pods run from the runner image, and the stub model (the one stand-in: there is no
-network to a real model provider) runs as a pod behind the Service `stub-model.flowkube-dev`.
+network to a real model provider) runs as a pod behind the Service `stub-model.flowkube-dev`. Traces
+go to Jaeger (built from its Go module), a process of the host behind the Service `jaeger.flowkube-dev`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 from flowkube_devstack import images
 from flowkube_devstack.cluster import LocalCluster
+from flowkube_devstack.jaeger import OTLP_PORT, Jaeger
 from flowkube_devstack.operator import ChartOperator
 
 STUB_NAMESPACE = "flowkube-dev"
@@ -75,11 +77,17 @@ def dev_stack(root: Path, rules: dict[str, Any] | None = None) -> Iterator[dict[
         stack.callback(cluster.stop)
         assert cluster.images is not None
         stub = deploy_stub_model(cluster.kubectl, cluster.images.devstack, rules or DEMO_RULES)
+        # The trace backend: Jaeger on the host, a Service of the cluster for the operator and its pods.
+        jaeger = Jaeger(root / "jaeger", cluster.host_ip).start()
+        stack.callback(jaeger.stop)
+        traces = cluster.host_service("jaeger", STUB_NAMESPACE, OTLP_PORT)
         # The key comes from each Flow's own Secret (see examples/flows); the stub is the endpoint.
         operator = ChartOperator(cluster, runner_env={"OPENAI_BASE_URL": f"{stub}/v1",
-                                                      "CREWAI_TRACING_ENABLED": "false"}).start()
+                                                      "CREWAI_TRACING_ENABLED": "false"},
+                                 values=[f"tracing.endpoint={traces}",
+                                         f"console.traceUrl={jaeger.query}/api/traces/{{traceId}}"]).start()
         token = root / "metrics.token"  # /metrics asks for a token of a user allowed `get /metrics`
         token.write_text(operator.metrics_token())
         token.chmod(0o600)
         yield {**cluster.describe(), "stub": stub, "metrics": f"http://{operator.metrics_target}/metrics",
-               "metrics_token_file": str(token), "console": operator.console_url()}
+               "metrics_token_file": str(token), "console": operator.console_url(), "jaeger": jaeger.query}

@@ -30,7 +30,7 @@ import signal
 import socket
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import kopf
@@ -54,6 +54,9 @@ from flowkube_operator.serve.stateauth import ClientLimits
 from flowkube_operator.settings import Settings
 from flowkube_operator.templates import cache as templatecache
 from flowkube_operator.templates.cache import TemplateKey
+
+if TYPE_CHECKING:
+    from flowkube_operator.tracing import Traces
 
 log = logging.getLogger("flowkube.operator")
 
@@ -126,9 +129,15 @@ class App:
             notices=QuotaNotices(self.notifier) if self.notifier is not None else None,
             event=lambda obj, etype, reason, message: self.controller.writes.event(
                 obj, etype, reason, message, kind=c.QUOTA_KIND)) if settings.quotas_enabled else None
+        # Traces (an OTLP endpoint configured): each Flow's spans, read off the leader's status writes.
+        self.traces: Traces | None = None
+        if settings.traces_url:
+            from flowkube_operator.tracing import Traces as _Traces  # the SDK is loaded only when tracing
+
+            self.traces = _Traces(settings.traces_url)
         self.controller = Controller(
             settings, listeners=[self.metrics.update, *([self.quotas.flow_changed] if self.quotas else [])],
-            notifier=self.notifier, fence=fence,
+            notifier=self.notifier, fence=fence, spans=self.traces,
             state_ca=serving.ca_pem.decode() if serving is not None else "",
             flow_labels=self.quotas.tracker.label_keys_for if self.quotas else lambda namespace: frozenset(),
             quota_exhausted=self.quotas.exhausted if self.quotas else lambda namespace, flow: None)
@@ -240,6 +249,8 @@ class App:
         await self.validator.close()
         if self.notifier is not None:
             await self.notifier.close()
+        if self.traces is not None:
+            await asyncio.to_thread(self.traces.close)  # the last spans, within its deadline
         for runner in self._servers:
             await runner.cleanup()
         self._servers.clear()

@@ -42,7 +42,13 @@ LEADER = Gauge("flowkube_operator_leader",
                "1 while this replica reconciles (holds the Lease, or runs without leader election), else 0. "
                "Only the leader exports the per-flow series.", registry=REGISTRY)
 
-
+TRACE_SPANS = Counter(
+    "flowkube_operator_trace_spans_total",
+    "Trace spans handed to the collector (result=exported) or lost (queue_full: the bounded queue was full; "
+    "export_failed: the collector refused or could not be reached; unflushed: still queued when the "
+    "process had to end), by source: the operator's own spans, or a runner pod's (counted when its run ends).",
+    ["source", "result"], registry=REGISTRY,
+)
 
 class _ByDefinition:
     """A histogram by namespace and definition whose definitions, a tenant's own names, are capped per

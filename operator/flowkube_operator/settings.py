@@ -28,7 +28,7 @@ DEFAULT_DENIED_CIDRS = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="FLOWKUBE_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="FLOWKUBE_", extra="ignore", populate_by_name=True)
 
     watch_namespaces: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Namespaces to watch (comma-separated); empty means all."
@@ -266,8 +266,38 @@ class Settings(BaseSettings):
         default="", description="The console's external URL (https://flowkube.example.com): notifications "
         "link to a Flow's page there. Empty: no link.")
 
+    otel_exporter_otlp_endpoint: str = Field(
+        default="", validation_alias="OTEL_EXPORTER_OTLP_ENDPOINT", description="OpenTelemetry's standard "
+        "setting: the collector's OTLP/HTTP base URL (http://collector:4318). Set (or the traces endpoint): "
+        "every Flow is one trace (status.trace), the operator's spans and its runner pods' go there. The SDK "
+        "reads the other OTEL_EXPORTER_OTLP_* settings (headers, timeout in seconds, compression, certificate) "
+        "for the operator's export; runner pods get only the URL. Empty: no traces.")
+    otel_exporter_otlp_traces_endpoint: str = Field(
+        default="", validation_alias="OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", description="OpenTelemetry's "
+        "standard setting: the whole traces URL (http://collector:4318/v1/traces); wins over the base URL.")
+    tracing_runner_endpoint: str = Field(
+        default="", description="The OTLP/HTTP traces URL runner pods send their spans to, when it is not the "
+        "operator's (a collector reached by another name from the Flows' namespaces). Empty: the operator's.")
+    tracing_capture_content: bool = Field(
+        default=False, description="Keep message content in spans (prompts, answers, tool arguments, flow "
+        "inputs and results, feedback text). Off: spans carry names, models, token counts and cost only.")
+
     log_format: Literal["json", "text"] = Field(default="json", description="Log lines as JSON or as text.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(default="INFO", description="Lowest level logged.")
+
+    @property
+    def traces_url(self) -> str:
+        """Where the operator's spans go (empty: tracing off)."""
+        if self.otel_exporter_otlp_traces_endpoint:
+            return self.otel_exporter_otlp_traces_endpoint
+        if self.otel_exporter_otlp_endpoint:
+            return self.otel_exporter_otlp_endpoint.rstrip("/") + "/v1/traces"
+        return ""
+
+    @property
+    def runner_traces_url(self) -> str:
+        """Where runner pods' spans go (empty: tracing off)."""
+        return (self.tracing_runner_endpoint or self.traces_url) if self.traces_url else ""
 
     @property
     def state_endpoint(self) -> str:

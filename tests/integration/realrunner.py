@@ -6,17 +6,22 @@ operator starts once per module); tests slice the stub's ledger to the calls the
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from flowkube_api.report import Usage
-from flowkube_devstack.cluster import LocalCluster
+from flowkube_devstack.cluster import LocalCluster, wait_for
+from flowkube_devstack.jaeger import Jaeger, Span
 from flowkube_devstack.operator import ChartOperator
 from flowkube_devstack.stubmodel import Rules, StubModel, ledger_usage
 
 MODEL = "gpt-4o-mini"
+
+
+# The chart values that send a stack's traces to its lane's Jaeger (the ``jaeger`` fixture).
+TRACES_VALUES = ("tracing.endpoint=http://jaeger.flowkube-dev.svc",)
 
 
 @dataclass
@@ -24,6 +29,22 @@ class RealRunnerStack:
     cluster: LocalCluster
     stub: StubModel
     operator: ChartOperator
+    jaeger: Jaeger | None = None
+
+    def trace(self, status: dict[str, Any], done: Callable[[list[Span]], bool], what: str,
+              timeout: float = 60) -> list[Span]:
+        """The Flow's trace as Jaeger has it (its id from status.trace), once ``done`` says it is all
+        there (spans arrive in batches: the pods' within half a second, the operator's within one)."""
+        assert self.jaeger is not None, "this stack sends no traces"
+        trace_id = status["trace"]["traceId"]
+        seen: list[Span] = []
+
+        def arrived() -> bool:
+            seen[:] = self.jaeger.spans(trace_id) if self.jaeger is not None else []
+            return done(seen)
+
+        wait_for(arrived, timeout, f"trace {trace_id}: {what}", interval=0.3)
+        return seen
 
     def usage_since(self, mark: int) -> Usage:
         return ledger_usage(self.stub.ledger()[mark:])
@@ -60,9 +81,11 @@ def chart_operator_on(cluster: LocalCluster, stub: StubModel, name: str,
 
 @contextmanager
 def real_runner_stack(cluster: LocalCluster, rules: dict[str, Any], name: str,
-                      values: Sequence[str] = ()) -> Iterator[RealRunnerStack]:
+                      values: Sequence[str] = (), jaeger: Jaeger | None = None) -> Iterator[RealRunnerStack]:
     """The stub model (so tests can hold its calls and read its ledger) and the chart's operator
-    running ``flowkube-runner`` from the runner image (``values``: more chart values)."""
+    running ``flowkube-runner`` from the runner image (``values``: more chart values; with ``jaeger``,
+    its traces go there)."""
+    values = [*values, *(TRACES_VALUES if jaeger is not None else ())]
     with StubModel(Rules.from_json(rules), host=cluster.host_ip) as stub, \
             chart_operator_on(cluster, stub, name, values) as operator:
-        yield RealRunnerStack(cluster, stub, operator)
+        yield RealRunnerStack(cluster, stub, operator, jaeger)

@@ -20,6 +20,7 @@ import pytest
 from flowkube_api.base import money_text
 from flowkube_api.report import Usage
 from flowkube_devstack.cluster import LocalCluster, wait_for
+from flowkube_devstack.jaeger import Jaeger, Span
 from flowkube_devstack.stubmodel import Rules, ledger_cost, ledger_usage
 from flowkube_runner.__main__ import STOP_LOG
 from tests.definitions import crew_definition, part_rules, parts_of
@@ -75,12 +76,13 @@ RECOVERY_SECONDS = 6
 
 
 @pytest.fixture(scope="module")
-def stack(cluster: LocalCluster) -> Iterator[RealRunnerStack]:
+def stack(cluster: LocalCluster, jaeger: Jaeger) -> Iterator[RealRunnerStack]:
     # FlowQuotas enforced: every runner pod of this module reserves each model request at the operator
     # first, so every exactness test here holds with the quota gate in the path.
     # recoverySeconds 6: runner pods remind the leader of their calls in flight every 2 s (a third).
+    # Traced to the lane's Jaeger: every test here runs with tracing on, some read their trace back.
     values = ["quotas.enabled=true", "quotas.statusSeconds=0.5", f"quotas.recoverySeconds={RECOVERY_SECONDS}"]
-    with real_runner_stack(cluster, RULES, "e2e", values=values) as s:
+    with real_runner_stack(cluster, RULES, "e2e", values=values, jaeger=jaeger) as s:
         yield s
 
 
@@ -90,6 +92,35 @@ def usage_of(status: dict[str, Any]) -> Usage:
 
 def cond(status: dict[str, Any], ctype: str) -> dict[str, Any]:
     return next(c for c in status["conditions"] if c["type"] == ctype)
+
+
+def one_trace(stack: RealRunnerStack, st: dict[str, Any], definition: str) -> dict[str, list[Span]]:
+    """The ended Flow's one trace, checked whole: the operator's root and one span per run under it,
+    every other span under a span of the trace (the pods' under their runs), the model calls' tokens
+    summing to the Flow's status.usage. By name."""
+    runs, calls = len(st["runs"]), usage_of(st).successful_requests
+
+    def whole(spans: list[Span]) -> bool:
+        names = [s.name for s in spans]
+        return (f"invoke_workflow {definition}" in names and sum(n.startswith("run ") for n in names) == runs
+                and sum(s.tags.get("gen_ai.operation.name") == "chat" for s in spans) >= calls)
+
+    spans = stack.trace(st, whole, f"the root, {runs} run(s) and {calls} model call(s)")
+    by_name: dict[str, list[Span]] = {}
+    for sp in spans:
+        by_name.setdefault(sp.name, []).append(sp)
+    ids = {sp.span_id for sp in spans}
+    (root,) = [sp for sp in spans if not sp.parent_id]
+    assert (root.name, root.service) == (f"invoke_workflow {definition}", "flowkube-operator")
+    assert [sp.parent_id for sp in spans if sp.name.startswith("run ")] == [root.span_id] * runs
+    orphans = [(sp.name, sp.service) for sp in spans if sp.parent_id and sp.parent_id not in ids]
+    assert not orphans, f"spans whose parent is not in the trace: {orphans}"
+    chats = [sp for sp in spans if sp.tags.get("gen_ai.operation.name") == "chat"]
+    usage = usage_of(st)
+    assert len(chats) == usage.successful_requests
+    assert sum(int(sp.tags["gen_ai.usage.input_tokens"]) for sp in chats) == usage.prompt_tokens
+    assert sum(int(sp.tags["gen_ai.usage.output_tokens"]) for sp in chats) == usage.completion_tokens
+    return by_name
 
 
 def test_inline_definition_pauses_for_feedback_and_resumes_on_a_raw_status_patch(
@@ -121,6 +152,17 @@ def test_inline_definition_pauses_for_feedback_and_resumes_on_a_raw_status_patch
     assert set(st["usage"]["byModel"]) == {MODEL}
     assert sum(usage_of({"usage": r["usage"]}).successful_requests for r in st["runs"]) == ledger.successful_requests
 
+    # One trace for the pause, the person's wait and the resume in a new pod, in that order.
+    spans = one_trace(stack, st, "ReviewedArticle")
+    (paused,), (wait,), (resumed,) = spans["run 0 kickoff"], spans["wait_for_feedback review"], spans["run 1 resume"]
+    assert paused.end_us <= wait.end_us <= resumed.start_us + 1_000_000, "the wait sits between the two runs"
+    assert wait.tags["flowkube.feedback.request_id"] == req["id"] and wait.tags["flowkube.feedback.outcome"] == (
+        "approved")
+    workflows = spans["invoke_workflow ReviewedArticle"]
+    assert sorted(sp.parent_id for sp in workflows if sp.service == "flowkube-runner") == sorted(
+        [paused.span_id, resumed.span_id]), "each pod's crewAI spans under its run"
+    assert "gen_ai.input.messages" not in {k for sp in spans["chat gpt-4o-mini"] for k in sp.tags}
+
 
 def test_a_warm_paused_pod_takes_the_answer_and_resumes_in_its_own_process(
         stack: RealRunnerStack, flows: Flows) -> None:
@@ -137,6 +179,11 @@ def test_a_warm_paused_pod_takes_the_answer_and_resumes_in_its_own_process(
     assert st["result"]["output"] == PUBLISHED
     assert st["feedback"]["history"][0]["outcome"] == "approved"
     assert usage_of(st) == stack.usage_since(mark), "the draft, the answer's collapse and publish, once each"
+    spans = one_trace(stack, st, "ReviewedArticle")
+    (run,), (wait,) = spans["run 0 kickoff"], spans["wait_for_feedback review"]
+    steps = [sp for sp in spans["invoke_workflow ReviewedArticle"] if sp.service == "flowkube-runner"]
+    assert [sp.parent_id for sp in steps] == [run.span_id] * 2, "the warm pod's two steps, under its one run"
+    assert run.start_us <= wait.start_us <= wait.end_us <= run.end_us
 
 
 def test_class_flow_by_reference(stack: RealRunnerStack, flows: Flows) -> None:

@@ -41,6 +41,7 @@ from flowkube_api.models.flow import (
     Result,
     Run,
     TemplateStatus,
+    TraceStatus,
 )
 from flowkube_api.models.spec import (
     Budget,
@@ -132,6 +133,7 @@ __all__ = [
     "TemplateRef",
     "TemplateStatus",
     "TokenUsage",
+    "TraceStatus",
     "Usage",
     "cel",
 ]

@@ -52,6 +52,9 @@ class Run(Model):
     warm_seconds: float | None = Field(
         default=None, description="Time the run's pod waited warm for a conversation's next message or a "
         "feedback answer; not counted toward activeDeadlineSeconds.")
+    spans_lost: int | None = Field(
+        default=None, ge=0, description="Trace spans the run's pod could not deliver to the collector (tracing "
+        "on): a full queue, a failed export, or still queued when the pod ended.")
     closed_on_report: bool | None = Field(
         default=None, description="The run ended when its pod wrote its final report, before the pod itself "
         "ended; the pod's end changes nothing in it.")
@@ -183,6 +186,12 @@ class ForkedFrom(Model):
     kind: str | None = None
 
 
+class TraceStatus(Model):
+    """``status.trace``: the Flow's one trace (tracing on), derived from its uid (flowkube_api.traces)."""
+
+    trace_id: str = Field(pattern=r"^[0-9a-f]{32}$", description="The W3C trace id of every span of the Flow.")
+
+
 class FlowStatus(Model):
     phase: Phase | None = None
     conditions: list[Condition] | None = None
@@ -202,6 +211,7 @@ class FlowStatus(Model):
     checkpoints: list[CheckpointEntry] | None = Field(
         default=None, description="The checkpoints kept to fork from (spec.checkpoints.keep), oldest first.")
     forked_from: ForkedFrom | None = None
+    trace: TraceStatus | None = None
     inherited_usage: SpentSoFar | None = Field(
         default=None, description="A fork's origin's spend up to the checkpoint it forked from: shown, never "
         "added to usage, budgets or metrics (the origin counts it).")

@@ -5,15 +5,17 @@ deleted when its TTL has passed. Every write goes through the shell's `Writes` (
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Protocol
 
 from flowkube_api import constants as c
+from flowkube_api import traces
 from flowkube_api.base import now as now_utc
 from flowkube_api.base import parse_time
 from flowkube_operator import selfmetrics
 from flowkube_operator.flows import checkpoints, resources
 from flowkube_operator.flows.cache import FlowCache, Key
 from flowkube_operator.flows.reconcile import Plan, RunIntent
+from flowkube_operator.flows.spans import SpanRecord, spans_of
 from flowkube_operator.kube.client import ApiError, collection_path, delete_namesake_garbage, flow_path, ns_path
 from flowkube_operator.kube.shell import RetryLater, Writes
 from flowkube_operator.meta import owner_uid
@@ -28,11 +30,21 @@ class ForeignObjectError(RetryLater):
     (a template snapshot) holding something else."""
 
 
+class SpanSink(Protocol):
+    """Where the spans of a status write go (``tracing.Traces``), tracing on."""
+
+    def emit(self, records: list[SpanRecord]) -> None: ...
+
+    def runner_lost(self, spans: int) -> None: ...
+
+
 class PlanWriter:
     """The writes of a Flow's plan, through ``writes``; what it writes goes into ``cache`` at once."""
 
-    def __init__(self, writes: Writes, cache: FlowCache, settings: Settings, state_ca: str) -> None:
+    def __init__(self, writes: Writes, cache: FlowCache, settings: Settings, state_ca: str,
+                 spans: SpanSink | None = None) -> None:
         self.writes, self.cache, self.settings, self.state_ca = writes, cache, settings, state_ca
+        self.spans = spans
 
     async def apply(self, key: Key, body: Body, p: Plan) -> Body:
         """Make the plan so: the pod and the one status write (in the order the intent says), old
@@ -50,6 +62,8 @@ class PlanWriter:
         if intent is not None and intent.first:
             await self._create_first(key, body, p, intent)
         new_status = p.status.dump()
+        if self.spans is not None and "trace" not in new_status and body["metadata"].get("uid"):
+            new_status["trace"] = {"traceId": traces.trace_id(str(body["metadata"]["uid"]))}
         if new_status != old_status:
             body = await self._write_status(key, body, old_status, new_status)
         if intent is not None and not intent.first:
@@ -88,6 +102,10 @@ class PlanWriter:
         body = await self.writes.status(flow_path(*key, sub="status"), body, old_status, new_status)
         self.cache.flow_event("MODIFIED", body)
         _observe_turn(key[0], old_status, new_status)
+        if self.spans is not None:
+            records = spans_of(body.get("metadata") or {}, old_status, new_status)
+            self.spans.emit(records)
+            self.spans.runner_lost(sum(int(r.attributes.get("flowkube.run.spans_lost", 0)) for r in records))
         return body
 
     async def _create_runner_pod(self, flow: Body, p: Plan, intent: RunIntent) -> Body:

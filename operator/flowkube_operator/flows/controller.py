@@ -25,7 +25,7 @@ from flowkube_api.models import TemplateStatus
 from flowkube_api.report import RunReport
 from flowkube_operator import selfmetrics
 from flowkube_operator.cron.controller import Clock, CronFlows
-from flowkube_operator.flows.apply import ForeignObjectError, PlanWriter
+from flowkube_operator.flows.apply import ForeignObjectError, PlanWriter, SpanSink
 from flowkube_operator.flows.cache import FlowCache, FlowListener, Key
 from flowkube_operator.flows.checkpoints import fork_source
 from flowkube_operator.flows.reconcile import Plan, Taken, late_pods, plan
@@ -60,7 +60,8 @@ class Controller:
                  fence: Callable[[], bool] = lambda: True, state_ca: str = "",
                  notifier: Notifier | None = None,
                  flow_labels: Callable[[str], frozenset[str]] = lambda namespace: frozenset(),
-                 quota_exhausted: Callable[[str, str], str | None] = lambda namespace, flow: None) -> None:
+                 quota_exhausted: Callable[[str, str], str | None] = lambda namespace, flow: None,
+                 spans: SpanSink | None = None) -> None:
         self.settings = settings
         self.kube: Kube | None = None
         self.notifier = notifier
@@ -78,7 +79,7 @@ class Controller:
                                 self._forget_hints], wake=self.shell.add, stale_warm=self._read_warm_report,
                                 labels=flow_labels)
         self.templates = TemplateCache(wake=self.shell.add, kube=lambda: self.kube)
-        self.writer = PlanWriter(self.writes, self.cache, settings, state_ca)
+        self.writer = PlanWriter(self.writes, self.cache, settings, state_ca, spans)
         # Reports the state API took from pods of closed runs, not yet folded into the status. Lost
         # with the process, harmlessly: the pod's final report is read again when the pod ends.
         self._late: dict[Key, dict[str, RunReport]] = {}

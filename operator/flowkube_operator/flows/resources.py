@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from flowkube_api import constants as c
+from flowkube_api import traces
 from flowkube_api.base import money_text
 from flowkube_api.models import FlowSpec
 from flowkube_api.prices import prices_json
@@ -242,6 +243,17 @@ def _with_flow_env(env: list[Body], spec: Body, settings: Settings) -> list[Body
     return env + [e for e in user_env if e.get("name") not in own]
 
 
+def _trace_env(meta: Body, index: int, settings: Settings) -> list[Body]:
+    """Tracing on: the pod's run span in the Flow's trace (both from its uid) and where to send spans."""
+    uid = str(meta.get("uid") or "")
+    if not settings.runner_traces_url or not uid:
+        return []
+    parent = traces.traceparent(traces.trace_id(uid), traces.run_span_id(uid, index))
+    return [{"name": c.ENV_TRACEPARENT, "value": parent},
+            {"name": c.ENV_TRACES_ENDPOINT, "value": settings.runner_traces_url},
+            {"name": c.ENV_TRACES_CONTENT, "value": "true" if settings.tracing_capture_content else ""}]
+
+
 def runner_pod(  # noqa: PLR0913 - keyword-only: every input of the pod spec, each named
     flow: Body,
     flow_spec: FlowSpec,
@@ -301,6 +313,7 @@ def runner_pod(  # noqa: PLR0913 - keyword-only: every input of the pod spec, ea
         *([{"name": c.ENV_QUOTAS, "value": "true"},
            {"name": c.ENV_QUOTA_HEARTBEAT_SECONDS, "value": f"{quota_heartbeat(settings):g}"}]
           if settings.quotas_enabled else []),
+        *_trace_env(meta, index, settings),
     ]
     if settings.runner_policy and not settings.runner_allow_scripts:
         env.append({"name": SCRIPTS_ENV, "value": "false"})  # set here: envFrom cannot turn it on

@@ -798,3 +798,22 @@ def test_metrics_ask_for_a_token_and_the_reader_role_grants_it(helm: Path) -> No
     off = render(helm, "--set", "metrics.auth.enabled=false")
     assert env_of(next(containers(off)))["FLOWKUBE_METRICS_AUTH"] == "false"
     assert [r["metadata"]["name"] for r in of_kind(off, "ClusterRole") if "metrics" in r["metadata"]["name"]] == []
+
+
+def test_tracing_on_gives_the_operator_the_standard_otlp_settings_and_off_none(helm: Path) -> None:
+    off = env_of(next(containers(render(helm))))
+    assert not {k for k in off if k.startswith("OTEL_") or k.startswith("FLOWKUBE_TRACING_")}
+    objs = render(helm, "--set", "tracing.endpoint=http://tempo.monitoring:4318", "--set",
+                  "tracing.headersSecret.name=otlp", "--set", "tracing.headersSecret.key=headers",
+                  "--set", "console.traceUrl=https://jaeger.example.com/trace/{traceId}")
+    operator = next(containers(objs))
+    env = env_of(operator)
+    assert (env["OTEL_EXPORTER_OTLP_ENDPOINT"], env["OTEL_SERVICE_NAME"], env["OTEL_EXPORTER_OTLP_TIMEOUT"]) == (
+        "http://tempo.monitoring:4318", "flowkube-operator", "5")
+    assert env["FLOWKUBE_TRACING_CAPTURE_CONTENT"] == "false"
+    (headers,) = [e for e in operator["env"] if e["name"] == "OTEL_EXPORTER_OTLP_HEADERS"]
+    assert headers["valueFrom"]["secretKeyRef"] == {"name": "otlp", "key": "headers"}
+    console = [c for c in containers(objs, everywhere=True) if "FLOWKUBE_CONSOLE_TRACE_URL" in env_of(c)]
+    assert env_of(console[0])["FLOWKUBE_CONSOLE_TRACE_URL"] == "https://jaeger.example.com/trace/{traceId}"
+    bad = run_helm(helm, "template", "x", str(CHART), "--set", "tracing.endpoint=tempo:4318", check=False)
+    assert bad.returncode != 0 and "tracing" in bad.stderr

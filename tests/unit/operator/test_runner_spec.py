@@ -61,3 +61,23 @@ def test_no_run_starts_once_the_budget_is_reached_exactly() -> None:
     assert budget_spent(money, spent(10**6, "0.0099")) is None
     assert budget_spent(money, spent(1, "0.01")) == "USD 0.01 spent of budget.maxCost=0.01"
     assert budget_spent(FlowSpec.model_validate({"flowRef": "a:B"}), spent(10**9, "1000")) is None
+
+
+def test_tracing_on_gives_each_pod_its_runs_span_in_the_flows_trace_and_a_flow_cannot_redirect_it() -> None:
+    from flowkube_api import traces
+
+    body = flow(definition={"schema": "crewai.flow/v1", "name": "X", "methods": {}},
+                env=[{"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": "http://tenant"}])
+
+    def env(settings: Settings, index: int) -> dict[str, str]:
+        pod = runner_pod(body, index=index, trigger=c.Trigger.RETRY, settings=settings)
+        return {e["name"]: e.get("value", "") for e in pod["spec"]["containers"][0]["env"]}
+
+    off = env(Settings(), 0)
+    assert (off[c.ENV_TRACEPARENT], off[c.ENV_TRACES_ENDPOINT]) == ("", ""), "blanked: a Flow cannot set them"
+    on = env(Settings(otel_exporter_otlp_endpoint="http://collector:4318"), 2)
+    assert on[c.ENV_TRACEPARENT] == traces.traceparent(traces.trace_id("u1"), traces.run_span_id("u1", 2))
+    assert on[c.ENV_TRACES_ENDPOINT] == "http://collector:4318/v1/traces"
+    runner = env(Settings(otel_exporter_otlp_endpoint="http://collector:4318",
+                          tracing_runner_endpoint="http://otel.tenant-gw:4318/v1/traces"), 0)
+    assert runner[c.ENV_TRACES_ENDPOINT] == "http://otel.tenant-gw:4318/v1/traces"

@@ -192,6 +192,8 @@ class Runs:
         if rep is not None:
             run.usage = rep.usage  # every LLM call the run made counts, however it ended
             run.charges = matching_charges(rep.usage, rep.charges)
+            if rep.spans_lost is not None:
+                run.spans_lost = rep.spans_lost.queue_full + rep.spans_lost.export_failed + rep.spans_lost.unflushed
             if rep.flow_id:
                 s.st.flow_id = rep.flow_id
             s.st.checkpoints = forks.fold(s.st.checkpoints, rep.checkpoints, forks.kept(s.own_spec))

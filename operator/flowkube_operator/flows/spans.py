@@ -1,0 +1,130 @@
+"""The operator's spans of a Flow's trace, read off a status write (pure: no I/O).
+
+A status write that ends something is where the operator knows its whole extent, so each span is
+made then, whole, with the ids ``flowkube_api.traces`` derives from the Flow's uid (the runner pods
+parent their spans to the same ids without being told more than their run's):
+
+- ``run {i} {trigger}``: ``status.runs[i]`` from startedAt to finishedAt, when it finishes; its pod's
+  spans (crewAI's, the model calls) are its children;
+- ``wait_for_feedback {method}``: a feedback request from requestedAt to respondedAt, when its
+  answer (or its timeout) is recorded: the person's time, between the run that paused and the one
+  that resumed;
+- ``invoke_workflow {definition}``: the Flow's root, from its creation to its end, when it ends.
+
+Only the leader's own successful writes make spans, each once: a write is made once, and a new
+leader's first look writes nothing that was written already.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from typing import Any
+
+from flowkube_api import constants as c
+from flowkube_api import traces
+from flowkube_api.base import parse_time
+
+Body = dict[str, Any]
+Value = str | int | float | bool
+
+
+@dataclass(frozen=True)
+class SpanRecord:
+    name: str
+    trace_id: str
+    span_id: str
+    parent_id: str | None  # None: the trace's root
+    start: dt.datetime
+    end: dt.datetime
+    attributes: dict[str, Value] = field(default_factory=dict)
+    error: str | None = None  # the status message of a span that failed
+
+
+def _usage(run: Body) -> dict[str, Value]:
+    usage = run.get("usage") or {}
+    out: dict[str, Value] = {"flowkube.usage.total_tokens": int(usage.get("totalTokens") or 0)}
+    if usage.get("cost") is not None:
+        out["flowkube.usage.cost"] = str(usage["cost"])
+    return out
+
+
+def _flow_attributes(meta: Body) -> dict[str, Value]:
+    return {"k8s.namespace.name": str(meta.get("namespace") or ""), "flowkube.flow.name": str(meta.get("name") or ""),
+            "flowkube.flow.uid": str(meta.get("uid") or "")}
+
+
+def spans_of(meta: Body, old: Body, new: Body) -> list[SpanRecord]:
+    """The spans a status write from ``old`` to ``new`` completes (none without a uid)."""
+    uid = str(meta.get("uid") or "")
+    if not uid:
+        return []
+    flow = _flow_attributes(meta)
+    return [*_runs(uid, flow, old, new), *_waits(uid, flow, old, new), *_root(uid, flow, meta, old, new)]
+
+
+def _runs(uid: str, flow: dict[str, Value], old: Body, new: Body) -> list[SpanRecord]:
+    out: list[SpanRecord] = []
+    before = old.get("runs") or []
+    for i, run in enumerate(new.get("runs") or []):
+        ended, started = parse_time(run.get("finishedAt")), parse_time(run.get("startedAt"))
+        was = before[i] if i < len(before) else {}
+        if ended is None or was.get("finishedAt") or was.get("pod", run.get("pod")) != run.get("pod"):
+            continue
+        failed = run.get("result") == c.RunResult.FAILED
+        attributes: dict[str, Value] = {
+            **flow, "flowkube.run.index": i, "flowkube.run.trigger": str(run.get("trigger") or ""),
+            "flowkube.run.result": str(run.get("result") or ""), "flowkube.run.reason": str(run.get("reason") or ""),
+            "k8s.pod.name": str(run.get("pod") or ""), **_usage(run)}
+        if run.get("exitCode") is not None:
+            attributes["flowkube.run.exit_code"] = int(run["exitCode"])
+        if run.get("spansLost"):
+            attributes["flowkube.run.spans_lost"] = int(run["spansLost"])
+        if run.get("warmSeconds") is not None:
+            attributes["flowkube.run.warm_seconds"] = float(run["warmSeconds"])
+        out.append(SpanRecord(f"run {i} {run.get('trigger') or ''}".strip(), traces.trace_id(uid),
+                              traces.run_span_id(uid, i), traces.root_span_id(uid), started or ended, ended,
+                              attributes,
+                              error=str(run.get("message") or run.get("reason") or "failed") if failed else None))
+    return out
+
+
+def _waits(uid: str, flow: dict[str, Value], old: Body, new: Body) -> list[SpanRecord]:
+    out: list[SpanRecord] = []
+    answered_before = {r.get("requestId") for r in ((old.get("feedback") or {}).get("history") or [])
+                       if r.get("respondedAt") or r.get("timedOut")}
+    for record in (new.get("feedback") or {}).get("history") or []:
+        request = str(record.get("requestId") or "")
+        asked, answered = parse_time(record.get("requestedAt")), parse_time(record.get("respondedAt"))
+        if not request or request in answered_before or asked is None or answered is None:
+            continue
+        attributes: dict[str, Value] = {
+            **flow, "flowkube.feedback.request_id": request,
+            "flowkube.feedback.method": str(record.get("method") or ""),
+            "flowkube.feedback.timed_out": bool(record.get("timedOut")),
+            "flowkube.wait.seconds": max(0.0, (answered - asked).total_seconds())}
+        if record.get("outcome"):
+            attributes["flowkube.feedback.outcome"] = str(record["outcome"])
+        if record.get("respondedBy"):
+            attributes["flowkube.feedback.responded_by"] = str(record["respondedBy"])
+        out.append(SpanRecord(f"wait_for_feedback {record.get('method') or ''}".strip(), traces.trace_id(uid),
+                              traces.wait_span_id(uid, request), traces.root_span_id(uid), asked, answered,
+                              attributes))
+    return out
+
+
+def _root(uid: str, flow: dict[str, Value], meta: Body, old: Body, new: Body) -> list[SpanRecord]:
+    if new.get("phase") not in c.TERMINAL_PHASES or old.get("phase") in c.TERMINAL_PHASES:
+        return []
+    created = parse_time(meta.get("creationTimestamp")) or parse_time(new.get("startedAt"))
+    ended = parse_time(new.get("finishedAt"))
+    if created is None or ended is None:
+        return []
+    definition = str(new.get("definition") or meta.get("name") or "")
+    attributes: dict[str, Value] = {
+        **flow, "gen_ai.operation.name": "invoke_workflow", "gen_ai.workflow.name": definition,
+        "flowkube.phase": str(new.get("phase")), "flowkube.runs": len(new.get("runs") or []),
+        **_usage({"usage": new.get("usage") or {}})}
+    failed = new.get("phase") == c.Phase.FAILED
+    return [SpanRecord(f"invoke_workflow {definition}", traces.trace_id(uid), traces.root_span_id(uid), None,
+                       created, ended, attributes, error=str(new.get("message") or "failed") if failed else None)]
