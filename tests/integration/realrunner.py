@@ -46,6 +46,41 @@ class RealRunnerStack:
         wait_for(arrived, timeout, f"trace {trace_id}: {what}", interval=0.3)
         return seen
 
+    def one_trace(self, st: dict[str, Any]) -> dict[str, list[Span]]:
+        """The Flow's one trace, checked whole, by span name: one span per ended run (the operator's),
+        the root once the Flow ended, every other span under a span of the trace (each pod's under its
+        run), the model calls' tokens summing to the Flow's status.usage."""
+        ended = [r for r in st["runs"] if r.get("finishedAt")]
+        usage = Usage.model_validate(st.get("usage") or {})
+        definition, done = st.get("definition") or "", st.get("phase") in ("Succeeded", "Failed")
+
+        def whole(spans: list[Span]) -> bool:
+            names = [s.name for s in spans]
+            return ((not done or f"invoke_workflow {definition}" in names)
+                    and sum(n.startswith("run ") for n in names) == len(ended)
+                    and sum(s.tags.get("gen_ai.operation.name") == "chat" for s in spans) >= usage.successful_requests)
+
+        spans = self.trace(st, whole, f"{len(ended)} run(s), {usage.successful_requests} model call(s)"
+                           f"{' and the root' if done else ''}")
+        by_name: dict[str, list[Span]] = {}
+        for sp in spans:
+            by_name.setdefault(sp.name, []).append(sp)
+        ids = {sp.span_id for sp in spans}
+        roots = [sp for sp in spans if not sp.parent_id]
+        if done:
+            (root,) = roots
+            assert (root.name, root.service) == (f"invoke_workflow {definition}", "flowkube-operator")
+        runs = [sp for sp in spans if sp.name.startswith("run ")]
+        assert len({sp.parent_id for sp in runs}) == 1 and all(sp.service == "flowkube-operator" for sp in runs)
+        orphans = [(sp.name, sp.service) for sp in spans if sp.parent_id not in ids | {runs[0].parent_id, ""}]
+        assert not orphans, f"spans whose parent is not in the trace: {orphans}"
+        chats = [sp for sp in spans if sp.tags.get("gen_ai.operation.name") == "chat"]
+        assert len(chats) == usage.successful_requests
+        assert sum(int(sp.tags["gen_ai.usage.input_tokens"]) for sp in chats) == usage.prompt_tokens
+        assert sum(int(sp.tags["gen_ai.usage.output_tokens"]) for sp in chats) == usage.completion_tokens
+        assert not {k for sp in chats for k in sp.tags if k.endswith(".messages")}, "no message content"
+        return by_name
+
     def usage_since(self, mark: int) -> Usage:
         return ledger_usage(self.stub.ledger()[mark:])
 

@@ -19,6 +19,7 @@ import pytest
 
 from flowkube_api.report import Usage
 from flowkube_devstack.cluster import LocalCluster, wait_for
+from flowkube_devstack.jaeger import Jaeger
 from flowkube_devstack.stubmodel import Rules
 from flowkube_kubectl import cli
 from flowkube_runner.__main__ import STOP_LOG
@@ -45,8 +46,8 @@ TURN_TIMEOUT = 180  # every turn is a fresh runner pod importing crewAI (seconds
 
 
 @pytest.fixture(scope="module")
-def stack(cluster: LocalCluster) -> Iterator[RealRunnerStack]:
-    with real_runner_stack(cluster, RULES, "chat") as s:
+def stack(cluster: LocalCluster, jaeger: Jaeger) -> Iterator[RealRunnerStack]:
+    with real_runner_stack(cluster, RULES, "chat", jaeger=jaeger) as s:  # traced: a conversation is one trace
         yield s
 
 
@@ -161,7 +162,13 @@ def test_the_window_passing_between_messages_restores_the_session_in_a_new_pod(
         ("kickoff", "Succeeded"), ("turn", "Succeeded"), ("turn", None)]
     assert all(r.get("warmSeconds", 0) > 0 for r in st["runs"][:2]), st["runs"]
     flows.wait("brief", pod_gone, "the last pod to end", timeout=TURN_TIMEOUT)
-    assert Usage.model_validate(status(flows, "brief")["usage"]) == stack.usage_since(mark)
+    st = status(flows, "brief")
+    assert Usage.model_validate(st["usage"]) == stack.usage_since(mark)
+    # Three pods, one trace: each pod's steps under its run, every turn's model calls counted once.
+    spans = stack.one_trace(st)
+    runs = {sp.span_id: sp.name for name in ("run 0 kickoff", "run 1 turn", "run 2 turn") for sp in spans[name]}
+    steps = [sp for sp in spans["invoke_workflow Support"] if sp.service == "flowkube-runner"]
+    assert {runs[sp.parent_id] for sp in steps} == {"run 0 kickoff", "run 1 turn", "run 2 turn"}
 
 
 def test_a_warm_pod_stopped_mid_turn_or_killed_while_it_waits_loses_no_message(
