@@ -6,9 +6,10 @@ parent their spans to the same ids without being told more than their run's):
 
 - ``run {i} {trigger}``: ``status.runs[i]`` from startedAt to finishedAt, when it finishes; its pod's
   spans (crewAI's, the model calls) are its children;
-- ``wait_for_feedback {method}``: a feedback request from requestedAt to respondedAt, when its
-  answer (or its timeout) is recorded: the person's time, between the run that paused and the one
-  that resumed;
+- ``wait_for_feedback {method}``: a feedback request from requestedAt to respondedAt, once its
+  answer (or its timeout) is recorded with its outcome (crewAI's, reported by the run that took
+  the answer; or that run's end): the person's time, between the run that paused and the one that
+  resumed;
 - ``invoke_workflow {definition}``: the Flow's root, from its creation to its end, when it ends.
 
 Only the leader's own successful writes make spans, each once: a write is made once, and a new
@@ -89,15 +90,27 @@ def _runs(uid: str, flow: dict[str, Value], old: Body, new: Body) -> list[SpanRe
     return out
 
 
+def _answered(record: Body, runs: list[Body]) -> bool:
+    """A feedback record whose wait is known whole: answered (or timed out), with its outcome, or,
+    when the answer had none to give, once the run that took it ended (crewAI's outcome comes with it)."""
+    responded = parse_time(record.get("respondedAt"))
+    if responded is None or parse_time(record.get("requestedAt")) is None:
+        return False
+    if record.get("outcome") or record.get("timedOut"):
+        return True
+    return any((t := parse_time(r.get("finishedAt"))) is not None and t >= responded for r in runs)
+
+
 def _waits(uid: str, flow: dict[str, Value], old: Body, new: Body) -> list[SpanRecord]:
     out: list[SpanRecord] = []
-    answered_before = {r.get("requestId") for r in ((old.get("feedback") or {}).get("history") or [])
-                       if r.get("respondedAt") or r.get("timedOut")}
+    known = {str(r.get("requestId")) for r in ((old.get("feedback") or {}).get("history") or [])
+             if _answered(r, old.get("runs") or [])}
     for record in (new.get("feedback") or {}).get("history") or []:
         request = str(record.get("requestId") or "")
-        asked, answered = parse_time(record.get("requestedAt")), parse_time(record.get("respondedAt"))
-        if not request or request in answered_before or asked is None or answered is None:
+        if not request or request in known or not _answered(record, new.get("runs") or []):
             continue
+        asked, answered = parse_time(record.get("requestedAt")), parse_time(record.get("respondedAt"))
+        assert asked is not None and answered is not None
         attributes: dict[str, Value] = {
             **flow, "flowkube.feedback.request_id": request,
             "flowkube.feedback.method": str(record.get("method") or ""),

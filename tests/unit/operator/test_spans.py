@@ -36,10 +36,12 @@ def test_a_pause_a_wait_and_a_resume_are_three_spans_under_the_root_and_the_end_
     assert spans_of(META, waiting, waiting) == [], "a write that ends nothing makes no span"
 
     record = {"requestId": "req-1", "method": "review", "requestedAt": "2026-11-28T10:00:09Z",
-              "respondedAt": "2026-11-28T10:05:09Z", "respondedBy": "alice", "outcome": "approved"}
-    resumed = {"phase": "Running", "feedback": {"history": [record]},
-               "runs": [paused, run(1, "resume", "2026-11-28T10:05:10Z")]}
-    (wait,) = spans_of(META, waiting, resumed)
+              "respondedAt": "2026-11-28T10:05:09Z", "respondedBy": "alice"}
+    taken = {"phase": "Running", "feedback": {"history": [record]},
+             "runs": [paused, run(1, "resume", "2026-11-28T10:05:10Z")]}
+    assert spans_of(META, waiting, taken) == [], "the answer's outcome comes with the run that takes it"
+    resumed = {**taken, "feedback": {"history": [{**record, "outcome": "approved"}]}}
+    (wait,) = spans_of(META, taken, resumed)
     assert (wait.name, wait.span_id, wait.parent_id) == (
         "wait_for_feedback review", traces.wait_span_id(UID, "req-1"), traces.root_span_id(UID))
     assert wait.attributes["flowkube.wait.seconds"] == 300.0
@@ -53,6 +55,10 @@ def test_a_pause_a_wait_and_a_resume_are_three_spans_under_the_root_and_the_end_
     assert (root.name, root.span_id, root.parent_id) == ("invoke_workflow Article", traces.root_span_id(UID), None)
     assert root.attributes["gen_ai.operation.name"] == "invoke_workflow" and root.attributes["flowkube.runs"] == 2
     assert spans_of(META, done, done) == []
+    # An answer without an outcome: its wait is whole when the run that took it ends.
+    bare = {**done, "feedback": {"history": [record]}}
+    assert [r.name for r in spans_of(META, {**taken, "phase": "Running"}, bare)] == [
+        "run 1 resume", "wait_for_feedback review", "invoke_workflow Article"]
 
 
 def test_a_failed_run_and_a_failed_flow_are_error_spans_and_a_flow_without_a_uid_none() -> None:
