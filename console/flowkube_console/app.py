@@ -221,13 +221,10 @@ async def _flow_context(request: web.Request, flow: dict[str, Any]) -> dict[str,
     events: list[dict[str, Any]] = []
     with contextlib.suppress(ApiError):
         events = views.event_rows(await request.app[KUBE].events(cred_of(request).token, ns, d.summary.uid))
-    grafana, tracing = request.app[SETTINGS].grafana_url, request.app[SETTINGS].trace_url
-    trace_id = str(((flow.get("status") or {}).get("trace") or {}).get("traceId") or "")
+    grafana = request.app[SETTINGS].grafana_url
     return {"d": d, "events": events, "may_answer": await may_answer(request, ns),
             "grafana": grafana.format(namespace=quote(ns), name=quote(name)) if grafana else "",
-            # A trace id is 32 hex digits (the CRD's pattern); anything else gets no link.
-            "trace": tracing.format(traceId=trace_id, namespace=quote(ns), name=quote(name))
-            if tracing and re.fullmatch(r"[0-9a-f]{32}", trace_id) else ""}
+            "trace": views.trace_link(request.app[SETTINGS].trace_url, flow)}
 
 
 async def flow_page(request: web.Request, *, error: str = "", status: int = 200, sent: str = "",

@@ -8,9 +8,11 @@ Text a flow produced is passed on as text: the templates escape it, and nothing 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import quote
 
 from flowkube_api import forks, templates
 from flowkube_api.base import money_text
@@ -312,3 +314,17 @@ def event_rows(events: list[Body], limit: int = 30) -> list[Body]:
     rows.sort(key=lambda r: str(r["time"]), reverse=True)
     return rows[:limit]
 
+
+
+_TRACE_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def trace_link(template: str, flow: dict[str, Any]) -> str:
+    """The Flow's trace in the trace backend (``console.traceUrl``: ``{traceId}``, ``{namespace}``,
+    ``{name}``); none without a template or a trace id of 32 hex digits (the CRD's pattern)."""
+    trace_id = str(((flow.get("status") or {}).get("trace") or {}).get("traceId") or "")
+    if not template or not _TRACE_ID.fullmatch(trace_id):
+        return ""
+    meta = flow.get("metadata") or {}
+    return template.format(traceId=trace_id, namespace=quote(str(meta.get("namespace") or "")),
+                           name=quote(str(meta.get("name") or "")))

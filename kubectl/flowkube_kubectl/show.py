@@ -52,6 +52,8 @@ def describe(flow: dict[str, Any]) -> str:
              f" ({st.get('definition', '')}) - {st.get('message', '')}"]
     if st.get("forkedFrom"):
         lines.append(_forked_from_line(st["forkedFrom"], st.get("inheritedUsage")))
+    if (st.get("trace") or {}).get("traceId"):
+        lines.append(f"Trace: {st['trace']['traceId']}  (every run, wait and model call of this Flow)")
     req = (st.get("feedback") or {}).get("request")
     if req:
         lines += ["", *_feedback_lines(name, req)]

@@ -156,3 +156,12 @@ def test_the_checkpoint_timeline_and_a_forks_origin_are_escaped_and_edits_are_ch
         views.fork_edits("[1]", "", "draft")
     with pytest.raises(ValueError, match="not JSON"):
         views.fork_edits("topic=x", "", "draft")
+
+
+def test_a_flows_trace_link_needs_a_template_and_a_real_trace_id() -> None:
+    flow = {"metadata": {"namespace": "team a", "name": "f"}, "status": {"trace": {"traceId": "ab" * 16}}}
+    link = views.trace_link("https://j/trace/{traceId}?ns={namespace}", flow)
+    assert link == f"https://j/trace/{'ab' * 16}?ns=team%20a"
+    assert views.trace_link("", flow) == ""
+    for bad in ("", "AB" * 16, "ab" * 15, "ab" * 16 + '"><script>'):
+        assert views.trace_link("https://j/{traceId}", {**flow, "status": {"trace": {"traceId": bad}}}) == ""

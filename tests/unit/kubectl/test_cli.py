@@ -887,3 +887,10 @@ def test_quota_leaves_out_cluster_quotas_a_user_may_not_list(kubectl: Kubectl,
                'forbidden: User "bob" cannot list resource "clusterflowquotas"')
     assert cli.main(["quota"]) == 0
     assert "No flowquotas found." in capsys.readouterr().err
+
+
+def test_describe_names_the_flows_trace() -> None:
+    f = flow("Succeeded", turns=1, sessionId="s", ended=True, lastReply="Bye.")
+    assert "Trace:" not in show.describe(f)
+    f["status"]["trace"] = {"traceId": "4bf92f3577b34da6a3ce929d0e0e4736"}
+    assert "Trace: 4bf92f3577b34da6a3ce929d0e0e4736" in show.describe(f)
