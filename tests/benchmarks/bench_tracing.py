@@ -23,6 +23,8 @@ import statistics
 import time
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from flowkube_devstack.cluster import LocalCluster
 from flowkube_devstack.jaeger import OTLP_PORT, Jaeger, read_spans
 from flowkube_devstack.operator import ChartOperator
@@ -92,12 +94,10 @@ def show(tag: str, cold: list[float], warm: list[float], *, peer: tuple[float, f
 
 
 def lost(op: ChartOperator) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in op.metrics().splitlines():
-        if line.startswith("flowkube_operator_trace_spans_total{"):
-            key, value = line.rsplit(" ", 1)
-            out[key.split("{", 1)[1].rstrip("}")] = float(value)
-    return out
+    return {f"{sample.labels['source']}/{sample.labels['result']}": sample.value
+            for family in text_string_to_metric_families(op.metrics())
+            if family.name == "flowkube_operator_trace_spans" for sample in family.samples
+            if sample.name.endswith("_total")}
 
 
 def main() -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 import time
 from collections.abc import Iterator
 from decimal import Decimal
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from flowkube_api.base import money_text
 from flowkube_api.report import Usage
@@ -159,12 +159,10 @@ def test_a_warm_paused_pod_takes_the_answer_and_resumes_in_its_own_process(
 
 def spans_counted(stack: RealRunnerStack) -> dict[tuple[str, str], float]:
     """flowkube_operator_trace_spans_total by (source, result), from the operator's /metrics."""
-    out: dict[tuple[str, str], float] = {}
-    for line in stack.operator.metrics().splitlines():
-        m = re.match(r'flowkube_operator_trace_spans_total\{source="(\w+)",result="(\w+)"\} (\S+)', line)
-        if m:
-            out[(m.group(1), m.group(2))] = float(m.group(3))
-    return out
+    return {(sample.labels["source"], sample.labels["result"]): sample.value
+            for family in text_string_to_metric_families(stack.operator.metrics())
+            if family.name == "flowkube_operator_trace_spans" for sample in family.samples
+            if sample.name.endswith("_total")}
 
 
 def test_with_the_collector_down_a_flow_runs_as_ever_and_its_lost_spans_are_counted(
