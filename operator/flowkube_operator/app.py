@@ -4,7 +4,8 @@ Read this file to see the whole operator at once:
 
 - `Settings` (FLOWKUBE_* environment) and the serving TLS (`prepare_tls`, before anything serves);
 - `FlowMetrics`, which listens to the `Controller`'s Flow cache;
-- the `LeaderElector` (when leader election is on), whose `still_leading` fences every write;
+- the `ElectionThread` (when leader election is on): the Lease's elector on a thread of its own,
+  whose `still_leading` fences every write;
 - the `Controller`: two watches (informer.py) feed its caches, a queue feeds its workers, each
   worker plans (reconcile) and applies;
 - the `StateApi`, the runner pods' only way to their Flow's state, answering from the controller;
@@ -44,7 +45,7 @@ from flowkube_operator.flows.metrics import FlowMetrics, MetricsSnapshot
 from flowkube_operator.kube import tls
 from flowkube_operator.kube.client import ApiError, Kube
 from flowkube_operator.kube.issuerkeys import IssuerKeys
-from flowkube_operator.kube.leader import LeaderElector, LeaseConfig
+from flowkube_operator.kube.leader import ElectionThread, LeaseConfig
 from flowkube_operator.kube.reviews import MetricsAuth
 from flowkube_operator.notify.notifier import Notifier, QuotaNotices
 from flowkube_operator.quotas.service import Quotas
@@ -108,7 +109,9 @@ class App:
         self.username = ""  # who the operator is to the API server (its own status writes pass the webhook)
         self.metrics = FlowMetrics(per_flow=settings.metrics_per_flow, label_values=settings.metrics_label_values)
         selfmetrics.TURN_SECONDS.limit(settings.metrics_label_values)
-        self.elector = LeaderElector(lambda: self.kube, lease_config(settings)) if settings.leader_election else None
+        # Acquires, renews and releases the Lease on its own thread, with its own client of the
+        # latest login: a busy event loop here delays no renewal.
+        self.election = ElectionThread(lambda: self.kube, lease_config(settings)) if settings.leader_election else None
         # Outcomes of deliveries are folded into status by the controller's next reconcile of their Flow,
         # or by the quota service's next status write of their FlowQuota.
         self.notifier = Notifier(
@@ -122,7 +125,7 @@ class App:
         # namespaces' default sinks when one is exhausted or near (through the same notifier).
         # The desk answers and the status is written only within the lease's renew deadline (the
         # elector's fence, as every Flow write): a replica frozen past it may have a successor already.
-        fence = self.elector.still_leading if self.elector is not None else lambda: True
+        fence = self.election.elector.still_leading if self.election is not None else lambda: True
         self.quotas = Quotas(
             lambda: self.kube, lambda: self.controller.leading and fence(),
             status_seconds=settings.quota_status_seconds, recovery_seconds=settings.quota_recovery_seconds,
@@ -210,19 +213,19 @@ class App:
         self._watches = [asyncio.create_task(informer.run()) for informer in informers]
         if self.quotas is not None:
             self._watches.append(asyncio.create_task(self.quotas.run()))
-        if self.elector is not None:
-            self._leadership = asyncio.create_task(self._lead(self.elector))
+        if self.election is not None:
+            self._leadership = asyncio.create_task(self._lead(self.election))
         else:
             self.controller.start()
 
-    async def _lead(self, elector: LeaderElector) -> None:
+    async def _lead(self, election: ElectionThread) -> None:
         """Follow until the Lease is ours, reconcile while it stays ours; once it is lost, stop
         reconciling at once and end the process (SIGTERM: kopf shuts down cleanly, the kubelet starts
         the container again and it follows), as controller-runtime does."""
         try:
-            await elector.acquire()
+            await election.acquire()
             self.controller.start()
-            await elector.hold()
+            await election.hold()
             log.error("leadership lost: stopping the operator")
         except Exception:
             log.exception("leader election failed: stopping the operator")
@@ -239,10 +242,12 @@ class App:
         for task in self._watches:
             task.cancel()
         await asyncio.gather(*self._watches, return_exceptions=True)
-        if self.elector is not None and self.kube is not None:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(3):
-                    await self.elector.release()  # the other replica takes over at its next try
+        if self.election is not None:
+            if self.kube is not None:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(3):
+                        await self.election.release()  # the other replica takes over at its next try
+            await self.election.close()
         kube, self.kube = self.kube, None
         if kube is not None:
             await kube.close()
@@ -322,7 +327,7 @@ class App:
             # two of them would be counted twice by any sum. Followers keep theirs current, unexported.
             # The snapshot is taken here, on the event loop that updates the metrics (under a ms at
             # 10,000 Flows); the render (about 60 ms there) runs in a thread, one scrape at a time, so
-            # the loop that renews the Lease waits for neither (with auth on, only a user allowed
+            # the loop that reconciles waits for neither (with auth on, only a user allowed
             # /metrics can make the operator spend it; refusals are cached verdicts).
             async with render_one:
                 snapshot = self.metrics.snapshot() if self.controller.leading else None

@@ -3,17 +3,59 @@
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import json
 import subprocess
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import kopf
 import pytest
+import yaml
 
 from flowkube_devstack import images
 from flowkube_devstack.cluster import ClusterError, LocalCluster, wait_for
 from flowkube_devstack.operator import ChartOperator
+from flowkube_operator.kube.client import Kube
+
+
+def operator_kube(cluster: LocalCluster) -> Kube:
+    """The operator's own API client, logged in as the cluster's admin."""
+    cfg = yaml.safe_load(cluster.kubeconfig.read_text())
+    user = cfg["users"][0]["user"]
+    return Kube(kopf.ConnectionInfo(server=cluster.server,
+                                    ca_path=cfg["clusters"][0]["cluster"]["certificate-authority"],
+                                    certificate_path=user["client-certificate"],
+                                    private_key_path=user["client-key"]))
+
+
+class LeaseWatch:
+    """A Lease's renewTime, read every ``interval`` seconds (on a thread) until `stop`: the longest gap
+    between two renewals is how late its holder renewed. ``lease``: its spec ({} when there is none)."""
+
+    def __init__(self, lease: Callable[[], dict[str, Any]], interval: float = 0.5) -> None:
+        self.lease = lease
+        self.interval = interval
+        self.renewals: list[dt.datetime] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            renewed = self.lease().get("renewTime")
+            if renewed:
+                at = dt.datetime.fromisoformat(renewed.replace("Z", "+00:00"))
+                if not self.renewals or at != self.renewals[-1]:
+                    self.renewals.append(at)
+
+    def stop(self) -> float:
+        """The longest gap between renewals seen, in seconds."""
+        self._stop.set()
+        self._thread.join(timeout=10)
+        gaps = [(b - a).total_seconds() for a, b in zip(self.renewals, self.renewals[1:], strict=False)]
+        return max(gaps, default=0.0)
 
 
 def scripted_operator(cluster: LocalCluster, **kwargs: Any) -> ChartOperator:

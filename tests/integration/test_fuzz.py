@@ -16,7 +16,6 @@ Budget: FLOWKUBE_FUZZ_EXAMPLES examples of each kind (25 in `./dev test`);
 
 from __future__ import annotations
 
-import datetime as dt
 import gzip
 import json
 import os
@@ -32,9 +31,8 @@ from hypothesis import strategies as st
 
 from flowkube_api import constants as c
 from flowkube_devstack.cluster import LocalCluster
-from flowkube_devstack.operator import ChartOperator
 from tests.abuse import gzip_bomb
-from tests.integration.conftest import Flows
+from tests.integration.conftest import Flows, LeaseWatch
 from tests.integration.realrunner import RealRunnerStack, real_runner_stack
 from tests.integration.test_abuse import operator_rss, restarts
 from tests.integration.test_e2e_runner import RULES, RUN_TIMEOUT, review_definition, usage_of
@@ -105,33 +103,6 @@ def stack(cluster: LocalCluster) -> Iterator[RealRunnerStack]:
         yield s
 
 
-class LeaseWatch:
-    """The Lease's renewTime, read every half second while the abuse runs: the longest gap between two
-    renewals is how late the leader renewed (retry period 1 s; it gives up leading at 7 s)."""
-
-    def __init__(self, op: ChartOperator) -> None:
-        self.op = op
-        self.renewals: list[dt.datetime] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.5):
-            renewed = self.op.lease().get("renewTime")
-            if renewed:
-                at = dt.datetime.fromisoformat(renewed.replace("Z", "+00:00"))
-                if not self.renewals or at != self.renewals[-1]:
-                    self.renewals.append(at)
-
-    def stop(self) -> float:
-        """The longest gap between renewals seen, in seconds."""
-        self._stop.set()
-        self._thread.join(timeout=10)
-        gaps = [(b - a).total_seconds() for a, b in zip(self.renewals, self.renewals[1:], strict=False)]
-        return max(gaps, default=0.0)
-
-
 def bound_token(cluster: LocalCluster, namespace: str, pod: str) -> str:
     uid = cluster.kubectl("get", "pod", pod, "-n", namespace, "-o", "jsonpath={.metadata.uid}").stdout
     return cluster.kubectl("create", "token", "default", "-n", namespace, f"--audience={c.STATE_AUDIENCE}",
@@ -156,7 +127,7 @@ def test_abuse_beside_a_well_behaved_flow(stack: RealRunnerStack, flows: Flows) 
     (pod,) = [p["metadata"]["name"] for p in flows.pods("steady")]
     before, holder = restarts(op), op.leader()
     counts: dict[str, int] = {}
-    lease = LeaseWatch(op)
+    lease = LeaseWatch(op.lease)  # read every half second while the abuse runs (retry period 1 s)
 
     def count(kind: str) -> None:
         counts[kind] = counts.get(kind, 0) + 1

@@ -11,25 +11,15 @@ import urllib.request
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import kopf
 import pytest
-import yaml
 
 from flowkube_devstack.cluster import LocalCluster
 from flowkube_operator.kube import informer as informer_mod
 from flowkube_operator.kube.client import Kube
 from flowkube_operator.kube.informer import Informer
+from tests.integration.conftest import operator_kube
 
 Events = list[tuple[str, str, str]]  # (type, name, resourceVersion)
-
-
-def _kube(cluster: LocalCluster) -> Kube:
-    cfg = yaml.safe_load(cluster.kubeconfig.read_text())
-    user = cfg["users"][0]["user"]
-    return Kube(kopf.ConnectionInfo(server=cluster.server,
-                                    ca_path=cfg["clusters"][0]["cluster"]["certificate-authority"],
-                                    certificate_path=user["client-certificate"],
-                                    private_key_path=user["client-key"]))
 
 
 def _cm(name: str, **labels: str) -> dict[str, Any]:
@@ -102,7 +92,7 @@ def test_lists_in_pages_then_follows_every_change_of_the_selected_objects(
     cluster.api("POST", path, _cm("other", app="theirs"))
 
     async def go() -> list[tuple[str, str]]:
-        kube, rec = _kube(cluster), Recorder()
+        kube, rec = operator_kube(cluster), Recorder()
         try:
             async with running(_informer(kube, namespace, rec)):
                 assert sorted(rec.seen()) == [("ADDED", f"before-{i}") for i in range(5)]
@@ -131,7 +121,7 @@ def test_a_watch_too_old_to_resume_relists_and_says_deleted_for_what_went_meanwh
     # below gives it a client (and events) of its own event loop
 
     async def phase(changes: bool) -> None:
-        kube = _kube(cluster)
+        kube = operator_kube(cluster)
         inf.kube, inf.synced, rec.arrived = (lambda: kube), asyncio.Event(), asyncio.Event()
         try:
             async with running(inf):

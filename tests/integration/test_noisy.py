@@ -33,10 +33,9 @@ from flowkube_api import constants as c
 from flowkube_api.report import Usage
 from flowkube_devstack.cluster import LocalCluster, wait_for
 from flowkube_devstack.operator import ChartOperator
-from tests.integration.conftest import Flows
+from tests.integration.conftest import Flows, LeaseWatch
 from tests.integration.realrunner import RealRunnerStack, real_runner_stack
 from tests.integration.test_e2e_runner import RULES, RUN_TIMEOUT, review_definition
-from tests.integration.test_fuzz import LeaseWatch
 from tests.integration.test_ha import container_rss_mb
 
 pytestmark = pytest.mark.slow
@@ -131,7 +130,7 @@ def test_a_noisy_tenant_restarts_no_operator_delays_no_lease_and_changes_no_othe
     noisy = f"noisy-{flows.ns[-6:]}"
     cluster.kubectl("create", "namespace", noisy)
     try:
-        lease = LeaseWatch(op)
+        lease = LeaseWatch(op.lease)
         before = operator_containers(op)
         create_all(cluster, noisy, labelled_secrets(SECRETS), batch=4)
         cluster.kubectl("create", "-n", noisy, "-f", "-", input=json.dumps(big_template()))

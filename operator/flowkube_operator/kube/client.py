@@ -94,7 +94,6 @@ def _resource_of(path: str) -> str:
 REQUEST_TIMEOUT = 30.0  # seconds for one request and its whole answer
 USER_AGENT = "flowkube-operator"
 
-LEASES_PREFIX = "/apis/coordination.k8s.io/"
 # Who-is-asking requests tenants can cause (TokenReviews of runner tokens at the state API, /metrics'
 # reviews) and the service-account issuer keys the state API checks tokens with: their own pool.
 REVIEW_PREFIXES = ("/apis/authentication.k8s.io/v1/tokenreviews", "/apis/authorization.k8s.io/",
@@ -104,18 +103,18 @@ SA_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
 
 
 class Kube:
-    def __init__(self, info: kopf.ConnectionInfo, *, limit: int = 64) -> None:
+    """Its connections and pools belong to the event loop that first uses them: another loop (the
+    Lease's thread) makes its own client with `sibling`."""
+
+    def __init__(self, info: kopf.ConnectionInfo, *, limit: int = 64, ssl_ctx: ssl.SSLContext | None = None) -> None:
+        self.info = info
         self.server = info.server.rstrip("/")
         self._scheme = info.scheme or "Bearer"
         self._token = info.token or ""
-        ssl_ctx = ssl_context(info)
+        self._ssl = ssl_ctx = ssl_ctx or ssl_context(info)
         headers = {"User-Agent": USER_AGENT, "Accept": "application/json"}
         self._pool = http1.Pool(self.server, ssl_ctx, limit=limit, headers=headers,
                                 on_open=selfmetrics.API_CONNECTIONS.inc)
-        # The Lease has connections and slots of its own: its renewals never queue behind the
-        # requests tenants can cause (state API reads, TokenReviews, a burst's reconciles).
-        self._lease_pool = http1.Pool(self.server, ssl_ctx, limit=2, headers=headers,
-                                      on_open=selfmetrics.API_CONNECTIONS.inc)
         # Reviews have theirs too: a flood of tokens at the state API never takes the slots the
         # reconcile's reads and writes need, and the reconcile's burst never delays a runner's review.
         # The issuer's key set is served only as application/jwk-set+json (a bare application/json is
@@ -132,9 +131,16 @@ class Kube:
 
     async def close(self) -> None:
         await self._pool.close()
-        await self._lease_pool.close()
         await self._review_pool.close()
         await self._watch_session.close()
+
+    def sibling(self, *, limit: int = 2) -> Kube:
+        """A client of the same login (server, credentials, TLS context, the token as renewed since)
+        with connections and pools of its own, for another event loop: made on that loop (the
+        Lease's thread, whose requests then never wait for this loop or its connections)."""
+        other = Kube(self.info, limit=limit, ssl_ctx=self._ssl)
+        other._token = self._token
+        return other
 
     def _headers(self, content_type: str | None = None) -> dict[str, str]:
         headers = {"Authorization": f"{self._scheme} {self._token}"} if self._token else {}
@@ -171,8 +177,7 @@ class Kube:
         code = "error"
         try:
             data = orjson.dumps(body) if body is not None else None
-            pool = (self._lease_pool if path.startswith(LEASES_PREFIX)
-                    else self._review_pool if path.startswith(REVIEW_PREFIXES) else self._pool)
+            pool = self._review_pool if path.startswith(REVIEW_PREFIXES) else self._pool
             for attempt in (1, 2):
                 async with asyncio.timeout(REQUEST_TIMEOUT):
                     status, raw = await pool.request(

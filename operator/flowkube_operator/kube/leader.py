@@ -14,6 +14,14 @@ holder of the Lease runs the reconcile workers, so Flow status keeps exactly one
 - **A holder that cannot renew** for `renew_deadline` (shorter than the lease duration, counted
   from the start of its last successful renewal) stops leading before any other replica may take
   over; it also stops at once when it sees another holder.
+- **A thread of its own** (`ElectionThread`, as client-go renews on a goroutine of its own): acquire,
+  renew and release run on their own thread, event loop and API client (`Kube.sibling`: the same
+  login, connections of their own), so a busy operator loop (CPU-bound reconciles, a long
+  synchronous section) delays no renewal and cannot cost the Lease while the API server answers.
+  The operator's loop awaits `acquire`, `hold` and `release` as it would the coroutines; the thread
+  replaces (leading, renewed_at) as one tuple, so `still_leading`, called before every write on the
+  operator's loop, reads both of one moment without a lock. What the thread cannot get past is a
+  single C call that holds the GIL for seconds (Python code yields it every 5 ms, I/O releases it).
 - **Identity** is the pod's name (its hostname): a container restarted in the same pod finds the
   Lease held by its own name, knows its predecessor is dead, and takes it back at once (counted
   as a transition: a new process is a new term, unlike client-go).
@@ -27,14 +35,16 @@ import asyncio
 import datetime as dt
 import logging
 import math
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
-from flowkube_operator.kube.client import ApiError, ns_path
+from flowkube_operator.kube.client import ApiError, Kube, ns_path
 
 Body = dict[str, Any]
+T = TypeVar("T")
 log = logging.getLogger("flowkube.leader")
 
 GROUP, VERSION, PLURAL = "coordination.k8s.io", "v1", "leases"
@@ -70,6 +80,9 @@ class LeaseConfig:
 
 
 class LeaderElector:
+    """The election on one event loop (the `ElectionThread`'s in the operator); `still_leading` may be
+    called from any thread."""
+
     def __init__(self, client: Callable[[], LeaseClient | None], config: LeaseConfig, *,
                  clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.UTC)) -> None:
@@ -80,9 +93,21 @@ class LeaderElector:
         self._lease: Body | None = None  # the Lease as last read or written
         self._observed: Body | None = None  # its spec, and when this process saw it change
         self._observed_at = 0.0
-        self.leading = False
-        self.renewed_at = 0.0  # when the last successful acquire or renewal was sent (monotonic)
+        # (leading, when the last successful acquire or renewal was sent (monotonic)): replaced whole,
+        # so a reader on another thread sees both of one moment.
+        self._term = (False, 0.0)
         self.lost_to = ""  # the other holder seen while leading, if that is how leadership ended
+
+    @property
+    def leading(self) -> bool:
+        return self._term[0]
+
+    @property
+    def renewed_at(self) -> float:
+        return self._term[1]
+
+    def _stop_leading(self) -> None:
+        self._term = (False, self.renewed_at)
 
     @property
     def path(self) -> str:
@@ -137,11 +162,11 @@ class LeaderElector:
                     "spec": self._spec(stamp, stamp, 0)}
             created = await client.create(ns_path(cfg.namespace, PLURAL, group=GROUP, version=VERSION), body)
             if created is None:  # another replica created it first
-                self.leading = False
+                self._stop_leading()
                 return False
             self._observe(created, self._clock())
             log.info("became the leader (lease %s/%s created)", cfg.namespace, cfg.name)
-            self.leading, self.renewed_at = True, sent
+            self._term = (True, sent)
             return True
         # Observed when the answer came: the record cannot have been written later than that.
         self._observe(lease, self._clock())
@@ -149,7 +174,7 @@ class LeaderElector:
         if holder and holder != me and self.expires_in() > 0:
             if self.leading:
                 self.lost_to = holder
-            self.leading = False
+            self._stop_leading()
             return False
         old = self._observed or {}
         renewing = self.leading and holder == me
@@ -162,14 +187,15 @@ class LeaderElector:
             how = ("taken back: this pod's previous container held it" if holder == me
                    else f"taken over from {holder}" if holder else "was free")
             log.info("became the leader (lease %s/%s %s)", cfg.namespace, cfg.name, how)
-        self.leading, self.renewed_at = True, sent
+        self._term = (True, sent)
         return True
 
     def still_leading(self) -> bool:
         """Whether this process may still write: it leads and its last renewal is within the renew
         deadline. Checked before every write, so a process that was frozen (or starved) past its
         deadline writes nothing even before its renew loop notices."""
-        return self.leading and self._clock() - self.renewed_at < self.config.renew_deadline
+        leading, renewed_at = self._term
+        return leading and self._clock() - renewed_at < self.config.renew_deadline
 
     async def _attempt(self, within: float) -> bool:
         try:
@@ -205,7 +231,7 @@ class LeaderElector:
                 continue
             left = cfg.renew_deadline - (self._clock() - self.renewed_at)
             if self.lost_to or left <= 0:
-                self.leading = False
+                self._stop_leading()
                 log.error("lost the lease %s/%s (%s)", cfg.namespace, cfg.name,
                           f"now held by {self.lost_to}" if self.lost_to
                           else f"no renewal for {cfg.renew_deadline - left:.1f}s")
@@ -217,7 +243,7 @@ class LeaderElector:
         replica takes over at once. True when released."""
         if not self.leading or self._lease is None:
             return False
-        self.leading = False
+        self._stop_leading()
         client = self._client()
         if client is None:
             return False
@@ -233,3 +259,95 @@ class LeaderElector:
         self._observe(released, self._clock())
         log.info("released the lease %s/%s", self.config.namespace, self.config.name)
         return True
+
+
+class ElectionThread:
+    """A `LeaderElector` on a thread of its own, with its own event loop and its own client (made
+    there from the latest login's with `Kube.sibling`, and made again after a new login). The
+    operator's loop awaits `acquire`, `hold` and `release`; each runs on the thread, its outcome is
+    set on the awaiting loop by `call_soon_threadsafe`, and cancelling the wait cancels it there.
+    The thread starts with the first of them; `close` ends it."""
+
+    def __init__(self, login: Callable[[], Kube | None], config: LeaseConfig) -> None:
+        self._login = login
+        self.elector = LeaderElector(self._client, config)
+        # On the thread only: its client (made from the login `_own_of`), the clients of older
+        # logins being closed, and the renewals once the Lease is ours.
+        self._own: Kube | None = None
+        self._own_of: Kube | None = None
+        self._closing: set[asyncio.Task[None]] = set()
+        self._holding: asyncio.Task[None] | None = None
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def acquire(self) -> None:
+        """Return once this process leads. The thread renews from then on without waiting for
+        this loop: a loop busy between `acquire` and `hold` costs nothing either."""
+        await self._on_thread(self._acquire())
+
+    async def hold(self) -> None:
+        """Return when leadership is lost (`LeaderElector.hold`)."""
+        await self._on_thread(self._hold())
+
+    async def release(self) -> bool:
+        """Stop renewing and give the Lease up (`LeaderElector.release`)."""
+        return await self._on_thread(self._release())
+
+    async def close(self) -> None:
+        """Stop renewing, close the thread's clients and end the thread."""
+        if self._thread is None or self._loop is None:
+            return
+        await self._on_thread(self._wind_up())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        if not self._thread.is_alive():
+            self._loop.close()
+        self._thread = self._loop = None
+
+    def _on_thread(self, coro: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(target=self._loop.run_forever, name="flowkube-lease", daemon=True)
+            self._thread.start()
+        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+
+    # -- on the thread ------------------------------------------------------------------------------
+
+    async def _acquire(self) -> None:
+        await self.elector.acquire()
+        self._holding = asyncio.create_task(self.elector.hold())
+
+    async def _hold(self) -> None:
+        if self._holding is None:
+            raise RuntimeError("hold before acquire")
+        await self._holding  # cancelled with the caller's wait
+
+    async def _release(self) -> bool:
+        await self._stop_holding()
+        return await self.elector.release()
+
+    async def _stop_holding(self) -> None:
+        if self._holding is not None:
+            self._holding.cancel()
+            await asyncio.wait([self._holding])
+            self._holding = None
+
+    def _client(self) -> Kube | None:
+        """Its own client, of the latest login."""
+        login = self._login()
+        if login is None:
+            return None
+        if login is not self._own_of:
+            old, self._own, self._own_of = self._own, login.sibling(), login
+            if old is not None:
+                closing = asyncio.get_running_loop().create_task(old.close())
+                self._closing.add(closing)
+                closing.add_done_callback(self._closing.discard)
+        return self._own
+
+    async def _wind_up(self) -> None:
+        await self._stop_holding()
+        await asyncio.gather(*self._closing)
+        if self._own is not None:
+            await self._own.close()
+        self._own = self._own_of = None

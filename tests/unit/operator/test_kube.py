@@ -70,31 +70,36 @@ def test_a_401_with_no_newer_token_is_the_callers_error_after_one_try(
     assert seen == ["Bearer old"]
 
 
-def test_lease_requests_never_wait_behind_the_other_requests() -> None:
-    """Every slot of the main pool is held by slow requests (what a flood of state API reads or
-    TokenReviews makes); a Lease renewal still goes out at once, on connections of its own."""
+def test_a_sibling_has_the_login_and_connections_of_its_own() -> None:
+    """The Lease's client (`Kube.sibling`, made on the election's thread) holds the login's token
+    and never waits behind its requests: with every slot of the operator's client held by slow
+    requests (a flood of state API reads or TokenReviews), a renewal still goes out at once."""
     release = asyncio.Event()
+    seen: list[str | None] = []
 
     async def slow(_: web.Request) -> web.Response:
         await release.wait()
         return web.json_response({"kind": "ConfigMap"})
 
-    async def lease(_: web.Request) -> web.Response:
+    async def lease(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Authorization"))
         return web.json_response({"kind": "Lease"})
 
     async def scenario() -> None:
         app = web.Application()
         app.router.add_get("/api/v1/namespaces/x/configmaps/c", slow)
         app.router.add_put("/apis/coordination.k8s.io/v1/namespaces/x/leases/l", lease)
-        async with api_server(app, limit=4) as client:
+        async with api_server(app, token="secret", limit=4) as client:
+            sibling = client.sibling()
             held = [asyncio.create_task(client.get("/api/v1/namespaces/x/configmaps/c")) for _ in range(8)]
             try:
                 async with asyncio.timeout(5):  # would wait for `release` if it shared the slots
-                    renewed = await client.request("PUT", "/apis/coordination.k8s.io/v1/namespaces/x/leases/l", {})
-                assert renewed == {"kind": "Lease"}
+                    renewed = await sibling.request("PUT", "/apis/coordination.k8s.io/v1/namespaces/x/leases/l", {})
+                assert renewed == {"kind": "Lease"} and seen == ["Bearer secret"]
             finally:
                 release.set()
                 await asyncio.gather(*held)
+                await sibling.close()
 
     asyncio.run(scenario())
 

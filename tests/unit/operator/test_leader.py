@@ -1,17 +1,20 @@
 """The Lease elector against a small fake of the Lease API: optimistic concurrency on
-resourceVersion, expiry judged by when this process saw the record change, release."""
+resourceVersion, expiry judged by when this process saw the record change, release; and its thread.
+(tests/integration/test_lease.py: the same against the real kube-apiserver, with the loop saturated.)"""
 
 from __future__ import annotations
 
 import asyncio
 import copy
 import datetime as dt
-from typing import Any
+import threading
+from typing import Any, cast
 
 import pytest
 
-from flowkube_operator.kube.client import ApiError
-from flowkube_operator.kube.leader import LeaderElector, LeaseConfig, micro_time
+from flowkube_devstack.cluster import wait_for
+from flowkube_operator.kube.client import ApiError, Kube
+from flowkube_operator.kube.leader import ElectionThread, LeaderElector, LeaseConfig, micro_time
 
 Body = dict[str, Any]
 PATH = "/apis/coordination.k8s.io/v1/namespaces/ns/leases/op"
@@ -277,3 +280,69 @@ def test_still_leading_turns_false_past_the_renew_deadline_before_the_renew_loop
     assert a.still_leading()
     clock.now += 0.2  # e.g. the process was frozen: its writes are fenced off at once
     assert a.leading and not a.still_leading()
+
+
+class Login:
+    """What `ElectionThread` uses of a `Kube` login: `sibling`, here a view of the fake that records
+    the threads it is called on, and whether it was closed."""
+
+    def __init__(self, api: FakeLeases) -> None:
+        self.api = api
+        self.siblings: list[Sibling] = []
+
+    def sibling(self) -> Sibling:
+        self.siblings.append(Sibling(self.api))
+        return self.siblings[-1]
+
+
+class Sibling:
+    def __init__(self, api: FakeLeases) -> None:
+        self.api = api
+        self.threads: set[int] = set()
+        self.closed = False
+
+    async def get(self, path: str) -> Body | None:
+        self.threads.add(threading.get_ident())
+        return await self.api.get(path)
+
+    async def create(self, path: str, body: Body) -> Body | None:
+        self.threads.add(threading.get_ident())
+        return await self.api.create(path, body)
+
+    async def request(self, method: str, path: str, body: Any = None) -> Any:
+        self.threads.add(threading.get_ident())
+        return await self.api.request(method, path, body)
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+def test_the_election_thread_renews_with_a_client_of_its_own_for_each_login() -> None:
+    api = FakeLeases()
+    logins = [Login(api)]
+    cfg = LeaseConfig(namespace="ns", name="op", identity="a", lease_duration=5, renew_deadline=3,
+                      retry_period=0.02)
+    election = ElectionThread(lambda: cast(Kube, logins[-1]), cfg)
+
+    async def scenario() -> None:
+        await asyncio.wait_for(election.acquire(), 5)
+        holding = asyncio.create_task(election.hold())
+        # This loop blocked (the wait below sleeps on it): the thread renews on its own, and
+        # after a new login with a client made of that login, the old one closed.
+        writes = api.writes
+        wait_for(lambda: api.writes > writes + 2, 5, "renewals while the loop is blocked", interval=0.01)
+        logins.append(Login(api))
+        wait_for(lambda: bool(logins[1].siblings) and api.writes > writes + 5 and logins[0].siblings[0].closed,
+                 5, "renewals with the new login's client, the old one closed", interval=0.01)
+        assert not holding.done() and election.elector.still_leading()
+        holding.cancel()  # as App.stop: the term's wait cancelled, then the Lease released
+        assert await asyncio.wait_for(election.release(), 5)
+        await election.close()
+
+    asyncio.run(scenario())
+    assert api.spec()["holderIdentity"] == ""
+    (old,), (new,) = logins[0].siblings, logins[1].siblings
+    assert old.closed and new.closed
+    used = old.threads | new.threads
+    assert len(used) == 1 and threading.get_ident() not in used
+    assert not any(t.ident in used for t in threading.enumerate()), "the thread ended"
