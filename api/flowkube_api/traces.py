@@ -10,8 +10,10 @@ new uid, so a new trace; a fork too.
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import re
+from dataclasses import dataclass, field
 
 _TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
 
@@ -58,3 +60,21 @@ def parse_traceparent(value: str) -> tuple[str, str] | None:
     if m is None or set(m.group(1)) == {"0"} or set(m.group(2)) == {"0"}:
         return None
     return m.group(1), m.group(2)
+
+
+Value = str | int | float | bool
+
+
+@dataclass(frozen=True)
+class SpanRecord:
+    """A span made whole, with the ids above and its own times (the operator's: a run, a wait, a
+    notification's delivery, the Flow), for whatever exports it."""
+
+    name: str
+    trace_id: str
+    span_id: str
+    parent_id: str | None  # None: the trace's root
+    start: dt.datetime
+    end: dt.datetime
+    attributes: dict[str, Value] = field(default_factory=dict)
+    error: str | None = None  # the status message of a span that failed

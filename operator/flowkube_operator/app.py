@@ -112,6 +112,13 @@ class App:
         # Acquires, renews and releases the Lease on its own thread, with its own client of the
         # latest login: a busy event loop here delays no renewal.
         self.election = ElectionThread(lambda: self.kube, lease_config(settings)) if settings.leader_election else None
+        # Traces (an OTLP endpoint configured): each Flow's spans, read off the leader's status writes,
+        # and its notifications' deliveries.
+        self.traces: Traces | None = None
+        if settings.traces_url:
+            from flowkube_operator.tracing import Traces as _Traces  # the SDK is loaded only when tracing
+
+            self.traces = _Traces(settings.traces_url)
         # Outcomes of deliveries are folded into status by the controller's next reconcile of their Flow,
         # or by the quota service's next status write of their FlowQuota.
         self.notifier = Notifier(
@@ -119,6 +126,7 @@ class App:
             flow_of=lambda key: self.controller.cache.flow(key),
             wake_quota=lambda key: self.quotas.notified(key) if self.quotas is not None else None,
             quota_of=lambda key: self.quotas.noticed(key) if self.quotas is not None else None,
+            spans=self.traces.emit if self.traces is not None else None,
         ) if settings.notifications_enabled else None
         # FlowQuotas (when enforced): fed by their watch and the Flow cache; the leader answers the
         # runner pods' reservations through the state API, writes the quotas' status and tells their
@@ -132,12 +140,6 @@ class App:
             notices=QuotaNotices(self.notifier) if self.notifier is not None else None,
             event=lambda obj, etype, reason, message: self.controller.writes.event(
                 obj, etype, reason, message, kind=c.QUOTA_KIND)) if settings.quotas_enabled else None
-        # Traces (an OTLP endpoint configured): each Flow's spans, read off the leader's status writes.
-        self.traces: Traces | None = None
-        if settings.traces_url:
-            from flowkube_operator.tracing import Traces as _Traces  # the SDK is loaded only when tracing
-
-            self.traces = _Traces(settings.traces_url)
         self.controller = Controller(
             settings, listeners=[self.metrics.update, *([self.quotas.flow_changed] if self.quotas else [])],
             notifier=self.notifier, fence=fence, spans=self.traces,

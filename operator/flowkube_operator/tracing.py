@@ -22,8 +22,8 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Status, StatusCode
 
 from flowkube_api.otlp import Drops, Shaped, SpanQueue
+from flowkube_api.traces import SpanRecord
 from flowkube_operator import selfmetrics
-from flowkube_operator.flows.spans import SpanRecord
 
 log = logging.getLogger("flowkube.tracing")
 

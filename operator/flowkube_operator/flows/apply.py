@@ -11,11 +11,12 @@ from flowkube_api import constants as c
 from flowkube_api import traces
 from flowkube_api.base import now as now_utc
 from flowkube_api.base import parse_time
+from flowkube_api.traces import SpanRecord
 from flowkube_operator import selfmetrics
 from flowkube_operator.flows import checkpoints, resources
 from flowkube_operator.flows.cache import FlowCache, Key
 from flowkube_operator.flows.reconcile import Plan, RunIntent
-from flowkube_operator.flows.spans import SpanRecord, spans_of
+from flowkube_operator.flows.spans import spans_of
 from flowkube_operator.kube.client import ApiError, collection_path, delete_namesake_garbage, flow_path, ns_path
 from flowkube_operator.kube.shell import RetryLater, Writes
 from flowkube_operator.meta import owner_uid

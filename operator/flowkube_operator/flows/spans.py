@@ -18,28 +18,14 @@ leader's first look writes nothing that was written already.
 
 from __future__ import annotations
 
-import datetime as dt
-from dataclasses import dataclass, field
 from typing import Any
 
 from flowkube_api import constants as c
 from flowkube_api import traces
 from flowkube_api.base import parse_time
+from flowkube_api.traces import SpanRecord, Value
 
 Body = dict[str, Any]
-Value = str | int | float | bool
-
-
-@dataclass(frozen=True)
-class SpanRecord:
-    name: str
-    trace_id: str
-    span_id: str
-    parent_id: str | None  # None: the trace's root
-    start: dt.datetime
-    end: dt.datetime
-    attributes: dict[str, Value] = field(default_factory=dict)
-    error: str | None = None  # the status message of a span that failed
 
 
 def _usage(run: Body) -> dict[str, Value]:

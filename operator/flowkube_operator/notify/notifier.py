@@ -13,6 +13,7 @@ are tried again after 1, 2, 4 ... 60 s until ``notifications_retry_seconds`` hav
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import functools
 import http
 import logging
@@ -27,7 +28,9 @@ import aiohttp
 from aiohttp.abc import ResolveResult
 
 from flowkube_api import constants as c
+from flowkube_api import traces
 from flowkube_api.base import now as now_utc
+from flowkube_api.traces import SpanRecord
 from flowkube_operator import selfmetrics
 from flowkube_operator.kube.client import Kube, ns_path
 from flowkube_operator.kube.informer import Informer
@@ -154,6 +157,20 @@ class Kind:
     notices: Callable[[Body], list[Notice]]  # the events it holds
 
 
+def _span(sink: Sink, notice: Notice, outcome: Outcome, began: dt.datetime) -> SpanRecord:
+    """A Flow's delivery as a span of its trace: every attempt, from the first to the outcome."""
+    uid = notice.id.split("/", 1)[0]
+    attributes: dict[str, traces.Value] = {
+        "k8s.namespace.name": notice.namespace, "flowkube.flow.name": notice.name,
+        "flowkube.notification.sink": sink.name, "flowkube.notification.event": str(notice.type),
+        "flowkube.notification.outcome": outcome.reason, "flowkube.notification.attempts": outcome.attempts}
+    if outcome.code is not None:
+        attributes["http.response.status_code"] = outcome.code
+    return SpanRecord(f"deliver {notice.type} {sink.name}", traces.trace_id(uid),
+                      traces.span_id(uid, "notify", sink.name, notice.id), traces.root_span_id(uid), began,
+                      outcome.time, attributes, error=None if outcome.delivered else outcome.message or outcome.reason)
+
+
 class Notifier:
     """The leader's deliveries. ``wake(key)`` asks for a reconcile of the Flow whose delivery ended,
     ``wake_quota(key)`` for a status write of the FlowQuota's (each folds the outcome into status, see
@@ -163,8 +180,10 @@ class Notifier:
                  wake_namespace: Callable[[str], None] = lambda _ns: None,
                  flow_of: Callable[[Key], Body | None] = lambda _key: None,
                  wake_quota: Callable[[Key], None] = lambda _key: None,
-                 quota_of: Callable[[Key], Body | None] = lambda _key: None) -> None:
+                 quota_of: Callable[[Key], Body | None] = lambda _key: None,
+                 spans: Callable[[list[SpanRecord]], None] | None = None) -> None:
         self.settings = settings
+        self.spans = spans  # tracing on: each Flow's delivery, a span of its trace
         self.kinds = {c.KIND: Kind(wake, flow_of, notices.notices),
                       c.QUOTA_KIND: Kind(wake_quota, quota_of, notices.quota_notices)}
         self.secrets = Secrets(changed=wake_namespace)
@@ -319,7 +338,7 @@ class Notifier:
     # -- one delivery -------------------------------------------------------------------------------
 
     async def _deliver(self, owner: Owner, sink: Sink, notice: Notice) -> None:
-        started, attempts = time.monotonic(), 0
+        started, attempts, began = time.monotonic(), 0, now_utc()
         payload, content_type = bodies.body(sink, notice)
         while True:
             attempts += 1
@@ -347,6 +366,8 @@ class Notifier:
             log.warning("notification %s to %s %s/%s sink %s failed: %s after %d attempt(s): %s",
                         notice.type, *owner, sink.name, reason, attempts, message)
         self._done.setdefault(owner, {})[(sink.name, notice.id)] = outcome
+        if self.spans is not None and owner[0] == c.KIND:
+            self.spans([_span(sink, notice, outcome, began)])
         self.kinds[owner[0]].wake((owner[1], owner[2]))
 
     def _still_current(self, owner: Owner, notice: Notice) -> bool:

@@ -17,8 +17,10 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from flowkube_api import traces
 from flowkube_api.constants import NotificationEvent as E
 from flowkube_api.models import FlowStatus
+from flowkube_api.traces import SpanRecord
 from flowkube_operator.kube import tls
 from flowkube_operator.notify import bodies, policy
 from flowkube_operator.notify import notices as notify
@@ -225,12 +227,14 @@ def secret(url: str, **more: bytes) -> dict[str, Any]:
             "data": {k: base64.b64encode(v).decode() for k, v in data.items()}}
 
 
-async def deliver(url: str, allowed: str = "127.0.0.1/32", retry: float = 30.0, **data: bytes) -> list[Outcome]:
+async def deliver(url: str, allowed: str = "127.0.0.1/32", retry: float = 30.0,
+                  spans: list[SpanRecord] | None = None, **data: bytes) -> list[Outcome]:
     woke = asyncio.Event()
     f = paused()
     f["spec"]["notifications"] = [{"name": "team", "secretRef": {"name": "team-hook"}}]
     n = Notifier(Settings(notifications_allowed_cidrs=allowed, notifications_retry_seconds=retry,
-                          notifications_timeout_seconds=5), wake=lambda _key: woke.set(), flow_of=lambda _key: f)
+                          notifications_timeout_seconds=5), wake=lambda _key: woke.set(), flow_of=lambda _key: f,
+                 spans=spans.extend if spans is not None else None)
     n.secrets.event("ADDED", secret(url, **data))
     assert not n.ready()
     n.offer(("team", "review"), f)  # before the Secrets are listed and the ranges known: nothing
@@ -252,9 +256,14 @@ def run(coro: Callable[[], Any]) -> Any:
 def test_500_three_times_then_200_is_delivered_once_with_four_attempts_signed() -> None:
     async def go() -> None:
         async with receiving([500, 503, 500, 200]) as (r, port):
-            started = time.monotonic()
-            (o,) = await deliver(f"http://127.0.0.1:{port}/hook", signingKey=b"k")
+            started, spans = time.monotonic(), list[SpanRecord]()
+            (o,) = await deliver(f"http://127.0.0.1:{port}/hook", spans=spans, signingKey=b"k")
             assert (o.delivered, o.reason, o.attempts, o.code) == (True, "Delivered", 4, 200)
+            (span,) = spans  # the delivery in the Flow's trace: every attempt, under its root
+            assert (span.name, span.trace_id, span.parent_id) == (
+                "deliver FeedbackRequested team", traces.trace_id("u-1"), traces.root_span_id("u-1"))
+            assert span.attributes["flowkube.notification.attempts"] == 4 and span.error is None
+            assert (span.end - span.start).total_seconds() >= 7
             assert time.monotonic() - started >= 7  # backoff 1 + 2 + 4
             assert len(r.seen) == 4
             headers, body = r.seen[-1]
