@@ -104,7 +104,7 @@ class PlanWriter:
         self.cache.flow_event("MODIFIED", body)
         _observe_turn(key[0], old_status, new_status)
         if self.spans is not None:
-            records = spans_of(body.get("metadata") or {}, old_status, new_status)
+            records = spans_of(body.get("metadata") or {}, old_status, new_status, now_utc())
             self.spans.emit(records)
             self.spans.runner_lost(sum(int(r.attributes.get("flowkube.run.spans_lost", 0)) for r in records))
         return body

@@ -18,6 +18,7 @@ leader's first look writes nothing that was written already.
 
 from __future__ import annotations
 
+import datetime as dt
 from typing import Any
 
 from flowkube_api import constants as c
@@ -41,16 +42,25 @@ def _flow_attributes(meta: Body) -> dict[str, Value]:
             "flowkube.flow.uid": str(meta.get("uid") or "")}
 
 
-def spans_of(meta: Body, old: Body, new: Body) -> list[SpanRecord]:
-    """The spans a status write from ``old`` to ``new`` completes (none without a uid)."""
+def spans_of(meta: Body, old: Body, new: Body, now: dt.datetime | None = None) -> list[SpanRecord]:
+    """The spans a status write from ``old`` to ``new`` at ``now`` completes (none without a uid).
+
+    Status times are whole seconds: an end is the write's time when that is within the second the
+    status names (the truer end: a run's pod spans end up to a second past a truncated finishedAt)."""
     uid = str(meta.get("uid") or "")
     if not uid:
         return []
     flow = _flow_attributes(meta)
-    return [*_runs(uid, flow, old, new), *_waits(uid, flow, old, new), *_root(uid, flow, meta, old, new)]
+    return [*_runs(uid, flow, old, new, now), *_waits(uid, flow, old, new), *_root(uid, flow, meta, old, new, now)]
 
 
-def _runs(uid: str, flow: dict[str, Value], old: Body, new: Body) -> list[SpanRecord]:
+def _end(stamped: dt.datetime, now: dt.datetime | None) -> dt.datetime:
+    if now is None or not stamped <= now < stamped + dt.timedelta(seconds=1):
+        return stamped
+    return now
+
+
+def _runs(uid: str, flow: dict[str, Value], old: Body, new: Body, now: dt.datetime | None) -> list[SpanRecord]:
     out: list[SpanRecord] = []
     before = old.get("runs") or []
     for i, run in enumerate(new.get("runs") or []):
@@ -70,7 +80,7 @@ def _runs(uid: str, flow: dict[str, Value], old: Body, new: Body) -> list[SpanRe
         if run.get("warmSeconds") is not None:
             attributes["flowkube.run.warm_seconds"] = float(run["warmSeconds"])
         out.append(SpanRecord(f"run {i} {run.get('trigger') or ''}".strip(), traces.trace_id(uid),
-                              traces.run_span_id(uid, i), traces.root_span_id(uid), started or ended, ended,
+                              traces.run_span_id(uid, i), traces.root_span_id(uid), started or ended, _end(ended, now),
                               attributes,
                               error=str(run.get("message") or run.get("reason") or "failed") if failed else None))
     return out
@@ -112,7 +122,8 @@ def _waits(uid: str, flow: dict[str, Value], old: Body, new: Body) -> list[SpanR
     return out
 
 
-def _root(uid: str, flow: dict[str, Value], meta: Body, old: Body, new: Body) -> list[SpanRecord]:
+def _root(uid: str, flow: dict[str, Value], meta: Body, old: Body, new: Body,
+          now: dt.datetime | None) -> list[SpanRecord]:
     if new.get("phase") not in c.TERMINAL_PHASES or old.get("phase") in c.TERMINAL_PHASES:
         return []
     created = parse_time(meta.get("creationTimestamp")) or parse_time(new.get("startedAt"))
@@ -126,4 +137,5 @@ def _root(uid: str, flow: dict[str, Value], meta: Body, old: Body, new: Body) ->
         **_usage({"usage": new.get("usage") or {}})}
     failed = new.get("phase") == c.Phase.FAILED
     return [SpanRecord(f"invoke_workflow {definition}", traces.trace_id(uid), traces.root_span_id(uid), None,
-                       created, ended, attributes, error=str(new.get("message") or "failed") if failed else None)]
+                       created, _end(ended, now), attributes,
+                       error=str(new.get("message") or "failed") if failed else None)]

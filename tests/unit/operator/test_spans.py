@@ -100,3 +100,14 @@ def test_the_operators_spans_keep_their_derived_ids_times_and_parents() -> None:
     assert format(first.context.trace_id, "032x") == traces.trace_id(UID)
     assert (first.end_time or 0) - (first.start_time or 0) == 4_000_000_000
     assert out.drops.exported == 2
+
+
+def test_an_end_in_whole_seconds_is_the_writes_time_within_that_second() -> None:
+    import datetime as dt
+
+    before = {"phase": "Running", "runs": [run(0, "kickoff", "2026-11-28T10:00:01Z")]}
+    after = {"phase": "Running", "runs": [run(0, "kickoff", "2026-11-28T10:00:01Z", "2026-11-28T10:00:05Z")]}
+    at = dt.datetime(2026, 11, 28, 10, 0, 5, 600000, tzinfo=dt.UTC)
+    assert spans_of(META, before, after, at)[0].end == at
+    late = at + dt.timedelta(seconds=30)  # a write long after: the status's second stands
+    assert spans_of(META, before, after, late)[0].end == dt.datetime(2026, 11, 28, 10, 0, 5, tzinfo=dt.UTC)
