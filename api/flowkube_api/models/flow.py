@@ -53,8 +53,8 @@ class Run(Model):
         default=None, description="Time the run's pod waited warm for a conversation's next message or a "
         "feedback answer; not counted toward activeDeadlineSeconds.")
     spans_lost: int | None = Field(
-        default=None, ge=0, description="Trace spans the run's pod could not deliver to the collector (tracing "
-        "on): a full queue, a failed export, or still queued when the pod ended.")
+        default=None, ge=0, le=10**9, description="Trace spans the run's pod could not deliver to the collector "
+        "(tracing on): a full queue, a failed export, or still queued when the pod ended.")
     closed_on_report: bool | None = Field(
         default=None, description="The run ended when its pod wrote its final report, before the pod itself "
         "ended; the pod's end changes nothing in it.")

@@ -1053,3 +1053,17 @@ def test_a_run_a_queue_quota_stopped_for_room_waits_and_is_retried_once_there_is
     step(body, pod("f-0", "Running"), at=1)
     planned(body, 5, None)
     assert body["status"]["phase"] == Phase.FAILED and cond(body, "Succeeded")["reason"] == Reason.QUOTA_EXHAUSTED
+
+
+def test_a_runs_lost_spans_come_from_its_report_and_a_pod_cannot_claim_more_than_the_bound() -> None:
+    from flowkube_api.report import SpansLost
+
+    body = flow()
+    step(body)
+    running = pod("f-0", "Running")
+    step(body, running, at=1)
+    boast = SpansLost(queue_full=10**12, export_failed=3, unflushed=0)
+    final = report("f-0", RunResult.SUCCEEDED, usage=usage(10, 5), final=True, spans_lost=boast,
+                   finished_at=T0 + dt.timedelta(seconds=3))
+    step(body, running, final, at=3.1)
+    assert body["status"]["runs"][0]["spansLost"] == 10**9

@@ -33,6 +33,9 @@ from flowkube_operator.meta import Doomed, PodView
 Body = dict[str, Any]
 
 
+SPANS_LOST_LIMIT = 10**9  # trace spans a run's report may say its pod lost (tracing on)
+
+
 class Runs:
     """The runs of one reconcile's Flow: how the active one ends, and what follows a failure."""
 
@@ -192,8 +195,9 @@ class Runs:
         if rep is not None:
             run.usage = rep.usage  # every LLM call the run made counts, however it ended
             run.charges = matching_charges(rep.usage, rep.charges)
-            if rep.spans_lost is not None:
-                run.spans_lost = rep.spans_lost.queue_full + rep.spans_lost.export_failed + rep.spans_lost.unflushed
+            if rep.spans_lost is not None:  # a pod's word: bounded, so a pod cannot inflate the metric past it
+                lost = rep.spans_lost
+                run.spans_lost = min(lost.queue_full + lost.export_failed + lost.unflushed, SPANS_LOST_LIMIT)
             if rep.flow_id:
                 s.st.flow_id = rep.flow_id
             s.st.checkpoints = forks.fold(s.st.checkpoints, rep.checkpoints, forks.kept(s.own_spec))
