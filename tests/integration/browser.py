@@ -56,6 +56,11 @@ class Browser:
         self._again(lambda: found.append(str(self.driver.find_element(By.CSS_SELECTOR, css).text)))
         return found[-1]
 
+    def attribute(self, css: str, name: str) -> str:
+        found: list[str] = []
+        self._again(lambda: found.append(str(self.driver.find_element(By.CSS_SELECTOR, css).get_attribute(name))))
+        return found[-1]
+
     def has(self, css: str) -> bool:
         return bool(self.driver.find_elements(By.CSS_SELECTOR, css))
 

@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 from flowkube_devstack.cluster import LocalCluster, wait_for
+from flowkube_devstack.jaeger import Jaeger
 from tests.integration.browser import Browser, browser, chromium_available
 from tests.integration.conftest import Flows
 from tests.integration.realrunner import RealRunnerStack, real_runner_stack
@@ -58,14 +59,19 @@ def chat(cluster: LocalCluster) -> Iterator[tuple[Receiver, str, str]]:
 
 
 @pytest.fixture(scope="module")
-def stack(cluster: LocalCluster, chat: tuple[Receiver, str, str]) -> Iterator[RealRunnerStack]:
+def stack(cluster: LocalCluster, chat: tuple[Receiver, str, str], jaeger: Jaeger) -> Iterator[RealRunnerStack]:
     rules = {"default": RULES["default"], "rules": [*RULES["rules"], *CHAT_RULES["rules"]]}
-    with real_runner_stack(cluster, rules, "console", [f"notifications.allowedCIDRs={{{chat[2]}/32}}"]) as s:
+    with real_runner_stack(cluster, rules, "console", [f"notifications.allowedCIDRs={{{chat[2]}/32}}"],
+                           jaeger=jaeger) as s:
         url = s.operator.console_url()
-        # Notifications link to the console where people reach it (here its Service's address).
-        s.operator.upgrade(f"console.externalURL={url}")
+        # Notifications link to the console where people reach it (here its Service's address); each
+        # Flow's page links to its trace.
+        s.operator.upgrade(f"console.externalURL={url}", f"console.traceUrl={TRACE_URL}")
         wait_for(lambda: answers(url + "/healthz"), 60, "the console's Service to answer")
         yield s
+
+
+TRACE_URL = "https://jaeger.example.com/trace/{traceId}"
 
 
 def answers(url: str) -> bool:
@@ -165,6 +171,7 @@ def test_a_reviewer_sees_the_request_live_answers_it_and_a_second_answer_is_refu
         paused = flows.status("review")
         assert paused["phase"] == "AwaitingFeedback"
         assert "Publish this draft?" in a.text(row) and "approved, rejected" in a.text(row)
+        trace_link = TRACE_URL.replace("{traceId}", paused["trace"]["traceId"])
         chat[0].wait(lambda hits: any(h.path == f"/{ns}" for h in hits), "the chat told of it")
         (told,) = chat[0].on(f"/{ns}")
         slack = json.loads(told.body)
@@ -182,6 +189,7 @@ def test_a_reviewer_sees_the_request_live_answers_it_and_a_second_answer_is_refu
 
         a.click(f"{row} a.title")
         a.wait(lambda: a.has('button[data-outcome="approved"]'), 30, "the answer form")
+        assert a.attribute('h1 a.side[href*="/trace/"]', "href") == trace_link, "the Flow's trace, linked"
         assert a.text("#review") == paused["feedback"]["request"]["output"]
         a.click('button[data-outcome="approved"]')
         a.wait(lambda: a.has("#sent"), 30, "the answer taken")
