@@ -20,9 +20,8 @@ from flowkube_devstack.stubmodel import Rules, StubModel, ledger_usage
 MODEL = "gpt-4o-mini"
 
 
-# The chart values that send a stack's traces to its lane's Jaeger (the ``jaeger`` fixture); an export
-# given up after 1 s (a collector-down test waits for that).
-TRACES_VALUES = ("tracing.endpoint=http://jaeger.flowkube-dev.svc", "tracing.timeoutSeconds=1")
+# The chart values that send a stack's traces to its lane's Jaeger (the ``jaeger`` fixture).
+TRACES_VALUES = ("tracing.endpoint=http://jaeger.flowkube-dev.svc",)
 
 
 @dataclass
