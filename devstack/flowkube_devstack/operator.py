@@ -333,10 +333,18 @@ class ChartOperator(_Operator):
     def kill(self) -> None:
         """SIGKILL every replica's operator process, as a crash or an OOM kill, and keep them down
         (replicas 0) until ``start``: no cleanup, no goodbye (the Lease is not released either)."""
-        for pod in self.pods():
+        pods = self.pods()
+        for pod in pods:
             self.kill_container(pod)
         self.cluster.kubectl("scale", "deployment", self.fullname, "-n", self.namespace, "--replicas=0")
+        # The killed pods go at once: deleted gracefully, each would first sit out its preStop sleep
+        # (5 s) with nothing left in it to stop. Should the kubelet have restarted a killed container
+        # before it saw the deletion, that process is stopped too before this returns.
+        self.cluster.kubectl("delete", "pods", "-n", self.namespace, "-l", self._pod_selector,
+                             "--grace-period=0", "--force", "--ignore-not-found", check=False)
         wait_for(lambda: not self.pods(), 120, "the operator pod gone")
+        uids = {pod["metadata"]["uid"] for pod in pods}
+        wait_for(lambda: not self._running_containers(uids), 60, "the killed pods' containers stopped on the node")
 
     def kill_container(self, pod: dict[str, Any] | str) -> str:
         """SIGKILL the operator container of one pod (its object, or its name) through the node's
@@ -350,6 +358,20 @@ class ChartOperator(_Operator):
                 self.cluster.node.ctr("tasks", "kill", "--signal", "SIGKILL", cid)
                 return cid
         return ""
+
+    def _running_containers(self, pod_uids: set[str]) -> list[str]:
+        """The ids of the node's running containers (pause sandboxes excepted) of the pods ``pod_uids``."""
+        assert self.cluster.node is not None
+        ids: list[str] = []
+        for uid in pod_uids:
+            out = self.cluster.node.ctr("containers", "ls", "-q",  # one filter: its comma-separated parts all hold
+                                        f'labels."io.kubernetes.pod.uid"=={uid},labels."io.cri-containerd.kind"==container')
+            ids += out.stdout.decode().split()
+        if not ids:
+            return []
+        tasks = self.cluster.node.ctr("tasks", "ls").stdout.decode().splitlines()[1:]  # TASK PID STATUS
+        running = {line.split()[0] for line in tasks if line.split()[-1:] == ["RUNNING"]}
+        return [i for i in ids if i in running]
 
     # -- views ------------------------------------------------------------------------------------
 
