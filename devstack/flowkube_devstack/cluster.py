@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from flowkube_devstack import build, images, kubenode, netns, pki, procs
+from flowkube_devstack import build, images, imageseed, kubenode, netns, pki, procs
 from flowkube_devstack.kubenode import NODE_NAME
 
 APISERVER_PORT = 6443
@@ -361,6 +361,9 @@ class LocalCluster:
         assert self.images is not None
         node = self.node = kubenode.Node(self.root, self.netns, self.bins, spawn=self._spawn)
         node.prepare()
+        # Its containerd starts with the images imported (hard links to a seed made once per set of
+        # images); the import below then finds them all, or imports them where links cannot be made.
+        imageseed.lay_down(node.containerd_dir / "root", self.images.all())
         node.start_containerd(self.images.pause)
         def containerd_ready() -> bool:
             self._check_alive()
