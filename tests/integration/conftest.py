@@ -24,6 +24,18 @@ def scripted_operator(cluster: LocalCluster, **kwargs: Any) -> ChartOperator:
                          **kwargs)
 
 
+def require_last_in_module(request: pytest.FixtureRequest) -> None:
+    """For a module-scoped fixture that upgrades the module's operator and does not upgrade it back
+    (the module's operator is uninstalled after its last test: an upgrade back, a rollout, would be
+    for nobody): the tests that take it must come last in the module, so that no other test meets
+    values it did not ask for."""
+    name = request.fixturename
+    mine = [item for item in request.session.items if item.nodeid.startswith(f"{request.node.nodeid}::")]
+    first = next(i for i, item in enumerate(mine) if name in getattr(item, "fixturenames", ()))
+    later = [item.name for item in mine[first:] if name not in getattr(item, "fixturenames", ())]
+    assert not later, f"the tests taking {name} come last in {request.node.nodeid}; not {later}"
+
+
 @pytest.fixture(scope="module")
 def ha(cluster: LocalCluster) -> Iterator[ChartOperator]:
     """The chart's operator with two replicas (leader election) and the scripted runner, per module."""
