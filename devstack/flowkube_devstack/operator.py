@@ -380,8 +380,8 @@ class ChartOperator(_Operator):
         return f"app.kubernetes.io/instance={self.release},app.kubernetes.io/component=operator"
 
     def pods(self) -> list[dict[str, Any]]:
-        out = self.cluster.kubectl("get", "pods", "-n", self.namespace, "-l", self._pod_selector, "-o", "json")
-        items: list[dict[str, Any]] = json.loads(out.stdout)["items"]
+        items: list[dict[str, Any]] = self.cluster.get(f"/api/v1/namespaces/{self.namespace}/pods",
+                                                       labelSelector=self._pod_selector)["items"]
         return items
 
     def _ready(self) -> bool:
@@ -396,11 +396,10 @@ class ChartOperator(_Operator):
         if len(ready) < self.replicas or self.leader() not in ready:
             return False  # and after a kill, the new pod reconciles once the old one's Lease ran out
         webhooks = False
-        for kind in ("validatingwebhookconfiguration", "mutatingwebhookconfiguration"):
-            out = self.cluster.kubectl("get", kind, self.webhook_configuration, "-o", "json", check=False)
-            webhooks = webhooks or out.returncode == 0
-            if out.returncode == 0 and not all(h.get("clientConfig", {}).get("caBundle")
-                                               for h in json.loads(out.stdout)["webhooks"]):
+        for kind in ("validatingwebhookconfigurations", "mutatingwebhookconfigurations"):
+            config = self.cluster.get(f"/apis/admissionregistration.k8s.io/v1/{kind}/{self.webhook_configuration}")
+            webhooks = webhooks or config is not None
+            if config is not None and not all(h.get("clientConfig", {}).get("caBundle") for h in config["webhooks"]):
                 return False
         # Ready pods are not yet a Service kube-proxy sends to: the first Flow after an install
         # could meet "connection refused". A Flow the webhook checks, created as a server dry run,
@@ -420,10 +419,8 @@ class ChartOperator(_Operator):
 
     def lease(self) -> dict[str, Any]:
         """The spec of the Lease whose holder reconciles ({} when there is none yet)."""
-        out = self.cluster.kubectl("get", "lease", self.lease_name, "-n", self.namespace, "-o", "json", check=False)
-        if out.returncode != 0:
-            return {}
-        spec: dict[str, Any] = json.loads(out.stdout).get("spec") or {}
+        lease = self.cluster.get(f"/apis/coordination.k8s.io/v1/namespaces/{self.namespace}/leases/{self.lease_name}")
+        spec: dict[str, Any] = (lease or {}).get("spec") or {}
         return spec
 
     def leader(self) -> str:

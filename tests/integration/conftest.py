@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from flowkube_api import constants as c
 from flowkube_devstack import images
 from flowkube_devstack.cluster import ClusterError, LocalCluster, wait_for
 from flowkube_devstack.operator import ChartOperator
@@ -122,20 +123,16 @@ class Flows:
         self.cluster.kubectl("apply", "-n", self.ns, "-f", "-", input=json.dumps(obj))
 
     def get(self, name: str) -> dict[str, Any] | None:
-        out = self.cluster.kubectl("get", "flow", name, "-n", self.ns, "-o", "json", check=False)
-        if out.returncode != 0:
-            if "NotFound" in out.stderr:
-                return None
-            raise AssertionError(out.stderr)
-        result: dict[str, Any] = json.loads(out.stdout)
+        # From the API server directly, as every wait polls it (LocalCluster.get: no kubectl process).
+        result: dict[str, Any] | None = self.cluster.get(f"/apis/{c.API_VERSION}/namespaces/{self.ns}/flows/{name}")
         return result
 
     def status(self, name: str) -> dict[str, Any]:
         return (self.get(name) or {}).get("status") or {}
 
     def pods(self, name: str) -> list[dict[str, Any]]:
-        out = self.cluster.kubectl("get", "pods", "-n", self.ns, "-l", f"flowkube.io/flow={name}", "-o", "json")
-        items: list[dict[str, Any]] = json.loads(out.stdout)["items"]
+        items: list[dict[str, Any]] = self.cluster.get(f"/api/v1/namespaces/{self.ns}/pods",
+                                                       labelSelector=f"{c.LABEL_FLOW}={name}")["items"]
         return items
 
     def wait(self, name: str, predicate: Callable[[dict[str, Any]], bool], what: str,

@@ -456,8 +456,8 @@ def labelled_flow(name: str, team: str | None, topic: str) -> dict[str, Any]:
 
 
 def quota_status(stack: RealRunnerStack, namespace: str, name: str) -> dict[str, Any]:
-    out = stack.cluster.kubectl("get", "flowquota", name, "-n", namespace, "-o", "json")
-    status: dict[str, Any] = json.loads(out.stdout).get("status") or {}
+    quota = stack.cluster.get(f"/apis/flowkube.io/v1alpha1/namespaces/{namespace}/flowquotas/{name}")
+    status: dict[str, Any] = (quota or {}).get("status") or {}
     return status
 
 
