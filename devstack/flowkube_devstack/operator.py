@@ -339,7 +339,9 @@ class ChartOperator(_Operator):
         self.cluster.kubectl("scale", "deployment", self.fullname, "-n", self.namespace, "--replicas=0")
         # The killed pods go at once: deleted gracefully, each would first sit out its preStop sleep
         # (5 s) with nothing left in it to stop. Should the kubelet have restarted a killed container
-        # before it saw the deletion, that process is stopped too before this returns.
+        # before it saw the deletion, that process is stopped too before this returns. (Once the
+        # ReplicaSet wants none: a pod deleted before that would be replaced.)
+        wait_for(self._scaled_to_none, 60, "the operator's ReplicaSets scaled to none")
         self.cluster.kubectl("delete", "pods", "-n", self.namespace, "-l", self._pod_selector,
                              "--grace-period=0", "--force", "--ignore-not-found", check=False)
         wait_for(lambda: not self.pods(), 120, "the operator pod gone")
@@ -358,6 +360,11 @@ class ChartOperator(_Operator):
                 self.cluster.node.ctr("tasks", "kill", "--signal", "SIGKILL", cid)
                 return cid
         return ""
+
+    def _scaled_to_none(self) -> bool:
+        sets = self.cluster.get(f"/apis/apps/v1/namespaces/{self.namespace}/replicasets",
+                                labelSelector=self._pod_selector)["items"]
+        return bool(sets) and all(rs["spec"].get("replicas") == 0 for rs in sets)
 
     def _running_containers(self, pod_uids: set[str]) -> list[str]:
         """The ids of the node's running containers (pause sandboxes excepted) of the pods ``pod_uids``."""
