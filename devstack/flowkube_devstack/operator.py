@@ -210,13 +210,17 @@ class OperatorProcess(_Operator):
 def adopt_crd(cluster: LocalCluster, release: str, namespace: str) -> None:
     """Mark the CRDs as the release's: Helm refuses to take over an object another release (or
     none) installed, and the CRD outlives releases (``crds.keep``)."""
+    want = {"meta.helm.sh/release-name": release, "meta.helm.sh/release-namespace": namespace}
+    names = []
     for plural in crd.PLURALS.values():
-        name = f"{plural}.flowkube.io"
-        if cluster.kubectl("get", "crd", name, check=False).returncode != 0:
-            continue
-        cluster.kubectl("label", "crd", name, "--overwrite", "app.kubernetes.io/managed-by=Helm")
-        cluster.kubectl("annotate", "crd", name, "--overwrite", f"meta.helm.sh/release-name={release}",
-                        f"meta.helm.sh/release-namespace={namespace}")
+        found = cluster.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{plural}.flowkube.io")
+        meta = (found or {}).get("metadata") or {}
+        if found is not None and ((meta.get("labels") or {}).get("app.kubernetes.io/managed-by") != "Helm"
+                                  or any((meta.get("annotations") or {}).get(k) != v for k, v in want.items())):
+            names.append(meta["name"])
+    if names:  # (the same release's CRDs, the usual case after the first install, need nothing)
+        cluster.kubectl("label", "crd", *names, "--overwrite", "app.kubernetes.io/managed-by=Helm")
+        cluster.kubectl("annotate", "crd", *names, "--overwrite", *(f"{k}={v}" for k, v in want.items()))
 
 
 class ChartOperator(_Operator):
