@@ -125,6 +125,7 @@ class Node:
         self.containerd_dir = root / "containerd"
         self.kubelet_dir = root / "kubelet"
         self.socket = self.containerd_dir / "containerd.sock"
+        self._containerd_log_start = 0
 
     @property
     def containerd_address(self) -> str:
@@ -174,6 +175,8 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
     conf_dir = "{net_d}"
 """
         (d / "config.toml").write_text(config)
+        log = procs.log_path(self.root, "containerd")
+        self._containerd_log_start = log.stat().st_size if log.exists() else 0  # the log is appended to
         proc: subprocess.Popen[bytes] = self._spawn("containerd", ["containerd", "--config", str(d / "config.toml")])
         # containerd and the shims it starts live in the node's cgroups, so a reap finds them all.
         for h in _hierarchies():
@@ -189,7 +192,14 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
                               capture_output=True, input=input)
 
     def containerd_ready(self) -> bool:
-        return self.socket.exists() and self.ctr("version").returncode == 0
+        """containerd answers and its CRI too: the CRI plugin answers "server is not initialized yet"
+        for a moment after containerd itself does (it first recovers its state), and a kubelet
+        started then exits. Containerd 1.6 logs its last step before it serves the CRI."""
+        if not (self.socket.exists() and self.ctr("version").returncode == 0):
+            return False
+        with procs.log_path(self.root, "containerd").open("rb") as log:
+            log.seek(self._containerd_log_start)
+            return b'msg="Start streaming server"' in log.read()
 
     def _cni_config(self) -> dict[str, Any]:
         return {

@@ -210,13 +210,17 @@ class OperatorProcess(_Operator):
 def adopt_crd(cluster: LocalCluster, release: str, namespace: str) -> None:
     """Mark the CRDs as the release's: Helm refuses to take over an object another release (or
     none) installed, and the CRD outlives releases (``crds.keep``)."""
+    want = {"meta.helm.sh/release-name": release, "meta.helm.sh/release-namespace": namespace}
+    names = []
     for plural in crd.PLURALS.values():
-        name = f"{plural}.flowkube.io"
-        if cluster.kubectl("get", "crd", name, check=False).returncode != 0:
-            continue
-        cluster.kubectl("label", "crd", name, "--overwrite", "app.kubernetes.io/managed-by=Helm")
-        cluster.kubectl("annotate", "crd", name, "--overwrite", f"meta.helm.sh/release-name={release}",
-                        f"meta.helm.sh/release-namespace={namespace}")
+        found = cluster.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{plural}.flowkube.io")
+        meta = (found or {}).get("metadata") or {}
+        if found is not None and ((meta.get("labels") or {}).get("app.kubernetes.io/managed-by") != "Helm"
+                                  or any((meta.get("annotations") or {}).get(k) != v for k, v in want.items())):
+            names.append(meta["name"])
+    if names:  # (the same release's CRDs, the usual case after the first install, need nothing)
+        cluster.kubectl("label", "crd", *names, "--overwrite", "app.kubernetes.io/managed-by=Helm")
+        cluster.kubectl("annotate", "crd", *names, "--overwrite", *(f"{k}={v}" for k, v in want.items()))
 
 
 class ChartOperator(_Operator):
@@ -333,10 +337,20 @@ class ChartOperator(_Operator):
     def kill(self) -> None:
         """SIGKILL every replica's operator process, as a crash or an OOM kill, and keep them down
         (replicas 0) until ``start``: no cleanup, no goodbye (the Lease is not released either)."""
-        for pod in self.pods():
+        pods = self.pods()
+        for pod in pods:
             self.kill_container(pod)
         self.cluster.kubectl("scale", "deployment", self.fullname, "-n", self.namespace, "--replicas=0")
+        # The killed pods go at once: deleted gracefully, each would first sit out its preStop sleep
+        # (5 s) with nothing left in it to stop. Should the kubelet have restarted a killed container
+        # before it saw the deletion, that process is stopped too before this returns. (Once the
+        # ReplicaSet wants none: a pod deleted before that would be replaced.)
+        wait_for(self._scaled_to_none, 60, "the operator's ReplicaSets scaled to none")
+        self.cluster.kubectl("delete", "pods", "-n", self.namespace, "-l", self._pod_selector,
+                             "--grace-period=0", "--force", "--ignore-not-found", check=False)
         wait_for(lambda: not self.pods(), 120, "the operator pod gone")
+        uids = {pod["metadata"]["uid"] for pod in pods}
+        wait_for(lambda: not self._running_containers(uids), 60, "the killed pods' containers stopped on the node")
 
     def kill_container(self, pod: dict[str, Any] | str) -> str:
         """SIGKILL the operator container of one pod (its object, or its name) through the node's
@@ -351,6 +365,25 @@ class ChartOperator(_Operator):
                 return cid
         return ""
 
+    def _scaled_to_none(self) -> bool:
+        sets = self.cluster.get(f"/apis/apps/v1/namespaces/{self.namespace}/replicasets",
+                                labelSelector=self._pod_selector)["items"]
+        return bool(sets) and all(rs["spec"].get("replicas") == 0 for rs in sets)
+
+    def _running_containers(self, pod_uids: set[str]) -> list[str]:
+        """The ids of the node's running containers (pause sandboxes excepted) of the pods ``pod_uids``."""
+        assert self.cluster.node is not None
+        ids: list[str] = []
+        for uid in pod_uids:
+            out = self.cluster.node.ctr("containers", "ls", "-q",  # one filter: its comma-separated parts all hold
+                                        f'labels."io.kubernetes.pod.uid"=={uid},labels."io.cri-containerd.kind"==container')
+            ids += out.stdout.decode().split()
+        if not ids:
+            return []
+        tasks = self.cluster.node.ctr("tasks", "ls").stdout.decode().splitlines()[1:]  # TASK PID STATUS
+        running = {line.split()[0] for line in tasks if line.split()[-1:] == ["RUNNING"]}
+        return [i for i in ids if i in running]
+
     # -- views ------------------------------------------------------------------------------------
 
     @property
@@ -358,8 +391,8 @@ class ChartOperator(_Operator):
         return f"app.kubernetes.io/instance={self.release},app.kubernetes.io/component=operator"
 
     def pods(self) -> list[dict[str, Any]]:
-        out = self.cluster.kubectl("get", "pods", "-n", self.namespace, "-l", self._pod_selector, "-o", "json")
-        items: list[dict[str, Any]] = json.loads(out.stdout)["items"]
+        items: list[dict[str, Any]] = self.cluster.get(f"/api/v1/namespaces/{self.namespace}/pods",
+                                                       labelSelector=self._pod_selector)["items"]
         return items
 
     def _ready(self) -> bool:
@@ -374,11 +407,10 @@ class ChartOperator(_Operator):
         if len(ready) < self.replicas or self.leader() not in ready:
             return False  # and after a kill, the new pod reconciles once the old one's Lease ran out
         webhooks = False
-        for kind in ("validatingwebhookconfiguration", "mutatingwebhookconfiguration"):
-            out = self.cluster.kubectl("get", kind, self.webhook_configuration, "-o", "json", check=False)
-            webhooks = webhooks or out.returncode == 0
-            if out.returncode == 0 and not all(h.get("clientConfig", {}).get("caBundle")
-                                               for h in json.loads(out.stdout)["webhooks"]):
+        for kind in ("validatingwebhookconfigurations", "mutatingwebhookconfigurations"):
+            config = self.cluster.get(f"/apis/admissionregistration.k8s.io/v1/{kind}/{self.webhook_configuration}")
+            webhooks = webhooks or config is not None
+            if config is not None and not all(h.get("clientConfig", {}).get("caBundle") for h in config["webhooks"]):
                 return False
         # Ready pods are not yet a Service kube-proxy sends to: the first Flow after an install
         # could meet "connection refused". A Flow the webhook checks, created as a server dry run,
@@ -398,10 +430,8 @@ class ChartOperator(_Operator):
 
     def lease(self) -> dict[str, Any]:
         """The spec of the Lease whose holder reconciles ({} when there is none yet)."""
-        out = self.cluster.kubectl("get", "lease", self.lease_name, "-n", self.namespace, "-o", "json", check=False)
-        if out.returncode != 0:
-            return {}
-        spec: dict[str, Any] = json.loads(out.stdout).get("spec") or {}
+        lease = self.cluster.get(f"/apis/coordination.k8s.io/v1/namespaces/{self.namespace}/leases/{self.lease_name}")
+        spec: dict[str, Any] = (lease or {}).get("spec") or {}
         return spec
 
     def leader(self) -> str:

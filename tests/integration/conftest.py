@@ -14,6 +14,7 @@ import kopf
 import pytest
 import yaml
 
+from flowkube_api import constants as c
 from flowkube_devstack import images
 from flowkube_devstack.cluster import ClusterError, LocalCluster, wait_for
 from flowkube_devstack.operator import ChartOperator
@@ -64,6 +65,18 @@ def scripted_operator(cluster: LocalCluster, **kwargs: Any) -> ChartOperator:
     assert cluster.images is not None
     return ChartOperator(cluster, runner_image=cluster.images.devstack, runner_command=images.FAKE_RUNNER_COMMAND,
                          **kwargs)
+
+
+def require_last_in_module(request: pytest.FixtureRequest) -> None:
+    """For a module-scoped fixture that upgrades the module's operator and does not upgrade it back
+    (the module's operator is uninstalled after its last test: an upgrade back, a rollout, would be
+    for nobody): the tests that take it must come last in the module, so that no other test meets
+    values it did not ask for."""
+    name = request.fixturename
+    mine = [item for item in request.session.items if item.nodeid.startswith(f"{request.node.nodeid}::")]
+    first = next(i for i, item in enumerate(mine) if name in getattr(item, "fixturenames", ()))
+    later = [item.name for item in mine[first:] if name not in getattr(item, "fixturenames", ())]
+    assert not later, f"the tests taking {name} come last in {request.node.nodeid}; not {later}"
 
 
 @pytest.fixture(scope="module")
@@ -152,20 +165,16 @@ class Flows:
         self.cluster.kubectl("apply", "-n", self.ns, "-f", "-", input=json.dumps(obj))
 
     def get(self, name: str) -> dict[str, Any] | None:
-        out = self.cluster.kubectl("get", "flow", name, "-n", self.ns, "-o", "json", check=False)
-        if out.returncode != 0:
-            if "NotFound" in out.stderr:
-                return None
-            raise AssertionError(out.stderr)
-        result: dict[str, Any] = json.loads(out.stdout)
+        # From the API server directly, as every wait polls it (LocalCluster.get: no kubectl process).
+        result: dict[str, Any] | None = self.cluster.get(f"/apis/{c.API_VERSION}/namespaces/{self.ns}/flows/{name}")
         return result
 
     def status(self, name: str) -> dict[str, Any]:
         return (self.get(name) or {}).get("status") or {}
 
     def pods(self, name: str) -> list[dict[str, Any]]:
-        out = self.cluster.kubectl("get", "pods", "-n", self.ns, "-l", f"flowkube.io/flow={name}", "-o", "json")
-        items: list[dict[str, Any]] = json.loads(out.stdout)["items"]
+        items: list[dict[str, Any]] = self.cluster.get(f"/api/v1/namespaces/{self.ns}/pods",
+                                                       labelSelector=f"{c.LABEL_FLOW}={name}")["items"]
         return items
 
     def wait(self, name: str, predicate: Callable[[dict[str, Any]], bool], what: str,

@@ -87,16 +87,6 @@ class RealRunnerStack:
     def usage_since(self, mark: int) -> Usage:
         return ledger_usage(self.stub.ledger()[mark:])
 
-    @contextmanager
-    def validator_down(self) -> Iterator[None]:
-        """The webhook cannot ask (failure-open): the runner has the last word. The chart is
-        upgraded without its validator sidecar, and back."""
-        self.operator.upgrade("validator.enabled=false")
-        try:
-            yield
-        finally:
-            self.operator.upgrade()
-
 
 @contextmanager
 def chart_operator_on(cluster: LocalCluster, stub: StubModel, name: str,

@@ -29,7 +29,7 @@ from flowkube_api import constants as c
 from flowkube_devstack.cluster import LocalCluster, wait_for
 from flowkube_devstack.operator import ChartOperator
 from tests.abuse import gzip_bomb
-from tests.integration.conftest import Flows, scripted_operator
+from tests.integration.conftest import Flows, require_last_in_module, scripted_operator
 from tests.integration.test_ha import container_rss_mb
 
 pytestmark = pytest.mark.slow
@@ -133,26 +133,6 @@ def test_a_flow_still_runs_with_inputs_up_to_the_bound(flows: Flows, operator: C
     assert st["usage"]["totalTokens"] == 2
 
 
-def test_an_image_outside_the_runner_policy_is_refused_at_apply_even_with_only_a_flowref(
-        flows: Flows, operator: ChartOperator) -> None:
-    """A Flow with `flowRef` and `image` and no other field the webhook matched was admitted without
-    the webhook, and its pod silently ran the operator's own runner image instead."""
-    operator.upgrade("runnerPolicy.images={registry.example.com/team/*}")
-    try:
-        for name, image, admitted in (("miner", "evil.example.com/miner:1", False),
-                                      ("team", "registry.example.com/team/runner:1", True)):
-            obj = {"apiVersion": "flowkube.io/v1alpha1", "kind": "Flow", "metadata": {"name": name},
-                   "spec": {"flowRef": "a:B", "suspend": True, "image": image}}
-            out = flows.cluster.kubectl("create", "-n", flows.ns, "-f", "-", input=json.dumps(obj), check=False)
-            if admitted:
-                assert out.returncode == 0, out.stderr
-            else:
-                assert out.returncode != 0 and "spec.image" in out.stderr, out.stderr[:2000]
-                assert flows.get(name) is None
-    finally:
-        operator.upgrade()
-
-
 def test_reserved_pod_label_and_annotation_keys_are_refused_at_apply_naming_the_key(
         flows: Flows, operator: ChartOperator) -> None:
     """A Flow editor who may not create pods asked for an Istio revision, no sidecar, another Multus
@@ -176,33 +156,6 @@ def test_reserved_pod_label_and_annotation_keys_are_refused_at_apply_naming_the_
     flows.wait_phase("labelled", "Succeeded", timeout=90)
     (pod,) = flows.pods("labelled")
     assert pod["metadata"]["labels"]["team.example.com/cost-centre"] == "42"
-
-
-def test_a_flow_cannot_point_its_runner_past_the_enforced_model_endpoint(
-        flows: Flows, operator: ChartOperator) -> None:
-    """The platform team meters spend at a gateway (`runner.enforcedEnv.OPENAI_BASE_URL`; the
-    scripted runner calls no model, so the gateway need not answer); a tenant setting the variable in
-    `spec.env` to reach the provider directly is refused, naming it, and a Flow's pod carries the
-    enforced value."""
-    gateway = "http://metering-gateway.llm.svc:8080/v1"
-    operator.upgrade(f"runner.enforcedEnv.OPENAI_BASE_URL={gateway}")
-    try:
-        obj = {"apiVersion": "flowkube.io/v1alpha1", "kind": "Flow", "metadata": {"name": "direct"},
-               "spec": {"flowRef": "a:B", "suspend": True,
-                        "env": [{"name": "OPENAI_BASE_URL", "value": "https://api.openai.com/v1"}]}}
-        out = flows.cluster.kubectl("create", "-n", flows.ns, "-f", "-", input=json.dumps(obj), check=False)
-        assert out.returncode != 0 and "spec.env[0].name: OPENAI_BASE_URL is set by the operator" in out.stderr, \
-            out.stderr[:2000]
-        assert flows.get("direct") is None
-        flows.apply("metered", {"flowRef": "a:B", "inputs": {"plan": [{"tokens": 1}]},
-                                "env": [{"name": "TOPIC", "value": "x"}]})
-        flows.wait_phase("metered", "Succeeded", timeout=90)
-        (pod,) = flows.pods("metered")
-        (container,) = pod["spec"]["containers"]
-        assert [e for e in container["env"] if e["name"] == "OPENAI_BASE_URL"] == [
-            {"name": "OPENAI_BASE_URL", "value": gateway}]
-    finally:
-        operator.upgrade()
 
 
 _FORGER: dict[str, Any] = {}  # the forger's own signing key, made once
@@ -431,3 +384,57 @@ def test_made_up_names_by_the_thousand_created_and_deleted_leave_at_most_the_ser
     assert abs(sum(spend) - 0.01 * runs) < 1e-9
     assert any('definition="other"' in line and 'model="other"' in line for line in series)
     assert restarts(operator) == before, operator.diagnose()
+
+
+# The platform team's policies, for the module's last tests (one upgrade of the chart for both; the
+# image policy applies to `spec.image` only, so the enforced endpoint's Flow, on the operator's own
+# runner image, runs under it as well).
+TEAM_REGISTRY = "registry.example.com/team"
+GATEWAY = "http://metering-gateway.llm.svc:8080/v1"
+
+
+@pytest.fixture(scope="module")
+def policed(operator: ChartOperator, request: pytest.FixtureRequest) -> ChartOperator:
+    """The module's operator upgraded with a runner image policy and an enforced model endpoint, for
+    good: its tests come last."""
+    require_last_in_module(request)
+    operator.upgrade(f"runnerPolicy.images={{{TEAM_REGISTRY}/*}}", f"runner.enforcedEnv.OPENAI_BASE_URL={GATEWAY}")
+    return operator
+
+
+def test_an_image_outside_the_runner_policy_is_refused_at_apply_even_with_only_a_flowref(
+        flows: Flows, policed: ChartOperator) -> None:
+    """A Flow with `flowRef` and `image` and no other field the webhook matched was admitted without
+    the webhook, and its pod silently ran the operator's own runner image instead."""
+    for name, image, admitted in (("miner", "evil.example.com/miner:1", False),
+                                  ("team", f"{TEAM_REGISTRY}/runner:1", True)):
+        obj = {"apiVersion": "flowkube.io/v1alpha1", "kind": "Flow", "metadata": {"name": name},
+               "spec": {"flowRef": "a:B", "suspend": True, "image": image}}
+        out = flows.cluster.kubectl("create", "-n", flows.ns, "-f", "-", input=json.dumps(obj), check=False)
+        if admitted:
+            assert out.returncode == 0, out.stderr
+        else:
+            assert out.returncode != 0 and "spec.image" in out.stderr, out.stderr[:2000]
+            assert flows.get(name) is None
+
+
+def test_a_flow_cannot_point_its_runner_past_the_enforced_model_endpoint(
+        flows: Flows, policed: ChartOperator) -> None:
+    """The platform team meters spend at a gateway (`runner.enforcedEnv.OPENAI_BASE_URL`; the
+    scripted runner calls no model, so the gateway need not answer); a tenant setting the variable in
+    `spec.env` to reach the provider directly is refused, naming it, and a Flow's pod carries the
+    enforced value."""
+    obj = {"apiVersion": "flowkube.io/v1alpha1", "kind": "Flow", "metadata": {"name": "direct"},
+           "spec": {"flowRef": "a:B", "suspend": True,
+                    "env": [{"name": "OPENAI_BASE_URL", "value": "https://api.openai.com/v1"}]}}
+    out = flows.cluster.kubectl("create", "-n", flows.ns, "-f", "-", input=json.dumps(obj), check=False)
+    assert out.returncode != 0 and "spec.env[0].name: OPENAI_BASE_URL is set by the operator" in out.stderr, \
+        out.stderr[:2000]
+    assert flows.get("direct") is None
+    flows.apply("metered", {"flowRef": "a:B", "inputs": {"plan": [{"tokens": 1}]},
+                            "env": [{"name": "TOPIC", "value": "x"}]})
+    flows.wait_phase("metered", "Succeeded", timeout=90)
+    (pod,) = flows.pods("metered")
+    (container,) = pod["spec"]["containers"]
+    assert [e for e in container["env"] if e["name"] == "OPENAI_BASE_URL"] == [
+        {"name": "OPENAI_BASE_URL", "value": GATEWAY}]

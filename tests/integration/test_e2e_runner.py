@@ -25,7 +25,7 @@ from flowkube_devstack.jaeger import Jaeger
 from flowkube_devstack.stubmodel import Rules, ledger_cost, ledger_usage
 from flowkube_runner.__main__ import STOP_LOG
 from tests.definitions import crew_definition, part_rules, parts_of
-from tests.integration.conftest import Flows
+from tests.integration.conftest import Flows, require_last_in_module
 from tests.integration.realrunner import MODEL, RealRunnerStack, real_runner_stack
 
 pytestmark = pytest.mark.slow
@@ -232,19 +232,6 @@ def test_invalid_definition_is_refused_at_apply_time_with_crewais_message(
     assert out.returncode != 0, f"admitted: {out.stdout}"
     assert "spec.definition.methods.again.listen" in out.stderr and LOOP_MESSAGE in out.stderr, out.stderr
     assert flows.get("loop") is None
-
-
-def test_without_the_validator_an_invalid_definition_fails_once_and_is_not_retried(
-        stack: RealRunnerStack, flows: Flows) -> None:
-    with stack.validator_down():
-        flows.apply("loop", {"definition": LOOP, "retries": {"limit": 3, "backoffSeconds": 0}})
-        st = flows.wait_phase("loop", "Failed", timeout=RUN_TIMEOUT)
-    assert cond(st, "Accepted")["status"] == "False", json.dumps(st, indent=1)
-    assert cond(st, "Accepted")["reason"] == cond(st, "Succeeded")["reason"] == "InvalidDefinition"
-    assert LOOP_MESSAGE in st["message"] and "methods.again.listen" in st["message"]
-    (run,) = st["runs"]
-    assert (run["result"], run["reason"], run["exitCode"]) == ("Failed", "InvalidDefinition", 2)
-    assert len(flows.pods("loop")) <= 1
 
 
 def test_a_pod_deleted_during_a_model_call_reports_the_call_and_a_retry_finishes_the_flow(
@@ -524,8 +511,8 @@ def labelled_flow(name: str, team: str | None, topic: str) -> dict[str, Any]:
 
 
 def quota_status(stack: RealRunnerStack, namespace: str, name: str) -> dict[str, Any]:
-    out = stack.cluster.kubectl("get", "flowquota", name, "-n", namespace, "-o", "json")
-    status: dict[str, Any] = json.loads(out.stdout).get("status") or {}
+    quota = stack.cluster.get(f"/apis/flowkube.io/v1alpha1/namespaces/{namespace}/flowquotas/{name}")
+    status: dict[str, Any] = (quota or {}).get("status") or {}
     return status
 
 
@@ -770,3 +757,24 @@ def test_a_cluster_quota_sums_a_teams_namespaces_and_refuses_the_next_flow_in_an
     finally:
         cluster.kubectl("delete", "clusterflowquota", name, "--ignore-not-found")
         cluster.kubectl("delete", "namespace", other, "--wait=false")
+
+
+@pytest.fixture(scope="module")
+def without_validator(stack: RealRunnerStack, request: pytest.FixtureRequest) -> RealRunnerStack:
+    """The webhook cannot ask (failure-open): the runner has the last word. The chart is upgraded
+    without its validator sidecar, for good: the tests taking this come last."""
+    require_last_in_module(request)
+    stack.operator.upgrade("validator.enabled=false")
+    return stack
+
+
+def test_without_the_validator_an_invalid_definition_fails_once_and_is_not_retried(
+        without_validator: RealRunnerStack, flows: Flows) -> None:
+    flows.apply("loop", {"definition": LOOP, "retries": {"limit": 3, "backoffSeconds": 0}})
+    st = flows.wait_phase("loop", "Failed", timeout=RUN_TIMEOUT)
+    assert cond(st, "Accepted")["status"] == "False", json.dumps(st, indent=1)
+    assert cond(st, "Accepted")["reason"] == cond(st, "Succeeded")["reason"] == "InvalidDefinition"
+    assert LOOP_MESSAGE in st["message"] and "methods.again.listen" in st["message"]
+    (run,) = st["runs"]
+    assert (run["result"], run["reason"], run["exitCode"]) == ("Failed", "InvalidDefinition", 2)
+    assert len(flows.pods("loop")) <= 1
