@@ -94,7 +94,14 @@ def _answered(record: Body, runs: list[Body]) -> bool:
         return False
     if record.get("outcome") or record.get("timedOut"):
         return True
-    return any((t := parse_time(r.get("finishedAt"))) is not None and t >= responded for r in runs)
+    # The run that took the answer ended: one that started after it (a new pod), or one running when
+    # it came that ended later (a warm pod). Status times are whole seconds: the run that paused can
+    # end in the second the answer came, so "later" is strictly later.
+    for r in runs:
+        started, ended = parse_time(r.get("startedAt")), parse_time(r.get("finishedAt"))
+        if ended is not None and ((started is not None and started >= responded) or ended > responded):
+            return True
+    return False
 
 
 def _waits(uid: str, flow: dict[str, Value], old: Body, new: Body) -> list[SpanRecord]:

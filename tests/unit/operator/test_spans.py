@@ -40,6 +40,9 @@ def test_a_pause_a_wait_and_a_resume_are_three_spans_under_the_root_and_the_end_
     taken = {"phase": "Running", "feedback": {"history": [record]},
              "runs": [paused, run(1, "resume", "2026-11-28T10:05:10Z")]}
     assert spans_of(META, waiting, taken) == [], "the answer's outcome comes with the run that takes it"
+    # Answered in the very second the run paused (status times are whole seconds): still waiting for it.
+    quick = {**taken, "feedback": {"history": [{**record, "respondedAt": "2026-11-28T10:00:09Z"}]}}
+    assert spans_of(META, waiting, quick) == []
     resumed = {**taken, "feedback": {"history": [{**record, "outcome": "approved"}]}}
     (wait,) = spans_of(META, taken, resumed)
     assert (wait.name, wait.span_id, wait.parent_id) == (
