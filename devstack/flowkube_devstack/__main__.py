@@ -142,6 +142,7 @@ def build_everything() -> None:
         built = pool.submit(lambda: imageseed.prepare(images.ensure_all().all()))
         build.control_plane(node=True)
         build.ensure(build.helm())
+        build.ensure(build.jaeger())  # the trace backend the tracing tests read back from
         built.result()
 
 
