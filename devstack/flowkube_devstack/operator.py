@@ -368,7 +368,10 @@ class ChartOperator(_Operator):
     def _scaled_to_none(self) -> bool:
         sets = self.cluster.get(f"/apis/apps/v1/namespaces/{self.namespace}/replicasets",
                                 labelSelector=self._pod_selector)["items"]
-        return bool(sets) and all(rs["spec"].get("replicas") == 0 for rs in sets)
+        # Wanted none, and the ReplicaSet controller has seen it (its status observed this generation): a
+        # controller still behind (a kube-apiserver restart just before) would replace a pod deleted now.
+        return bool(sets) and all(rs["spec"].get("replicas") == 0 and (rs.get("status") or {}).get(
+            "observedGeneration", 0) >= rs["metadata"].get("generation", 0) for rs in sets)
 
     def _running_containers(self, pod_uids: set[str]) -> list[str]:
         """The ids of the node's running containers (pause sandboxes excepted) of the pods ``pod_uids``."""
