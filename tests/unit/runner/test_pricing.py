@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
@@ -22,10 +21,10 @@ from flowkube_api import constants as c
 from flowkube_api.base import money_text
 from flowkube_api.models import Budget
 from flowkube_api.prices import ModelPrice, parse_prices, prices_from_json
-from flowkube_devstack.stubmodel import Rules, StubModel, ledger_cost, ledger_usage
+from flowkube_devstack.stubmodel import StubModel, ledger_cost, ledger_usage
 from flowkube_runner.config import ConfigError, RunnerConfig
 from flowkube_runner.engine.pricing import CallTokens, Pricer
-from tests.unit.runner.test_runner_flows import ARTICLE_FLOW, RULES, Harness, failed, succeeded
+from tests.unit.runner.test_runner_flows import ARTICLE_FLOW, Harness, failed, succeeded
 
 AT = datetime(2026, 11, 23, 12, 0, tzinfo=UTC)
 LLAMA = {"prompt": "0.20", "completion": "0.60", "cachedPrompt": "0.05", "cacheCreation": "0.25"}
@@ -290,12 +289,6 @@ def test_the_operator_refuses_a_bad_price_at_start_up_and_hands_good_ones_to_eve
 
 
 # ----------------------------------------------------------------- a real runner against the stub model
-
-
-@pytest.fixture
-def stub() -> Iterator[StubModel]:
-    with StubModel(Rules.from_json(RULES)) as model:
-        yield model
 
 
 @pytest.mark.slow

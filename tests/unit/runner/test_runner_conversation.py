@@ -25,13 +25,9 @@ from .test_runner_flows import (
     Finished,
     Harness,
     article_definition,
-    harness,
     kill_during_held_call,
-    stub,
     succeeded,
 )
-
-__all__ = ["harness", "stub"]  # fixtures
 
 pytestmark = pytest.mark.slow
 

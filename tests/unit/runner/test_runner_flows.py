@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -187,17 +186,6 @@ RULES = {
         {"contains": "ship it", "reply": "publish"},
     ],
 }
-
-
-@pytest.fixture
-def stub() -> Iterator[StubModel]:
-    with StubModel(Rules.from_json(RULES)) as model:
-        yield model
-
-
-@pytest.fixture
-def harness(tmp_path: Path, stub: StubModel) -> Harness:
-    return Harness(tmp_path, stub)
 
 
 def succeeded(run: Finished) -> RunReport:

@@ -6,7 +6,6 @@ collector that refuses or hangs costing the run nothing but the spans (counted).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -14,23 +13,12 @@ from flowkube_api import constants as c
 from flowkube_api import traces
 from flowkube_api.otlp import CONTENT_ATTRIBUTES
 from flowkube_devstack.otlpsink import OtlpSink, SpanSeen
-from flowkube_devstack.stubmodel import Rules, StubModel, ledger_usage
-from tests.unit.runner.test_runner_flows import MODEL, RULES, Harness, article_definition, paused, succeeded
+from flowkube_devstack.stubmodel import StubModel, ledger_usage
+from tests.unit.runner.test_runner_flows import MODEL, Harness, article_definition, paused, succeeded
 
 pytestmark = pytest.mark.slow
 
 UID = "0b7f5a8e-8f0e-4c55-9a59-3c1f3e2d9c11"
-
-
-@pytest.fixture
-def stub() -> Iterator[StubModel]:
-    with StubModel(Rules.from_json(RULES)) as model:
-        yield model
-
-
-@pytest.fixture
-def harness(tmp_path: Path, stub: StubModel) -> Harness:
-    return Harness(tmp_path, stub)
 
 
 @pytest.fixture
