@@ -29,8 +29,7 @@ from flowkube_api.traces import SpanRecord, Value
 Body = dict[str, Any]
 
 
-def _usage(run: Body) -> dict[str, Value]:
-    usage = run.get("usage") or {}
+def _usage(usage: Body) -> dict[str, Value]:
     out: dict[str, Value] = {"flowkube.usage.total_tokens": int(usage.get("totalTokens") or 0)}
     if usage.get("cost") is not None:
         out["flowkube.usage.cost"] = str(usage["cost"])
@@ -72,7 +71,7 @@ def _runs(uid: str, flow: dict[str, Value], old: Body, new: Body, now: dt.dateti
         attributes: dict[str, Value] = {
             **flow, "flowkube.run.index": i, "flowkube.run.trigger": str(run.get("trigger") or ""),
             "flowkube.run.result": str(run.get("result") or ""), "flowkube.run.reason": str(run.get("reason") or ""),
-            "k8s.pod.name": str(run.get("pod") or ""), **_usage(run)}
+            "k8s.pod.name": str(run.get("pod") or ""), **_usage(run.get("usage") or {})}
         if run.get("exitCode") is not None:
             attributes["flowkube.run.exit_code"] = int(run["exitCode"])
         if run.get("spansLost"):
@@ -141,7 +140,7 @@ def _root(uid: str, flow: dict[str, Value], meta: Body, old: Body, new: Body,
     attributes: dict[str, Value] = {
         **flow, "gen_ai.operation.name": "invoke_workflow", "gen_ai.workflow.name": definition,
         "flowkube.phase": str(new.get("phase")), "flowkube.runs": len(new.get("runs") or []),
-        **_usage({"usage": new.get("usage") or {}})}
+        **_usage(new.get("usage") or {})}
     failed = new.get("phase") == c.Phase.FAILED
     return [SpanRecord(f"invoke_workflow {definition}", traces.trace_id(uid), traces.root_span_id(uid), None,
                        created, _end(ended, now), attributes,
