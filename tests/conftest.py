@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from flowkube_devstack import jaeger as jaeger_module
 from flowkube_devstack.cluster import ClusterError, LocalCluster, wait_for
 from flowkube_devstack.jaeger import Jaeger
 
@@ -46,9 +45,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 @pytest.fixture(scope="session")
 def jaeger(cluster: LocalCluster) -> Iterator[Jaeger]:
     """The lane's trace backend (a host process beside the cluster), started by the first module that
-    asks; pods reach it as ``http://jaeger.flowkube-dev.svc`` (``TRACES_VALUES``)."""
-    j = Jaeger(cluster.root / "jaeger", cluster.host_ip).start()
-    cluster.host_service("jaeger", jaeger_module.NAMESPACE, jaeger_module.OTLP_PORT)
+    asks; pods reach it at ``Jaeger.endpoint``."""
+    j = Jaeger.beside(cluster)
     try:
         yield j
     finally:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from flowkube_devstack import build, procs
+from flowkube_devstack.cluster import LocalCluster
 
 OTLP_PORT = 4318
 QUERY_PORT = 16686
@@ -87,6 +88,14 @@ class Jaeger:
         self.proc: subprocess.Popen[bytes] | None = None
         self.query = f"http://{host}:{QUERY_PORT}"
         self.otlp = f"http://{host}:{OTLP_PORT}"
+        self.endpoint = ""  # the OTLP base URL pods use (``beside``): the chart's tracing.endpoint
+
+    @classmethod
+    def beside(cls, cluster: LocalCluster, root: Path | None = None) -> Jaeger:
+        """Started on the cluster's host address, and a Service of the cluster in front of it."""
+        jaeger = cls(root or cluster.root / "jaeger", cluster.host_ip).start()
+        jaeger.endpoint = cluster.host_service("jaeger", NAMESPACE, OTLP_PORT)
+        return jaeger
 
     def start(self, timeout: float = 60.0) -> Jaeger:
         binary = build.ensure(build.jaeger()) / "jaeger"

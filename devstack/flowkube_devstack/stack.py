@@ -18,7 +18,7 @@ from typing import Any
 
 from flowkube_devstack import images
 from flowkube_devstack.cluster import LocalCluster
-from flowkube_devstack.jaeger import OTLP_PORT, Jaeger
+from flowkube_devstack.jaeger import Jaeger
 from flowkube_devstack.operator import ChartOperator
 
 STUB_NAMESPACE = "flowkube-dev"
@@ -78,13 +78,12 @@ def dev_stack(root: Path, rules: dict[str, Any] | None = None) -> Iterator[dict[
         assert cluster.images is not None
         stub = deploy_stub_model(cluster.kubectl, cluster.images.devstack, rules or DEMO_RULES)
         # The trace backend: Jaeger on the host, a Service of the cluster for the operator and its pods.
-        jaeger = Jaeger(root / "jaeger", cluster.host_ip).start()
+        jaeger = Jaeger.beside(cluster, root / "jaeger")
         stack.callback(jaeger.stop)
-        traces = cluster.host_service("jaeger", STUB_NAMESPACE, OTLP_PORT)
         # The key comes from each Flow's own Secret (see examples/flows); the stub is the endpoint.
         operator = ChartOperator(cluster, runner_env={"OPENAI_BASE_URL": f"{stub}/v1",
                                                       "CREWAI_TRACING_ENABLED": "false"},
-                                 values=[f"tracing.endpoint={traces}",
+                                 values=[f"tracing.endpoint={jaeger.endpoint}",
                                          f"console.traceUrl={jaeger.query}/api/traces/{{traceId}}"]).start()
         token = root / "metrics.token"  # /metrics asks for a token of a user allowed `get /metrics`
         token.write_text(operator.metrics_token())

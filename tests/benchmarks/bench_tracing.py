@@ -21,17 +21,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from flowkube_devstack.cluster import LocalCluster
-from flowkube_devstack.jaeger import OTLP_PORT, Jaeger, read_spans
-from flowkube_devstack.operator import ChartOperator
+from flowkube_devstack.jaeger import Jaeger, read_spans
 from flowkube_devstack.stubmodel import Rules
 from tests.benchmarks.bench_conversation import Watch, http_client, named
 from tests.benchmarks.realstack import real_stack
-from tests.integration.test_e2e_runner import RULES, review_definition
+from tests.integration.test_e2e_runner import RULES, review_definition, spans_counted
 
 NS = "bench-tracing"
 FLOWS = f"/apis/flowkube.io/v1alpha1/namespaces/{NS}/flows"
@@ -93,37 +89,29 @@ def show(tag: str, cold: list[float], warm: list[float], *, peer: tuple[float, f
     return c, w
 
 
-def lost(op: ChartOperator) -> dict[str, float]:
-    return {f"{sample.labels['source']}/{sample.labels['result']}": sample.value
-            for family in text_string_to_metric_families(op.metrics())
-            if family.name == "flowkube_operator_trace_spans" for sample in family.samples
-            if sample.name.endswith("_total")}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cold", type=int, default=4)
     parser.add_argument("--warm", type=int, default=6)
     args = parser.parse_args()
     with real_stack("tracing", Rules.from_json(RULES), NS) as (cluster, _stub, op):
-        jaeger = Jaeger(Path(cluster.root) / "jaeger", cluster.host_ip).start()
+        jaeger = Jaeger.beside(cluster)
         try:
-            url = cluster.host_service("jaeger", "flowkube-dev", OTLP_PORT)
             results: dict[str, tuple[list[float], list[float]]] = {}
             print("phase off (no tracing endpoint)", flush=True)
             cold, warm, _ = phase(cluster, "off", args.cold, args.warm)
             results["off"] = (cold, warm)
-            op.upgrade(f"tracing.endpoint={url}", "log.level=WARNING")
+            op.upgrade(f"tracing.endpoint={jaeger.endpoint}", "log.level=WARNING")
             print("phase on (traces to Jaeger)", flush=True)
             cold, warm, ids = phase(cluster, "on", args.cold, args.warm)
             results["on"] = (cold, warm)
             spans = [len(read_spans(jaeger.query, t)) for t in ids if t]
             jaeger.stop()
             print("phase collector down (Jaeger stopped)", flush=True)
-            before = lost(op)
+            before = spans_counted(op)
             cold, warm, _ = phase(cluster, "down", args.cold, args.warm)
             results["collector down"] = (cold, warm)
-            after = lost(op)
+            after = spans_counted(op)
         finally:
             jaeger.stop()
     print(f"\ntracing: apply -> Succeeded (cold, {args.cold} Flows) and feedback answer -> Succeeded (warm, "
@@ -132,8 +120,9 @@ def main() -> None:
     show("on", *results["on"], peer=peer)
     show("collector down", *results["collector down"], peer=peer)
     print(f"  spans per traced Flow in Jaeger: min {min(spans)}, max {max(spans)}")
+    rose = {key: after[key] - before.get(key, 0) for key in sorted(after)}
     print("  flowkube_operator_trace_spans_total during the collector-down phase: "
-          + ", ".join(f"{k} +{after[k] - before.get(k, 0):.0f}" for k in sorted(after) if after[k] != before.get(k, 0)))
+          + ", ".join(f"{source}/{result} +{n:.0f}" for (source, result), n in rose.items() if n))
 
 
 if __name__ == "__main__":

@@ -20,10 +20,6 @@ from flowkube_devstack.stubmodel import Rules, StubModel, ledger_usage
 MODEL = "gpt-4o-mini"
 
 
-# The chart values that send a stack's traces to its lane's Jaeger (the ``jaeger`` fixture).
-TRACES_VALUES = ("tracing.endpoint=http://jaeger.flowkube-dev.svc",)
-
-
 @dataclass
 class RealRunnerStack:
     cluster: LocalCluster
@@ -113,7 +109,7 @@ def real_runner_stack(cluster: LocalCluster, rules: dict[str, Any], name: str,
     """The stub model (so tests can hold its calls and read its ledger) and the chart's operator
     running ``flowkube-runner`` from the runner image (``values``: more chart values; with ``jaeger``,
     its traces go there)."""
-    values = [*values, *(TRACES_VALUES if jaeger is not None else ())]
+    values = [*values, *([f"tracing.endpoint={jaeger.endpoint}"] if jaeger is not None else [])]
     with StubModel(Rules.from_json(rules), host=cluster.host_ip) as stub, \
             chart_operator_on(cluster, stub, name, values) as operator:
         yield RealRunnerStack(cluster, stub, operator, jaeger)

@@ -22,6 +22,7 @@ from flowkube_api.base import money_text
 from flowkube_api.report import Usage
 from flowkube_devstack.cluster import LocalCluster, wait_for
 from flowkube_devstack.jaeger import Jaeger
+from flowkube_devstack.operator import ChartOperator
 from flowkube_devstack.stubmodel import Rules, ledger_cost, ledger_usage
 from flowkube_runner.__main__ import STOP_LOG
 from tests.definitions import crew_definition, part_rules, parts_of
@@ -157,10 +158,10 @@ def test_a_warm_paused_pod_takes_the_answer_and_resumes_in_its_own_process(
     assert run.start_us <= wait.start_us <= wait.end_us <= run.end_us
 
 
-def spans_counted(stack: RealRunnerStack) -> dict[tuple[str, str], float]:
+def spans_counted(operator: ChartOperator) -> dict[tuple[str, str], float]:
     """flowkube_operator_trace_spans_total by (source, result), from the operator's /metrics."""
     return {(sample.labels["source"], sample.labels["result"]): sample.value
-            for family in text_string_to_metric_families(stack.operator.metrics())
+            for family in text_string_to_metric_families(operator.metrics())
             if family.name == "flowkube_operator_trace_spans" for sample in family.samples
             if sample.name.endswith("_total")}
 
@@ -169,7 +170,7 @@ def test_with_the_collector_down_a_flow_runs_as_ever_and_its_lost_spans_are_coun
         stack: RealRunnerStack, flows: Flows, jaeger: Jaeger) -> None:
     """Jaeger stopped (the collector's port refuses): the Flow runs and counts as ever; what could not be
     sent is counted, the pod's in its run (status.runs[0].spansLost) and both in the operator's metric."""
-    before = spans_counted(stack)
+    before = spans_counted(stack.operator)
     mark = len(stack.stub.ledger())
     jaeger.stop()
     try:
@@ -180,7 +181,7 @@ def test_with_the_collector_down_a_flow_runs_as_ever_and_its_lost_spans_are_coun
         lost = ("queue_full", "export_failed", "unflushed")
 
         def counted() -> bool:
-            now = spans_counted(stack)
+            now = spans_counted(stack.operator)
             return (now.get(("runner", "lost"), 0) > before.get(("runner", "lost"), 0)
                     and sum(now.get(("operator", r), 0) for r in lost) > sum(before.get(("operator", r), 0)
                                                                              for r in lost))
